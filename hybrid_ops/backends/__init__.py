@@ -1,0 +1,58 @@
+"""The backend registry: one place maps a backend name to the object that runs it.
+
+A backend has `name`, `is_available() -> bool` (its dependencies import), `supports(q) -> bool` (device, dtype,
+head dim), and `prefill` / `decode`, each called as
+    fn(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale: float, sliding_window: int,
+       logit_cap: float) -> Tensor [T, Hq, D]
+with arguments already checked by `validation.check_args`. Each writes the new k, v to the cache, then attends.
+Register your own with `register_backend`.
+"""
+
+from ..errors import HybridInputError
+from .torch_ref import TorchBackend
+
+_BACKENDS = {}
+# "auto" tries these in order; the first available backend that supports the inputs wins.
+_AUTO_ORDER = ["flashinfer", "triton", "torch"]
+_auto_cache = {}
+
+
+def register_backend(backend, prefer: bool = False) -> None:
+    """Register `backend` under `backend.name`; with `prefer=True`, "auto" tries it first."""
+    _BACKENDS[backend.name] = backend
+    if prefer:
+        _AUTO_ORDER.insert(0, backend.name)
+    _auto_cache.clear()
+
+
+def backend_names():
+    return sorted(_BACKENDS)
+
+
+def check_backend_name(name: str, arg: str = "backend") -> None:
+    if name != "auto" and name not in _BACKENDS:
+        raise HybridInputError(f"{arg} must be 'auto' or one of {backend_names()}, got {name!r}")
+
+
+def get_backend(name: str, q, arg: str = "backend"):
+    """The backend object for `name`; "auto" picks the first of `_AUTO_ORDER` that supports `q`."""
+    if name == "auto":
+        key = (q.device.type, q.dtype, q.shape[-1])
+        backend = _auto_cache.get(key)
+        if backend is None:
+            backend = next(b for b in (_BACKENDS.get(n) for n in _AUTO_ORDER)
+                           if b is not None and b.is_available() and b.supports(q))
+            _auto_cache[key] = backend
+        return backend
+    backend = _BACKENDS.get(name)
+    if backend is None:
+        check_backend_name(name, arg)
+    if not backend.is_available():
+        raise HybridInputError(f"{arg}={name!r} needs {backend.requirement}, which is not installed")
+    if not backend.supports(q):
+        raise HybridInputError(
+            f"{arg}={name!r} does not support q on {q.device} with dtype {q.dtype} and head dim {q.shape[-1]}")
+    return backend
+
+
+register_backend(TorchBackend())

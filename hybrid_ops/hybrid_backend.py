@@ -1,0 +1,141 @@
+"""`HybridAttnBackend`: a prefill and a decode backend behind sglang's attention-backend interface.
+
+Engines that drive attention through per-step objects (metadata set up once per step, CUDA-graph buffers, capture
+and replay) use this; models that only call `torch.ops.hybrid.attn` need none of it. The routing is the ops' own
+table (`modes.ROUTING`), so the object and the op never disagree.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from .backends import check_backend_name
+from .errors import HybridInputError
+from .metadata import ForwardBatch
+from .modes import ForwardMode, check_speculative_attention_mode, select_path
+
+
+@dataclass
+class AttentionLayer:
+    """What an attention layer tells its backend (sglang's `RadixAttention` fields)."""
+
+    layer_id: int
+    scale: float | None = None
+    sliding_window: int = -1
+    logit_cap: float = 0.0
+
+
+class PhaseBackend:
+    """One phase's backend: the name of a registered backend, the step's metadata and its CUDA-graph buffers.
+
+    `forward_extend` calls `torch.ops.hybrid.prefill`, `forward_decode` calls `torch.ops.hybrid.decode`.
+    """
+
+    def __init__(self, kv_cache, backend: str = "auto"):
+        check_backend_name(backend)
+        self.kv_cache = kv_cache
+        self.backend = backend
+        self.forward_batch = None
+        self.graph_buffers = None  # (cu_seqlens_q [max_bs + 1], seq_lens [max_bs], block_table [max_bs, max_pages])
+
+    def init_forward_metadata(self, forward_batch):
+        self.forward_batch = forward_batch
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        device, max_pages = self.kv_cache.device, self.kv_cache.max_pages_per_request
+        self.graph_buffers = (torch.zeros(max_bs + 1, dtype=torch.int32, device=device),
+                              torch.full((max_bs,), self.get_cuda_graph_seq_len_fill_value(), dtype=torch.int32,
+                                         device=device),
+                              torch.zeros(max_bs, max_pages, dtype=torch.int32, device=device))
+        for t in self.graph_buffers:
+            torch._dynamo.mark_static_address(t)
+
+    def _graph_batch(self, bs, forward_mode):
+        cu, lens, table = self.graph_buffers
+        return ForwardBatch(ForwardMode(forward_mode), cu[: bs + 1], lens[:bs], table[:bs])
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, num_tokens: int, forward_mode):
+        """Point the metadata at the static buffers for a capture of `bs` requests with `num_tokens` tokens."""
+        batch = self._graph_batch(bs, forward_mode)
+        batch.cu_seqlens_q.copy_(torch.arange(bs + 1, dtype=torch.int32) * (num_tokens // max(bs, 1)))
+        self.forward_batch = batch
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, forward_batch):
+        """Copy a real batch's metadata into the static buffers, in place, before replaying the graph.
+
+        The batch must have the captured size: padding it with dummy requests would write their tokens into a
+        page that a real request owns.
+        """
+        if forward_batch.batch_size != bs:
+            raise HybridInputError(f"forward_batch has {forward_batch.batch_size} requests, the graph was captured "
+                                   f"for bs = {bs}")
+        batch = self._graph_batch(bs, forward_batch.forward_mode)
+        batch.cu_seqlens_q.copy_(forward_batch.cu_seqlens_q)
+        batch.seq_lens.copy_(forward_batch.seq_lens)
+        batch.block_table[:, : forward_batch.block_table.shape[1]].copy_(forward_batch.block_table)
+        self.forward_batch = batch
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        # Capture runs with every request at length 1: one valid position, nothing out of range.
+        return 1
+
+    def get_indexer_metadata(self, layer_id: int, forward_batch):
+        return None  # no sparse-attention indexer
+
+    def _forward(self, op, q, k, v, layer):
+        k_cache, v_cache = self.kv_cache.layer(layer.layer_id)
+        return op(q, k, v, k_cache, v_cache, *self.forward_batch.metadata, scale=layer.scale,
+                  sliding_window=layer.sliding_window, logit_cap=layer.logit_cap, backend=self.backend)
+
+    def forward_extend(self, q, k, v, layer, forward_batch=None):
+        return self._forward(torch.ops.hybrid.prefill, q, k, v, layer)
+
+    def forward_decode(self, q, k, v, layer, forward_batch=None):
+        return self._forward(torch.ops.hybrid.decode, q, k, v, layer)
+
+
+class HybridAttnBackend:
+    """Routes every per-step call to the prefill or the decode backend, by forward mode (see `modes.ROUTING`).
+
+    `prefill_backend` and `decode_backend` are backend objects with sglang's interface (`PhaseBackend` or your
+    own). CUDA-graph state is set up for the decode backend always, and for the prefill backend too when
+    speculative decoding runs its verify/draft-extend steps there (`speculative_attention_mode == "prefill"`).
+    """
+
+    def __init__(self, prefill_backend, decode_backend, speculative_attention_mode: str = "prefill",
+                 speculative: bool = False):
+        check_speculative_attention_mode(speculative_attention_mode)
+        self.prefill_backend = prefill_backend
+        self.decode_backend = decode_backend
+        self.speculative_attention_mode = speculative_attention_mode
+        self.speculative = speculative
+
+    def _select_backend(self, forward_mode):
+        path = select_path(int(forward_mode), self.speculative_attention_mode)
+        return self.decode_backend if path == "decode" else self.prefill_backend
+
+    def init_forward_metadata(self, forward_batch):
+        self._select_backend(forward_batch.forward_mode).init_forward_metadata(forward_batch)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        self.decode_backend.init_cuda_graph_state(max_bs, max_num_tokens)
+        if self.speculative and self.speculative_attention_mode == "prefill":
+            self.prefill_backend.init_cuda_graph_state(max_bs, max_num_tokens)
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, num_tokens: int, forward_mode):
+        self._select_backend(forward_mode).init_forward_metadata_capture_cuda_graph(bs, num_tokens, forward_mode)
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, forward_batch):
+        self._select_backend(forward_batch.forward_mode).init_forward_metadata_replay_cuda_graph(bs, forward_batch)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return self.decode_backend.get_cuda_graph_seq_len_fill_value()
+
+    def forward_decode(self, q, k, v, layer, forward_batch):
+        return self.decode_backend.forward_decode(q, k, v, layer, forward_batch)
+
+    def forward_extend(self, q, k, v, layer, forward_batch):
+        return self._select_backend(forward_batch.forward_mode).forward_extend(q, k, v, layer, forward_batch)
+
+    def get_indexer_metadata(self, layer_id: int, forward_batch):
+        return self._select_backend(forward_batch.forward_mode).get_indexer_metadata(layer_id, forward_batch)

@@ -1,0 +1,113 @@
+"""The `hybrid` ops: schemas, real implementations and fake (meta) implementations.
+
+    torch.ops.hybrid.prefill  any ragged mix of requests (prefill, chunked prefill over a cached prefix)
+    torch.ops.hybrid.decode   the same query length for every request (1 for DECODE, the draft length for verify)
+    torch.ops.hybrid.attn     routes by `forward_mode` (the table is `modes.ROUTING`)
+
+Each op writes the new k, v into the paged cache (declared as mutated, `Tensor(a!)`, so torch.compile calls it on
+the caller's cache without a copy), then attends. `Library.define` + `impl` keeps the eager dispatch cost to a few
+microseconds (`torch.library.custom_op` costs about 47 us per call with grad enabled).
+"""
+
+import math
+
+import torch
+
+from .backends import check_backend_name, get_backend
+from .modes import check_speculative_attention_mode, select_path
+from .validation import args_ok, check_args, check_decode_shape
+
+_ARGS = ("Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+         "Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table")
+_OPTIONS = "float? scale=None, int sliding_window=-1, float logit_cap=0.0"
+
+SCHEMAS = {
+    "prefill": f"prefill({_ARGS}, *, {_OPTIONS}, str backend=\"auto\") -> Tensor",
+    "decode": f"decode({_ARGS}, *, {_OPTIONS}, str backend=\"auto\") -> Tensor",
+    "attn": f"attn({_ARGS}, SymInt forward_mode, *, {_OPTIONS}, str prefill_backend=\"auto\", "
+            "str decode_backend=\"auto\", str speculative_attention_mode=\"prefill\") -> Tensor",
+}
+
+lib = torch.library.Library("hybrid", "DEF")
+for _schema in SCHEMAS.values():
+    lib.define(_schema)
+
+
+def _run(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
+         backend, arg="backend"):
+    if not args_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap):
+        check_args(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap)
+    if path == "decode" and not (q.shape[0] % seq_lens.shape[0] == 0 if seq_lens.shape[0] else q.shape[0] == 0):
+        check_decode_shape(q, seq_lens)
+    impl = get_backend(backend, q, arg)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return getattr(impl, path)(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale,
+                               sliding_window, logit_cap)
+
+
+def _prefill(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *, scale=None, sliding_window=-1,
+             logit_cap=0.0, backend="auto"):
+    return _run("prefill", q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
+                logit_cap, backend)
+
+
+def _decode(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *, scale=None, sliding_window=-1,
+            logit_cap=0.0, backend="auto"):
+    return _run("decode", q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
+                logit_cap, backend)
+
+
+def _attn(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, *, scale=None,
+          sliding_window=-1, logit_cap=0.0, prefill_backend="auto", decode_backend="auto",
+          speculative_attention_mode="prefill"):
+    if select_path(forward_mode, speculative_attention_mode) == "decode":
+        path, backend, arg = "decode", decode_backend, "decode_backend"
+    else:
+        path, backend, arg = "prefill", prefill_backend, "prefill_backend"
+    return _run(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
+                logit_cap, backend, arg)
+
+
+def _fake(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap):
+    check_args(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap)
+    if path == "decode":
+        check_decode_shape(q, seq_lens)
+    return q.new_empty(q.shape)
+
+
+@torch.library.register_fake("hybrid::prefill")
+def _prefill_fake(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *, scale=None, sliding_window=-1,
+                  logit_cap=0.0, backend="auto"):
+    check_backend_name(backend)
+    return _fake("prefill", q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
+                 logit_cap)
+
+
+@torch.library.register_fake("hybrid::decode")
+def _decode_fake(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *, scale=None, sliding_window=-1,
+                 logit_cap=0.0, backend="auto"):
+    check_backend_name(backend)
+    return _fake("decode", q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
+                 logit_cap)
+
+
+@torch.library.register_fake("hybrid::attn")
+def _attn_fake(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, *, scale=None,
+               sliding_window=-1, logit_cap=0.0, prefill_backend="auto", decode_backend="auto",
+               speculative_attention_mode="prefill"):
+    check_backend_name(prefill_backend, "prefill_backend")
+    check_backend_name(decode_backend, "decode_backend")
+    check_speculative_attention_mode(speculative_attention_mode)
+    # A symbolic forward_mode is only known at run time, where the real implementation checks it.
+    path = "prefill"
+    if isinstance(forward_mode, int):
+        path = select_path(forward_mode, speculative_attention_mode)
+    return _fake(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
+                 logit_cap)
+
+
+# One implementation for every device: the backends choose their kernels by device.
+lib.impl("prefill", _prefill, "CompositeExplicitAutograd")
+lib.impl("decode", _decode, "CompositeExplicitAutograd")
+lib.impl("attn", _attn, "CompositeExplicitAutograd")
