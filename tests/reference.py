@@ -1,0 +1,129 @@
+"""Test helpers: random paged batches and the float64 reference attention, written without the library's code."""
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+
+POISON = 1e4  # fills every cache slot a batch does not own; any read of it shows in the output
+
+
+@dataclass
+class Case:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    q_lens: list
+    prefix_lens: list
+    pages: list  # per request, its page ids
+    prefix_k: list  # per request, [prefix, Hkv, D] in the cache dtype
+    prefix_v: list
+
+    @property
+    def args(self):
+        return (self.q, self.k, self.v, self.k_cache, self.v_cache, self.cu_seqlens_q, self.seq_lens,
+                self.block_table)
+
+
+def make_case(q_lens, prefix_lens, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4, dtype=torch.float32,
+              extra_pages=3, strided=False, seed=None, device="cpu") -> Case:
+    """A batch whose requests own shuffled, non-contiguous pages; all other pages hold POISON."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    seq_lens = [p + n for p, n in zip(prefix_lens, q_lens)]
+    pages_per_req = [math.ceil(s / page_size) for s in seq_lens]
+    num_pages = sum(pages_per_req) + extra_pages
+    ids = list(range(num_pages))
+    rng.shuffle(ids)
+    pages, it = [], iter(ids)
+    for n in pages_per_req:
+        pages.append([next(it) for _ in range(n)])
+    max_pages = max(pages_per_req + [1]) + 1  # one spare column, pointing at a poisoned page
+    table = torch.full((len(q_lens), max_pages), ids[-1], dtype=torch.int32)
+    for i, p in enumerate(pages):
+        table[i, : len(p)] = torch.tensor(p, dtype=torch.int32)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    k_cache = torch.full((num_pages, page_size, num_kv_heads, head_dim), POISON, dtype=dtype)
+    v_cache = torch.full_like(k_cache, POISON)
+    prefix_k, prefix_v = [], []
+    for i, plen in enumerate(prefix_lens):
+        pk, pv = randn(plen, num_kv_heads, head_dim), randn(plen, num_kv_heads, head_dim)
+        for pos in range(plen):
+            page, row = pages[i][pos // page_size], pos % page_size
+            k_cache[page, row], v_cache[page, row] = pk[pos], pv[pos]
+        prefix_k.append(pk)
+        prefix_v.append(pv)
+    total = sum(q_lens)
+    if strided:  # non-contiguous views, as torch.compile hands them over
+        q = randn(total, num_q_heads + 1, head_dim)[:, 1:]
+        kv = randn(total, 2, num_kv_heads, head_dim)
+        k, v = kv[:, 0], kv[:, 1]
+    else:
+        q, k, v = randn(total, num_q_heads, head_dim), randn(total, num_kv_heads, head_dim), randn(
+            total, num_kv_heads, head_dim)
+    cu = torch.tensor([0] + list(_cumsum(q_lens)), dtype=torch.int32)
+    to = lambda t: t.to(device)  # noqa: E731
+    return Case(to(q), to(k), to(v), to(k_cache), to(v_cache), to(cu), to(torch.tensor(seq_lens, dtype=torch.int32)),
+                to(table), list(q_lens), list(prefix_lens), pages, prefix_k, prefix_v)
+
+
+def _cumsum(xs):
+    total = 0
+    for x in xs:
+        total += x
+        yield total
+
+
+def reference(case: Case, scale=None, sliding_window=-1, logit_cap=0.0) -> torch.Tensor:
+    """float64 attention from the dense per-request K/V, written plainly: [T, Hq, D] float64."""
+    q = case.q.double().cpu()
+    num_q_heads, head_dim = q.shape[1:]
+    group = num_q_heads // case.k.shape[1]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    out = torch.zeros_like(q)
+    start = 0
+    for i, (n, prefix) in enumerate(zip(case.q_lens, case.prefix_lens)):
+        keys = torch.cat([case.prefix_k[i], case.k[start : start + n].cpu()]).double()
+        values = torch.cat([case.prefix_v[i], case.v[start : start + n].cpu()]).double()
+        for j in range(n):
+            pos = prefix + j
+            lo = max(0, pos - sliding_window + 1) if sliding_window > 0 else 0
+            for h in range(num_q_heads):
+                s = keys[lo : pos + 1, h // group] @ q[start + j, h] * scale
+                if logit_cap > 0:
+                    s = logit_cap * torch.tanh(s / logit_cap)
+                out[start + j, h] = torch.softmax(s, 0) @ values[lo : pos + 1, h // group]
+        start += n
+    return out
+
+
+def expected_cache(case: Case):
+    """The caches as they must be after the call: the inputs' caches plus the new k, v at their positions."""
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    start = 0
+    for i, (n, prefix) in enumerate(zip(case.q_lens, case.prefix_lens)):
+        for j in range(n):
+            pos = prefix + j
+            page, row = case.pages[i][pos // k_cache.shape[1]], pos % k_cache.shape[1]
+            k_cache[page, row], v_cache[page, row] = case.k[start + j], case.v[start + j]
+        start += n
+    return k_cache, v_cache
+
+
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def assert_close(out, ref, dtype):
+    """Max abs error against the float64 reference, bounded per dtype (outputs are O(1) averages of N(0, 1))."""
+    assert out.dtype == dtype
+    err = (out.double().cpu() - ref).abs().max().item() if out.numel() else 0.0
+    assert err <= TOLERANCE[dtype], f"max abs error {err:.3g} > {TOLERANCE[dtype]:.1g} for {dtype}"

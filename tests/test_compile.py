@@ -1,0 +1,132 @@
+"""torch.compile: one graph for every mode, zero recompiles after warm-up, the cache written in place."""
+
+import random
+
+import pytest
+import torch
+from reference import assert_close, make_case, reference
+from torch._dynamo.testing import CompileCounter
+from torch._inductor.utils import run_and_get_code
+
+import hybrid_ops
+from hybrid_ops import ForwardMode
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    # Dynamo keeps what it learnt about a code object (which sizes are dynamic) across compiles.
+    torch._dynamo.reset()
+
+
+class Attention(torch.nn.Module):
+    """A layer around the op, as a model calls it: a projection before, one after."""
+
+    def forward(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode: int):
+        out = torch.ops.hybrid.attn(q * 1.0, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table,
+                                    forward_mode, sliding_window=8, speculative_attention_mode="decode")
+        return out + 0.0
+
+
+def random_step(rng, mode, batch_size):
+    """A batch for `mode`: uniform query lengths on the decode path, ragged ones (zero included) otherwise."""
+    if mode == ForwardMode.IDLE:
+        return make_case([], [], seed=rng.random())
+    if hybrid_ops.select_path(mode, "decode") == "decode":
+        n = 1 if mode == ForwardMode.DECODE else rng.randint(2, 4)
+        q_lens = [n] * batch_size
+    else:
+        q_lens = [rng.randint(0, 6) for _ in range(batch_size)]
+    return make_case(q_lens, [rng.randint(0, 12) for _ in range(batch_size)], seed=rng.random())
+
+
+def test_all_modes_one_graph_no_recompiles():
+    rng = random.Random(0)
+    counter = CompileCounter()
+    compiled = torch.compile(Attention(), backend=counter, fullgraph=True, dynamic=True)
+    # Warm-up: Dynamo specialises sizes 0 and 1 (T = 0, B = 1, a single token), so those get their own graphs.
+    for mode in ForwardMode:
+        for batch_size in (1, 2, 3):
+            case = random_step(rng, mode, batch_size)
+            compiled(*case.args, int(mode))
+    warm = counter.frame_count
+    assert warm <= 6
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(60):
+            mode = rng.choice(list(ForwardMode))
+            case = random_step(rng, mode, rng.randint(1, 6))
+            out = compiled(*case.args, int(mode))
+            assert_close(out, reference(case, sliding_window=8), torch.float32)
+    assert counter.frame_count == warm
+
+
+def test_dynamic_none_recompiles_once():
+    """With dynamic=None the first call compiles static sizes; the first change makes them (and the mode)
+    symbolic with one recompile; then no more. Cache and block-table widths stay fixed, as PagedKVCache keeps them."""
+    cache = hybrid_ops.PagedKVCache(num_pages=64, page_size=4, num_kv_heads=2, head_dim=16, max_pages_per_request=8)
+    k_cache, v_cache = cache.layer(0)
+    counter = CompileCounter()
+    compiled = torch.compile(Attention(), backend=counter, fullgraph=True)
+    for rid in range(4):
+        cache.add(rid)
+    modes = [ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY]
+    for i in range(12):
+        mode = modes[i % 4]
+        rids = list(range(2 + i % 3))
+        if hybrid_ops.select_path(mode, "decode") == "decode":
+            new = [1 if mode == ForwardMode.DECODE else 2] * len(rids)
+        else:
+            new = [2 + (r + i) % 3 for r in rids]
+        batch = cache.step(rids, new, mode)
+        T = sum(new)
+        q, k, v = torch.randn(T, 4, 16), torch.randn(T, 2, 16), torch.randn(T, 2, 16)
+        compiled(q, k, v, k_cache, v_cache, *batch.metadata, int(mode))
+    assert counter.frame_count == 2
+
+
+@pytest.mark.parametrize("cache_as", ["inputs", "buffers"])
+def test_cache_written_in_place(cache_as):
+    """The generated code hands the caller's cache tensors to the op: no clone, no copy, the writes land."""
+    case = make_case([3, 2], [4, 0], seed=3)
+
+    class WithBuffers(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("k_cache", case.k_cache)
+            self.register_buffer("v_cache", case.v_cache)
+
+        def forward(self, q, k, v, cu_seqlens_q, seq_lens, block_table, forward_mode: int):
+            return torch.ops.hybrid.attn(q, k, v, self.k_cache, self.v_cache, cu_seqlens_q, seq_lens, block_table,
+                                         forward_mode)
+
+    if cache_as == "inputs":
+        fn, args = torch.compile(Attention(), fullgraph=True, dynamic=True), (*case.args, 1)
+    else:
+        fn = torch.compile(WithBuffers(), fullgraph=True, dynamic=True)
+        args = (case.q, case.k, case.v, case.cu_seqlens_q, case.seq_lens, case.block_table, 1)
+    k_ptr = case.k_cache.data_ptr()
+    with torch.no_grad():
+        out, codes = run_and_get_code(fn, *args)
+    code = "\n".join(codes)
+    assert "torch.ops.hybrid.attn.default(" in code
+    for forbidden in ("clone", "copy_", "empty_strided"):
+        lines = [line for line in code.splitlines() if forbidden in line and "cache" in line.lower()]
+        assert not lines, lines
+    assert "aten.copy" not in code and ".clone(" not in code
+    assert case.k_cache.data_ptr() == k_ptr
+    # The new tokens are in the caller's cache: request 1 (no prefix) starts at its first page, row 0.
+    assert torch.equal(case.k_cache[case.pages[1][0], 0], case.k[3])
+    assert_close(out, reference(case), torch.float32)
+
+
+def test_bad_input_errors_under_compile():
+    case = make_case([2, 2], [1, 1])
+    compiled = torch.compile(Attention(), fullgraph=True, dynamic=True, backend="aot_eager")
+    bad = list(case.args)
+    bad[6] = bad[6].long()
+    before = case.k_cache.clone()
+    with pytest.raises(Exception, match="seq_lens must be int32"):
+        compiled(*bad, 1)
+    assert torch.equal(case.k_cache, before)
+    with pytest.raises(hybrid_ops.HybridInputError, match="forward_mode must be one of"):
+        compiled(*case.args, 9)
+    assert torch.equal(case.k_cache, before)

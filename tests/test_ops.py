@@ -1,0 +1,166 @@
+"""torch.ops.hybrid.{prefill, decode, attn} against the float64 reference, and their contract with opcheck."""
+
+import pytest
+import torch
+from reference import assert_close, expected_cache, make_case, reference
+
+import hybrid_ops
+from hybrid_ops import ForwardMode
+
+BACKENDS = ["torch"]
+
+# Each axis covered once or twice; the product of all axes is the property-based tests' job.
+PREFILL_CASES = {
+    "single": dict(q_lens=[7], prefix_lens=[0]),
+    "ragged": dict(q_lens=[5, 1, 9], prefix_lens=[0, 0, 0]),
+    "prefix": dict(q_lens=[3, 6], prefix_lens=[10, 5]),
+    "zero_len_request": dict(q_lens=[4, 0, 3], prefix_lens=[2, 6, 0]),
+    "page_1": dict(q_lens=[5, 3], prefix_lens=[2, 4], page_size=1),
+    "page_16": dict(q_lens=[20, 3], prefix_lens=[17, 30], page_size=16),
+    "page_5": dict(q_lens=[7, 11], prefix_lens=[3, 9], page_size=5),  # lengths not multiples of the page size
+    "mha": dict(q_lens=[4, 6], prefix_lens=[3, 0], num_q_heads=2, num_kv_heads=2),
+    "gqa4": dict(q_lens=[4, 6], prefix_lens=[3, 0], num_q_heads=8, num_kv_heads=2),
+    "mqa": dict(q_lens=[4, 6], prefix_lens=[3, 0], num_q_heads=4, num_kv_heads=1),
+    "d64": dict(q_lens=[3, 2], prefix_lens=[4, 1], head_dim=64),
+    "d128": dict(q_lens=[3, 2], prefix_lens=[4, 1], head_dim=128),
+    "d80": dict(q_lens=[3, 2], prefix_lens=[4, 1], head_dim=80),
+    "strided": dict(q_lens=[4, 3], prefix_lens=[2, 5], strided=True),
+}
+OPTIONS = {
+    "default": dict(),
+    "scale": dict(scale=0.3),
+    "window": dict(sliding_window=3),
+    "softcap": dict(logit_cap=2.0),
+    "window_softcap": dict(sliding_window=5, logit_cap=1.5),
+}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def check_call(op, case, options, dtype, **kwargs):
+    k_ref, v_ref = expected_cache(case)
+    out = op(*case.args, **options, **kwargs)
+    assert out.shape == case.q.shape and out.is_contiguous()
+    assert_close(out, reference(case, **options), dtype)
+    assert torch.equal(case.k_cache, k_ref) and torch.equal(case.v_cache, v_ref), "cache differs from the expected"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", PREFILL_CASES)
+def test_prefill_shapes(backend, dtype, name):
+    case = make_case(**PREFILL_CASES[name], dtype=dtype, seed=hash(name) % 1000)
+    check_call(torch.ops.hybrid.prefill, case, {}, dtype, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("option", OPTIONS)
+def test_prefill_options(backend, dtype, option):
+    case = make_case([6, 9, 2], [4, 0, 8], num_q_heads=4, num_kv_heads=2, dtype=dtype)
+    check_call(torch.ops.hybrid.prefill, case, OPTIONS[option], dtype, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("option", OPTIONS)
+@pytest.mark.parametrize("q_len", [1, 3])  # DECODE, TARGET_VERIFY with 3 draft tokens
+def test_decode(backend, dtype, option, q_len):
+    case = make_case([q_len] * 4, [0, 5, 17, 33], num_q_heads=8, num_kv_heads=2, dtype=dtype)
+    check_call(torch.ops.hybrid.decode, case, OPTIONS[option], dtype, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("spec", ["prefill", "decode"])
+@pytest.mark.parametrize("mode", list(ForwardMode))
+def test_attn_every_mode(backend, spec, mode):
+    if mode == ForwardMode.IDLE:
+        q_lens, prefixes = [], []
+    elif hybrid_ops.select_path(mode, spec) == "decode":
+        q_lens, prefixes = [1 if mode == ForwardMode.DECODE else 3] * 3, [4, 0, 11]
+    else:
+        q_lens, prefixes = [5, 1, 0, 7], [0, 9, 3, 2]
+    case = make_case(q_lens, prefixes, num_q_heads=4, num_kv_heads=1)
+    check_call(torch.ops.hybrid.attn, case, {"sliding_window": 6}, torch.float32, forward_mode=int(mode),
+               prefill_backend=backend, decode_backend=backend, speculative_attention_mode=spec)
+
+
+@pytest.mark.parametrize("op", ["prefill", "decode"])
+def test_empty_batch(op):
+    """T = 0 (IDLE): an empty [0, Hq, D] output, the cache untouched."""
+    case = make_case([], [])
+    out = getattr(torch.ops.hybrid, op)(*case.args)
+    assert out.shape == (0, 4, 16)
+
+
+def test_fp32_cache_is_written_exactly():
+    case = make_case([3, 4], [5, 0], seed=1)
+    check_call(torch.ops.hybrid.prefill, case, {}, torch.float32)
+
+
+def test_routing_reaches_the_named_backend():
+    """attn sends each mode to the backend its table names, and the other backend is never called."""
+    calls = []
+
+    class Recorder:
+        requirement = "nothing"
+
+        def __init__(self, name):
+            self.name = name
+
+        def is_available(self):
+            return True
+
+        def supports(self, q):
+            return True
+
+        def prefill(self, q, *args):
+            calls.append((self.name, "prefill"))
+            return q.new_empty(q.shape)
+
+        def decode(self, q, *args):
+            calls.append((self.name, "decode"))
+            return q.new_empty(q.shape)
+
+    hybrid_ops.register_backend(Recorder("rec_p"))
+    hybrid_ops.register_backend(Recorder("rec_d"))
+    case = make_case([2, 2], [1, 1])
+    expected = {  # (mode, speculative_attention_mode) -> backend method
+        (1, "prefill"): ("rec_p", "prefill"), (2, "prefill"): ("rec_d", "decode"),
+        (3, "prefill"): ("rec_p", "prefill"), (4, "prefill"): ("rec_d", "decode"),
+        (5, "prefill"): ("rec_p", "prefill"), (6, "prefill"): ("rec_p", "prefill"),
+        (1, "decode"): ("rec_p", "prefill"), (2, "decode"): ("rec_d", "decode"),
+        (3, "decode"): ("rec_p", "prefill"), (4, "decode"): ("rec_d", "decode"),
+        (5, "decode"): ("rec_d", "decode"), (6, "decode"): ("rec_d", "decode"),
+    }
+    for (mode, spec), want in expected.items():
+        calls.clear()
+        torch.ops.hybrid.attn(*case.args, mode, prefill_backend="rec_p", decode_backend="rec_d",
+                              speculative_attention_mode=spec)
+        assert calls == [want], (mode, spec)
+
+
+OPCHECK_CASES = [
+    ("prefill", dict(q_lens=[3, 5], prefix_lens=[0, 4])),
+    ("prefill", dict(q_lens=[2, 0, 4], prefix_lens=[6, 1, 0], page_size=1, num_q_heads=8, num_kv_heads=2)),
+    ("prefill", dict(q_lens=[4], prefix_lens=[13], page_size=5, dtype=torch.bfloat16, strided=True)),
+    ("decode", dict(q_lens=[1, 1, 1], prefix_lens=[0, 7, 20], num_q_heads=4, num_kv_heads=1)),
+    ("decode", dict(q_lens=[3, 3], prefix_lens=[5, 9], page_size=16, dtype=torch.float16)),
+]
+
+
+@pytest.mark.parametrize("op, case_kwargs", OPCHECK_CASES)
+def test_opcheck(op, case_kwargs):
+    case = make_case(**case_kwargs, seed=0)
+    torch.library.opcheck(getattr(torch.ops.hybrid, op).default, case.args, {"sliding_window": 4, "logit_cap": 3.0})
+
+
+@pytest.mark.parametrize("mode, q_lens", [(ForwardMode.EXTEND, [3, 5]), (ForwardMode.DECODE, [1, 1]),
+                                          (ForwardMode.MIXED, [4, 1]), (ForwardMode.IDLE, []),
+                                          (ForwardMode.TARGET_VERIFY, [2, 2]), (ForwardMode.DRAFT_EXTEND, [2, 3])])
+@pytest.mark.parametrize("spec", ["prefill", "decode"])
+def test_opcheck_attn(mode, q_lens, spec):
+    if spec == "decode" and mode == ForwardMode.DRAFT_EXTEND:
+        q_lens = [2, 2]
+    case = make_case(q_lens, [4] * len(q_lens), seed=1)
+    torch.library.opcheck(torch.ops.hybrid.attn.default, (*case.args, int(mode)),
+                          {"speculative_attention_mode": spec})
