@@ -63,8 +63,10 @@ def _attn(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forwar
           speculative_attention_mode="prefill"):
     if select_path(forward_mode, speculative_attention_mode) == "decode":
         path, backend, arg = "decode", decode_backend, "decode_backend"
+        check_backend_name(prefill_backend, "prefill_backend")
     else:
         path, backend, arg = "prefill", prefill_backend, "prefill_backend"
+        check_backend_name(decode_backend, "decode_backend")
     return _run(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
                 logit_cap, backend, arg)
 

@@ -1,0 +1,89 @@
+"""PagedKVCache: allocation, metadata, and several steps of ops over it against the reference."""
+
+import random
+
+import torch
+from reference import assert_close
+
+from hybrid_ops import ForwardMode, PagedKVCache
+
+
+def dense_attention(q, keys, values, prefix):
+    """float64 causal attention of q [n, Hq, D] over keys/values [L, Hkv, D], token j at position prefix + j."""
+    group = q.shape[1] // keys.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for j in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            s = keys[: prefix + j + 1, h // group].double() @ q[j, h].double() / q.shape[-1] ** 0.5
+            out[j, h] = torch.softmax(s, 0) @ values[: prefix + j + 1, h // group].double()
+    return out
+
+
+def test_metadata_from_steps():
+    cache = PagedKVCache(num_pages=10, page_size=4, num_kv_heads=1, head_dim=8, max_pages_per_request=5)
+    for rid in "abc":
+        cache.add(rid)
+    batch = cache.step(["a", "b", "c"], [5, 0, 4])
+    assert batch.cu_seqlens_q.tolist() == [0, 5, 5, 9]
+    assert batch.seq_lens.tolist() == [5, 0, 4]
+    assert batch.block_table.shape == (3, 5) and batch.block_table.dtype == torch.int32
+    assert batch.block_table[0, :2].tolist() == [0, 1] and batch.block_table[2, 0].item() == 2
+    batch = cache.step(["a", "c"], [1, 1], ForwardMode.DECODE)
+    assert batch.forward_mode == ForwardMode.DECODE and batch.seq_lens.tolist() == [6, 5]
+    assert batch.block_table[1, :2].tolist() == [2, 3]
+    assert cache.num_free_pages == 10 - 4
+    cache.truncate("a", 4)
+    assert cache.seq_len("a") == 4 and cache.num_free_pages == 7
+    cache.free("a")
+    cache.free("c")
+    assert cache.num_free_pages == 10 and cache.requests == ["b"]
+
+
+def test_static_addresses():
+    cache = PagedKVCache(num_pages=4, page_size=2, num_kv_heads=1, head_dim=8, num_layers=3)
+    for t in cache.k_caches + cache.v_caches:
+        assert getattr(t, "_dynamo_static_input_type", None) is not None
+    assert cache.layer(2)[0] is cache.k_caches[2]
+
+
+def test_generation_over_the_cache():
+    """Requests arrive, prefill in chunks, decode, and finish, over two layers; every output against the reference
+    built from the tokens each request has seen."""
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    cache = PagedKVCache(num_pages=40, page_size=3, num_kv_heads=2, head_dim=8, num_layers=2,
+                         max_pages_per_request=12)
+    history = {}  # (layer, request) -> (keys, values) so far
+    live = []
+    for step in range(30):
+        if len(live) < 4 and rng.random() < 0.5:
+            rid = step
+            cache.add(rid)
+            live.append(rid)
+            for layer in range(2):
+                history[layer, rid] = (torch.zeros(0, 2, 8), torch.zeros(0, 2, 8))
+        if not live:
+            continue
+        decode = rng.random() < 0.5
+        new = [1 if decode else rng.randint(1, 5) for _ in live]
+        mode = ForwardMode.DECODE if decode else ForwardMode.EXTEND
+        batch = cache.step(live, new, mode)
+        T = sum(new)
+        for layer in range(2):
+            q, k, v = torch.randn(T, 4, 8), torch.randn(T, 2, 8), torch.randn(T, 2, 8)
+            out = torch.ops.hybrid.attn(q, k, v, *cache.layer(layer), *batch.metadata, int(mode))
+            start = 0
+            for rid, n in zip(live, new):
+                keys, values = history[layer, rid]
+                keys, values = torch.cat([keys, k[start : start + n]]), torch.cat([values, v[start : start + n]])
+                history[layer, rid] = keys, values
+                ref = dense_attention(q[start : start + n], keys, values, keys.shape[0] - n)
+                assert_close(out[start : start + n], ref, torch.float32)
+                start += n
+        done = [rid for rid in live if cache.seq_len(rid) > 20]
+        for rid in done:
+            cache.free(rid)
+            live.remove(rid)
+    for rid in live:
+        cache.free(rid)
+    assert cache.num_free_pages == 40

@@ -1,0 +1,196 @@
+"""Bad input: a clear error naming the argument, the cache untouched, and the next valid call still works."""
+
+import math
+import re
+
+import pytest
+import torch
+from reference import assert_close, make_case, reference
+
+import hybrid_ops
+from hybrid_ops import HybridInputError, OutOfPagesError, PagedKVCache
+
+ARGS = ("q", "k", "v", "k_cache", "v_cache", "cu_seqlens_q", "seq_lens", "block_table")
+
+
+def replace(**changes):
+    """A mutation of a valid case's arguments: each value is a function of the old argument."""
+    def mutate(args, kwargs):
+        args = dict(zip(ARGS, args))
+        for name, fn in changes.items():
+            if name in args:
+                args[name] = fn(args[name])
+            else:
+                kwargs[name] = fn(kwargs.get(name))
+        return tuple(args.values()), kwargs
+    return mutate
+
+
+def set_value(index, value):
+    def fn(t):
+        t = t.clone()
+        t[index] = value
+        return t
+    return fn
+
+
+# name -> (op, mutation, expected error type, words the message must contain). Metadata-only ones also run
+# under torch.compile (the fake implementations raise them); value ones need the data.
+BAD_INPUTS = {
+    "float_block_table": ("prefill", replace(block_table=lambda t: t.float()), "block_table must be int32"),
+    "int64_block_table": ("prefill", replace(block_table=lambda t: t.long()), "block_table must be int32"),
+    "int64_seq_lens": ("prefill", replace(seq_lens=lambda t: t.long()), "seq_lens must be int32"),
+    "int64_cu_seqlens": ("decode", replace(cu_seqlens_q=lambda t: t.long()), "cu_seqlens_q must be int32"),
+    "int_q": ("prefill", replace(q=lambda t: t.int()), "q must be float16, bfloat16 or float32"),
+    "float64_q": ("prefill", replace(q=lambda t: t.double()), "q must be float16, bfloat16 or float32"),
+    "k_dtype": ("prefill", replace(k=lambda t: t.half()), "k must have q's dtype"),
+    "cache_dtype": ("prefill", replace(v_cache=lambda t: t.half()), "v_cache must have q's dtype"),
+    "meta_device": ("prefill", replace(block_table=lambda t: t.to("meta")), "block_table must be on q's device"),
+    "q_rank": ("prefill", replace(q=lambda t: t[None]), "q must have 3 dimensions"),
+    "cache_rank": ("decode", replace(k_cache=lambda t: t.flatten(0, 1)), "k_cache must have 4 dimensions"),
+    "block_table_rank": ("prefill", replace(block_table=lambda t: t.flatten()), "block_table must have 2"),
+    "k_tokens": ("prefill", replace(k=lambda t: t[1:]), "k must have q's"),
+    "v_heads": ("prefill", replace(v=lambda t: t[:, :1]), "v must have k_cache's"),
+    "head_dim_mismatch": ("prefill", replace(q=lambda t: t[..., :8]), "head dim"),
+    "gqa_ratio": ("prefill", replace(q=lambda t: t[:, :3]), "Hq % Hkv"),
+    "v_cache_shape": ("prefill", replace(v_cache=lambda t: t[:-1]), "v_cache must have k_cache's shape"),
+    "cache_not_contiguous": ("prefill", replace(k_cache=lambda t: t.transpose(0, 1).contiguous().transpose(0, 1)),
+                             "contiguous"),
+    "cu_seqlens_len": ("prefill", replace(cu_seqlens_q=lambda t: t[:-1]), "cu_seqlens_q must have B + 1"),
+    "block_table_rows": ("prefill", replace(block_table=lambda t: t[:-1]), "block_table must have B"),
+    "decode_ragged_T": ("decode", replace(q=lambda t: t[:-1], k=lambda t: t[:-1], v=lambda t: t[:-1]),
+                        "same number of query tokens"),
+    "nan_scale": ("prefill", replace(scale=lambda _: math.nan), "scale must be a finite positive"),
+    "negative_scale": ("prefill", replace(scale=lambda _: -1.0), "scale must be a finite positive"),
+    "zero_window": ("prefill", replace(sliding_window=lambda _: 0), "sliding_window must be -1"),
+    "inf_logit_cap": ("prefill", replace(logit_cap=lambda _: math.inf), "logit_cap must be 0.0"),
+    "unknown_backend": ("prefill", replace(backend=lambda _: "cudnn"), "backend must be 'auto' or one of"),
+    "unknown_decode_backend": ("attn", replace(decode_backend=lambda _: "x"), "decode_backend must be 'auto'"),
+    "unknown_spec_mode": ("attn", replace(speculative_attention_mode=lambda _: "draft"),
+                          "speculative_attention_mode must be one of"),
+}
+VALUE_INPUTS = {
+    "cu_seqlens_not_from_0": ("prefill", replace(cu_seqlens_q=set_value(0, 1)), "cu_seqlens_q must start at 0"),
+    "cu_seqlens_decreasing": ("prefill", replace(cu_seqlens_q=set_value(1, 9)), "non-decreasing"),
+    "cu_seqlens_not_T": ("prefill", replace(cu_seqlens_q=set_value(-1, 6)), "must end at the number of tokens"),
+    "seq_lens_short": ("prefill", replace(seq_lens=set_value(0, 1)), "seq_lens[0] = 1 is shorter"),
+    "seq_lens_negative": ("prefill", replace(seq_lens=set_value(1, -3)), "seq_lens[1] = -3 is shorter"),
+    "block_id_high": ("prefill", replace(block_table=set_value((0, 0), 10_000)), "block_table[0, 0] = 10000"),
+    "block_id_negative": ("decode", replace(block_table=set_value((1, 0), -1)), "block_table[1, 0] = -1"),
+    "table_too_short": ("prefill", replace(seq_lens=set_value(1, 400)), "exceeds block_table's capacity"),
+    "decode_ragged_lengths": ("decode", replace(cu_seqlens_q=lambda t: torch.tensor([0, 1, 1, 3], dtype=t.dtype)),
+                              "same query length for every request"),
+}
+
+
+def valid_case(op):
+    if op == "decode":
+        return make_case([1, 1, 1], [3, 0, 6], seed=0)
+    return make_case([3, 4], [2, 5], seed=0)
+
+
+def call(op, args, kwargs):
+    if op == "attn":
+        return torch.ops.hybrid.attn(*args, 1, **kwargs)
+    return getattr(torch.ops.hybrid, op)(*args, **kwargs)
+
+
+def check_rejected(op, mutation, words, fn=call):
+    case = valid_case(op)
+    k_before, v_before = case.k_cache.clone(), case.v_cache.clone()
+    args, kwargs = mutation(case.args, {})
+    with pytest.raises(HybridInputError, match=re.escape(words)):
+        fn(op, args, kwargs)
+    assert torch.equal(case.k_cache, k_before) and torch.equal(case.v_cache, v_before), "a rejected call wrote"
+    # The process keeps working: the same cache, a valid call.
+    assert_close(call(op, case.args, {}), reference(case), torch.float32)
+
+
+@pytest.mark.parametrize("name", BAD_INPUTS)
+def test_bad_input_eager(name):
+    check_rejected(*BAD_INPUTS[name])
+
+
+@pytest.mark.parametrize("validate", [True, False])
+@pytest.mark.parametrize("name", VALUE_INPUTS)
+def test_bad_values(name, validate):
+    """Value checks run in validation mode; the torch backend reads the metadata anyway and always runs them."""
+    hybrid_ops.set_validation(validate)
+    try:
+        check_rejected(*VALUE_INPUTS[name])
+    finally:
+        hybrid_ops.set_validation(False)
+
+
+def compiled_call(op, args, kwargs):
+    torch._dynamo.reset()
+    fn = torch.compile(lambda *a: call(op, a, kwargs), fullgraph=True, dynamic=True, backend="aot_eager")
+    try:
+        return fn(*args)
+    except torch._dynamo.exc.TorchRuntimeError as e:  # Dynamo wraps what the fake implementation raised
+        raise HybridInputError(str(e)) from e
+
+
+@pytest.mark.parametrize("name", [n for n in BAD_INPUTS if n != "meta_device"])
+def test_bad_input_compiled(name):
+    check_rejected(*BAD_INPUTS[name], fn=compiled_call)
+
+
+def test_unknown_mode():
+    case = valid_case("prefill")
+    for mode in (0, 7, -1):
+        with pytest.raises(HybridInputError, match="forward_mode must be one of"):
+            torch.ops.hybrid.attn(*case.args, mode)
+
+
+def test_backend_missing_dependency_is_named():
+    class NeedsGpu:
+        name, requirement = "needs_gpu", "a CUDA device"
+
+        def is_available(self):
+            return False
+
+        def supports(self, q):
+            return True
+
+    hybrid_ops.register_backend(NeedsGpu())
+    case = valid_case("prefill")
+    with pytest.raises(HybridInputError, match="backend='needs_gpu' needs a CUDA device"):
+        torch.ops.hybrid.prefill(*case.args, backend="needs_gpu")
+
+
+CACHE_ERRORS = {
+    "zero_pages": (lambda: PagedKVCache(0, 4, 2, 16), HybridInputError, "num_pages must be a positive int"),
+    "bad_page_size": (lambda: PagedKVCache(8, 0, 2, 16), HybridInputError, "page_size must be a positive int"),
+}
+
+
+def test_paged_cache_errors():
+    for make, error, words in CACHE_ERRORS.values():
+        with pytest.raises(error, match=words):
+            make()
+    cache = PagedKVCache(num_pages=4, page_size=4, num_kv_heads=2, head_dim=16, max_pages_per_request=3)
+    cache.add("a")
+    with pytest.raises(HybridInputError, match="in the cache already"):
+        cache.add("a")
+    with pytest.raises(HybridInputError, match="request_id 'b' is not in the cache"):
+        cache.step(["b"], [1])
+    with pytest.raises(HybridInputError, match="num_new_tokens must be non-negative"):
+        cache.step(["a"], [-2])
+    with pytest.raises(HybridInputError, match="one entry per request"):
+        cache.step(["a"], [1, 2])
+    with pytest.raises(HybridInputError, match="request_ids must be distinct"):
+        cache.step(["a", "a"], [1, 2])
+    with pytest.raises(OutOfPagesError, match="max_pages_per_request = 3"):
+        cache.step(["a"], [13])
+    cache.add("b")
+    cache.step(["a"], [12])  # 3 pages
+    with pytest.raises(OutOfPagesError, match="needs 2 new pages, only 1 are free"):
+        cache.step(["b"], [5])
+    assert cache.seq_len("b") == 0 and cache.num_free_pages == 1  # the failed step changed nothing
+    with pytest.raises(HybridInputError, match="length must be an int"):
+        cache.truncate("a", 13)
+    cache.free("a")
+    with pytest.raises(HybridInputError, match="freed already"):
+        cache.free("a")
+    assert cache.num_free_pages == 4 - 0  # b holds no page yet
