@@ -15,7 +15,8 @@ import torch
 
 from .backends import check_backend_name, get_backend
 from .modes import check_speculative_attention_mode, select_path
-from .validation import args_ok, check_args, check_decode_shape
+from .validation import (args_ok, check_args, check_decode_shape, check_metadata_values,
+                         validation_enabled)
 
 _ARGS = ("Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
          "Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table")
@@ -40,6 +41,9 @@ def _run(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, s
     if path == "decode" and not (q.shape[0] % seq_lens.shape[0] == 0 if seq_lens.shape[0] else q.shape[0] == 0):
         check_decode_shape(q, seq_lens)
     impl = get_backend(backend, q, arg)
+    if validation_enabled() and not impl.checks_values:
+        check_metadata_values(cu_seqlens_q, seq_lens, block_table, q.shape[0], k_cache.shape[0], k_cache.shape[1],
+                              path == "decode")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     return getattr(impl, path)(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale,

@@ -1,7 +1,8 @@
 """The backend registry: one place maps a backend name to the object that runs it.
 
-A backend has `name`, `is_available() -> bool` (its dependencies import), `supports(q) -> bool` (device, dtype,
-head dim), and `prefill` / `decode`, each called as
+A backend has `name`, `requirement` (what `is_available` needs, for the error message), `is_available() -> bool`,
+`supports(q) -> bool` (device, dtype, head dim), `checks_values` (True if it reads the metadata to the host and
+checks it itself; otherwise the ops do so in validation mode), and `prefill` / `decode`, each called as
     fn(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale: float, sliding_window: int,
        logit_cap: float) -> Tensor [T, Hq, D]
 with arguments already checked by `validation.check_args`. Each writes the new k, v to the cache, then attends.
@@ -10,18 +11,22 @@ Register your own with `register_backend`.
 
 from ..errors import HybridInputError
 from .torch_ref import TorchBackend
+from .triton import TritonBackend
 
 _BACKENDS = {}
-# "auto" tries these in order; the first available backend that supports the inputs wins.
-_AUTO_ORDER = ["flashinfer", "triton", "torch"]
+# "auto" tries these in order, by device type; the first available backend that supports the inputs wins.
+# On the CPU that is the torch backend: Triton runs there only in its (slow, debugging) interpreter.
+_AUTO_ORDER = {"cuda": ["flashinfer", "triton", "torch"], "cpu": ["torch"]}
+_AUTO_OTHER_DEVICES = ["torch"]
 _auto_cache = {}
 
 
 def register_backend(backend, prefer: bool = False) -> None:
-    """Register `backend` under `backend.name`; with `prefer=True`, "auto" tries it first."""
+    """Register `backend` under `backend.name`; with `prefer=True`, "auto" tries it first on every device."""
     _BACKENDS[backend.name] = backend
     if prefer:
-        _AUTO_ORDER.insert(0, backend.name)
+        for order in (*_AUTO_ORDER.values(), _AUTO_OTHER_DEVICES):
+            order.insert(0, backend.name)
     _auto_cache.clear()
 
 
@@ -40,7 +45,8 @@ def get_backend(name: str, q, arg: str = "backend"):
         key = (q.device.type, q.dtype, q.shape[-1])
         backend = _auto_cache.get(key)
         if backend is None:
-            backend = next(b for b in (_BACKENDS.get(n) for n in _AUTO_ORDER)
+            order = _AUTO_ORDER.get(q.device.type, _AUTO_OTHER_DEVICES)
+            backend = next(b for b in (_BACKENDS.get(n) for n in order)
                            if b is not None and b.is_available() and b.supports(q))
             _auto_cache[key] = backend
         return backend
@@ -56,3 +62,4 @@ def get_backend(name: str, q, arg: str = "backend"):
 
 
 register_backend(TorchBackend())
+register_backend(TritonBackend())

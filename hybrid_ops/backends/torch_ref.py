@@ -63,6 +63,7 @@ def attend(q, k, v, prefix, scale, sliding_window, logit_cap):
 class TorchBackend:
     name = "torch"
     requirement = "torch"
+    checks_values = True
 
     def is_available(self) -> bool:
         return True

@@ -1,0 +1,64 @@
+"""KV store: write the step's new k, v into their paged cache slots.
+
+Grid: (T,), one program per new token, writing all its kv heads. Token t of request i (found by binary search over
+cu_seqlens_q) sits at position seq_lens[i] - q_len_i + (t - cu_seqlens_q[i]); its slot is row position % page_size
+of page block_table[i, position // page_size]. Tokens whose position falls outside the block table or whose page
+id is outside the cache are not written.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import find_segment
+
+
+@triton.jit
+def _store_kv_kernel(
+    K, V, KCache, VCache, CuSeqlensQ, SeqLens, BlockTable,  # pointers
+    num_requests, num_pages, num_table_pages,  # sizes
+    stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,  # new k, v: [T, Hkv, D], any strides
+    stride_cp, stride_cr, stride_ch, stride_bt,  # caches [num_pages, page_size, Hkv, D]; block_table rows
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, LOG_B: tl.constexpr,
+):
+    token = tl.program_id(0)
+    request = find_segment(CuSeqlensQ, token, num_requests, LOG_B)
+    q_start = tl.load(CuSeqlensQ + request)
+    q_len = tl.load(CuSeqlensQ + request + 1) - q_start
+    seq_len = tl.load(SeqLens + request)
+    pos = seq_len - q_len + token - q_start
+    page_index = pos // PAGE_SIZE
+    # Table entries past a request's length may name other requests' pages: never write there.
+    in_table = (pos >= 0) & (pos < seq_len) & (page_index < num_table_pages)
+    page = tl.load(BlockTable + request * stride_bt + page_index, mask=in_table, other=-1)
+    ok = in_table & (page >= 0) & (page < num_pages)
+
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    # `ok` enters through the head bound: the interpreter rejects a block mask & a scalar bool.
+    mask = (h < NUM_KV_HEADS * ok.to(tl.int32)) & (d < HEAD_DIM)
+    k = tl.load(K + token * stride_kt + h * stride_kh + d * stride_kd, mask=mask)
+    v = tl.load(V + token * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
+    slot = page.to(tl.int64) * stride_cp + (pos % PAGE_SIZE) * stride_cr + h * stride_ch + d
+    tl.store(KCache + slot, k, mask=mask)
+    tl.store(VCache + slot, v, mask=mask)
+
+
+def store_kv(k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table):
+    num_tokens, num_kv_heads, head_dim = k.shape
+    num_requests = seq_lens.shape[0]
+    if num_tokens == 0 or num_requests == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table,
+        num_requests, k_cache.shape[0], block_table.shape[1],
+        *k.stride(), *v.stride(),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim), PAGE_SIZE=k_cache.shape[1], LOG_B=log2_ceil(num_requests),
+    )
+
+
+def log2_ceil(n: int) -> int:
+    """Binary-search steps for n segments."""
+    return max(n - 1, 0).bit_length()
