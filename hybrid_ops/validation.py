@@ -1,4 +1,4 @@
-"""Argument checks of the ops.
+"""Argument checks of the ops, and the library's two switches (validation, determinism).
 
 `check_args` looks only at metadata (rank, shape, dtype, device), so the fake implementations run it too and the
 same errors surface under torch.compile. `check_metadata_values` reads the metadata's values, which on CUDA is a
@@ -16,6 +16,7 @@ from .errors import HybridInputError
 
 class _Settings:
     validate = os.environ.get("HYBRID_OPS_VALIDATE", "0") not in ("", "0")
+    deterministic = os.environ.get("HYBRID_OPS_DETERMINISTIC", "0") not in ("", "0")
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -27,6 +28,19 @@ def set_validation(enabled: bool) -> None:
 
 def validation_enabled() -> bool:
     return _Settings.validate
+
+
+def set_deterministic(enabled: bool) -> None:
+    """Batch invariance: a request's output is bit-identical whatever batch it is in (default:
+    `HYBRID_OPS_DETERMINISTIC`). The torch backend always is (one request at a time); the Triton decode kernel then
+    takes its split count from the table's capacity alone, not the batch size. FlashInfer cannot promise it: its
+    scheduler splits work by the whole batch. Same inputs on the same backend are bit-identical either way.
+    """
+    _Settings.deterministic = bool(enabled)
+
+
+def deterministic_enabled() -> bool:
+    return _Settings.deterministic
 
 
 def _check(cond, message) -> None:

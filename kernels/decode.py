@@ -99,8 +99,11 @@ def num_kv_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, block_n: 
 
 
 def decode(q, k_cache, v_cache, seq_lens, block_table, scale, sliding_window, logit_cap, upcast, interpret,
-           num_splits=None):
-    """Attention of q: [T, Hq, D], T = B * Q_LEN, over the paged caches (new tokens already stored)."""
+           num_splits=None, batch_invariant=False):
+    """Attention of q: [T, Hq, D], T = B * Q_LEN, over the paged caches (new tokens already stored).
+
+    `batch_invariant` takes the split count as for a batch of one, so a request's result never depends on its batch.
+    """
     num_tokens, num_q_heads, head_dim = q.shape
     num_requests, num_kv_heads, page_size = seq_lens.shape[0], k_cache.shape[2], k_cache.shape[1]
     out = q.new_empty(q.shape)
@@ -112,7 +115,8 @@ def decode(q, k_cache, v_cache, seq_lens, block_table, scale, sliding_window, lo
     block_d = triton.next_power_of_2(head_dim)
     if num_splits is None:
         num_sms = 4 if interpret else torch.cuda.get_device_properties(q.device).multi_processor_count
-        num_splits = num_kv_splits(num_requests, num_kv_heads, block_table.shape[1] * page_size, block_n, num_sms)
+        num_splits = num_kv_splits(1 if batch_invariant else num_requests, num_kv_heads,
+                                   block_table.shape[1] * page_size, block_n, num_sms)
     partial_out = torch.empty(num_tokens, num_q_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
     partial_lse = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_requests, num_kv_heads, num_splits)](

@@ -106,6 +106,19 @@ def reference(case: Case, scale=None, sliding_window=-1, logit_cap=0.0) -> torch
     return out
 
 
+def dense_attention(q, keys, values, prefix, sliding_window=-1):
+    """float64 causal attention of q [n, Hq, D] over keys/values [L, Hkv, D], token j at position prefix + j."""
+    group = q.shape[1] // keys.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for j in range(q.shape[0]):
+        hi = prefix + j + 1
+        lo = max(0, hi - sliding_window) if sliding_window > 0 else 0
+        for h in range(q.shape[1]):
+            s = keys[lo:hi, h // group].double() @ q[j, h].double() / q.shape[-1] ** 0.5
+            out[j, h] = torch.softmax(s, 0) @ values[lo:hi, h // group].double()
+    return out
+
+
 def expected_cache(case: Case):
     """The caches as they must be after the call: the inputs' caches plus the new k, v at their positions."""
     k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()

@@ -3,20 +3,9 @@
 import random
 
 import torch
-from reference import assert_close
+from reference import assert_close, dense_attention
 
 from hybrid_ops import ForwardMode, PagedKVCache
-
-
-def dense_attention(q, keys, values, prefix):
-    """float64 causal attention of q [n, Hq, D] over keys/values [L, Hkv, D], token j at position prefix + j."""
-    group = q.shape[1] // keys.shape[1]
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    for j in range(q.shape[0]):
-        for h in range(q.shape[1]):
-            s = keys[: prefix + j + 1, h // group].double() @ q[j, h].double() / q.shape[-1] ** 0.5
-            out[j, h] = torch.softmax(s, 0) @ values[: prefix + j + 1, h // group].double()
-    return out
 
 
 def test_metadata_from_steps():

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from ..validation import FLOAT_DTYPES
+from ..validation import FLOAT_DTYPES, deterministic_enabled
 
 
 def _interpreting() -> bool:
@@ -53,4 +53,4 @@ class TritonBackend:
 
         kv_store.store_kv(k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table)
         return decode.decode(q, k_cache, v_cache, seq_lens, block_table, scale, sliding_window, logit_cap,
-                             *self._options(q))
+                             *self._options(q), batch_invariant=deterministic_enabled())
