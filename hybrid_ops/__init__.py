@@ -9,12 +9,13 @@ from . import ops  # noqa: F401  (registers torch.ops.hybrid.*)
 from .backends import backend_names, get_backend, register_backend
 from .cache import PagedKVCache
 from .errors import HybridInputError, HybridOpsError, OutOfPagesError
+from .generate import GenerationStats, HybridGenerator, generate
 from .hybrid_backend import AttentionLayer, HybridAttnBackend, PhaseBackend
 from .metadata import ForwardBatch, build_metadata
 from .modes import ROUTING, ForwardMode, select_path
 from .validation import deterministic_enabled, set_deterministic, set_validation, validation_enabled
 
 __all__ = [
-    "AttentionLayer", "HybridAttnBackend", "PagedKVCache", "PhaseBackend", "ForwardBatch", "ForwardMode", "ROUTING", "HybridInputError", "HybridOpsError", "OutOfPagesError", "backend_names",
+    "GenerationStats", "HybridGenerator", "generate", "AttentionLayer", "HybridAttnBackend", "PagedKVCache", "PhaseBackend", "ForwardBatch", "ForwardMode", "ROUTING", "HybridInputError", "HybridOpsError", "OutOfPagesError", "backend_names",
     "build_metadata", "get_backend", "register_backend", "set_deterministic", "deterministic_enabled", "set_validation", "select_path", "validation_enabled",
 ]

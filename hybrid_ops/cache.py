@@ -13,6 +13,8 @@ class PagedKVCache:
     k_caches[layer], v_caches[layer]: [num_pages, page_size, num_kv_heads, head_dim], dtype `dtype`. Their
     addresses never change (`mark_static_address`), so CUDA-graph trees accept the ops' in-place writes.
     A request's pages are the same in every layer; `block_table` rows are `max_pages_per_request` wide.
+    The caches' sizes and the table's width are marked static: under `dynamic=True` Dynamo would otherwise unify
+    a token count that happens to equal one of them (duck sizing) and recompile when they differ.
     """
 
     def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, num_layers: int = 1,
@@ -29,6 +31,7 @@ class PagedKVCache:
         self.v_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         for t in self.k_caches + self.v_caches:
             torch._dynamo.mark_static_address(t)
+            torch._dynamo.mark_static(t)
         self.device = torch.device(device)
         # Pop from the end: low page ids first, so a fresh request gets consecutive pages.
         self._free_pages = list(range(num_pages - 1, -1, -1))
@@ -105,5 +108,7 @@ class PagedKVCache:
             while len(pages) * self.page_size < length:
                 pages.append(self._free_pages.pop())
             self._lengths[rid] = length
-        return build_metadata(num_new_tokens, new_lens, [self._pages[r] for r in request_ids],
-                              max_pages=self.max_pages_per_request, device=self.device, forward_mode=forward_mode)
+        batch = build_metadata(num_new_tokens, new_lens, [self._pages[r] for r in request_ids],
+                               max_pages=self.max_pages_per_request, device=self.device, forward_mode=forward_mode)
+        torch._dynamo.mark_static(batch.block_table, 1)
+        return batch

@@ -1,0 +1,112 @@
+"""transformers models through the hybrid ops: tokens equal transformers' own generate, one graph, no recompiles."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+import hybrid_ops
+from hybrid_ops import HybridGenerator, HybridInputError
+from hybrid_ops.integrations.transformers import HybridStep
+
+SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None, bos_token_id=None, pad_token_id=0)
+# name -> (config, attention transformers' reference runs with)
+MODELS = {
+    "llama": (lambda: LlamaConfig(**SMALL), "sdpa"),
+    "qwen2": (lambda: Qwen2Config(**SMALL), "sdpa"),
+    "mistral_window": (lambda: MistralConfig(**SMALL, sliding_window=6), "sdpa"),
+    # Soft-capping and alternating sliding/global layers; transformers' SDPA path ignores soft-capping.
+    "gemma2": (lambda: Gemma2Config(**{**SMALL, "num_hidden_layers": 3}, head_dim=16, sliding_window=5,
+                                    attn_logit_softcapping=1.5, final_logit_softcapping=None,
+                                    query_pre_attn_scalar=16), "eager"),
+}
+PROMPTS = [[(7 * i + 3 * j) % 90 + 1 for j in range(n)] for i, n in enumerate([5, 17, 2, 23, 9])]
+NEW_TOKENS = 10
+
+
+def make_model(name, attn):
+    make_config, _ = MODELS[name]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(make_config(), attn_implementation=attn).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def reference_tokens(name):
+    model = make_model(name, MODELS[name][1])
+    out = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=NEW_TOKENS, do_sample=False)
+            out.append(ids[0, len(p):].tolist())
+    return out
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_eager_generate_matches_transformers(name):
+    tokens = hybrid_ops.generate(make_model(name, MODELS[name][1]), PROMPTS, NEW_TOKENS, compile=False, max_batch_size=3,
+                                 page_size=4, prefill_chunk=12)
+    assert tokens == reference_tokens(name)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_compiled_generate_matches_and_never_recompiles(name):
+    torch._dynamo.reset()
+    generator = HybridGenerator(make_model(name, MODELS[name][1]), max_batch_size=3, max_seq_len=48, page_size=4,
+                                prefill_chunk=12)
+    stats = hybrid_ops.GenerationStats()
+    assert generator.generate(PROMPTS, NEW_TOKENS, stats=stats) == reference_tokens(name)  # warm-up
+    assert set(stats.steps) == {"EXTEND", "MIXED", "DECODE"}
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert generator.generate(PROMPTS[::-1], NEW_TOKENS) == reference_tokens(name)[::-1]
+
+
+def test_seeded_sampling_is_reproducible():
+    model = make_model("llama", "sdpa")
+    runs = [hybrid_ops.generate(model, PROMPTS, 8, compile=False, do_sample=True, temperature=0.8, top_k=20, seed=s)
+            for s in (1, 1, 2)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    assert all(0 < t < 96 for tokens in runs[0] for t in tokens)
+
+
+def test_left_padded_plain_generate_matches_sdpa():
+    """A model switched to "hybrid" still serves transformers' own generate: the mask entry carries the padding."""
+    batch = PROMPTS[:3]
+    width = max(map(len, batch))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    outs = {}
+    for attn in ("sdpa", "hybrid"):
+        model = make_model("llama", attn)
+        with torch.no_grad():
+            outs[attn] = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert torch.equal(outs["sdpa"], outs["hybrid"])
+
+
+def test_eos_stops_a_request_and_frees_its_pages():
+    model = make_model("llama", "sdpa")
+    free = hybrid_ops.generate(model, PROMPTS[:2], NEW_TOKENS, compile=False)
+    eos = free[0][3]
+    generator = HybridGenerator(model, max_batch_size=2, max_seq_len=48, compile=False)
+    tokens = generator.generate(PROMPTS[:2], NEW_TOKENS, eos_token_id=eos)
+    assert tokens[0] == free[0][: free[0].index(eos) + 1]
+    assert generator.cache.num_free_pages == generator.cache.num_pages
+
+
+def test_bad_inputs():
+    model = make_model("llama", "sdpa")
+    generator = HybridGenerator(model, max_batch_size=2, max_seq_len=16, compile=False)
+    with pytest.raises(HybridInputError, match=r"prompts\[1\] must have 1 to"):
+        generator.generate([[1, 2], []], 4)
+    with pytest.raises(HybridInputError, match=r"prompts\[0\] must have 1 to"):
+        generator.generate([list(range(1, 15))], 4)
+    with pytest.raises(HybridInputError, match="max_new_tokens must be at least 1"):
+        generator.generate([[1, 2]], 0)
+    cache = generator.cache
+    cache.add("x")
+    batch = cache.step(["x"], [3])
+    step = HybridStep(1, *batch.metadata, cache.k_caches, cache.v_caches)
+    with pytest.raises(HybridInputError, match="input_ids must be \\[1, T\\]"):
+        model(torch.ones(2, 3, dtype=torch.long), use_cache=False, hybrid_step=step)
