@@ -32,8 +32,8 @@ def validation_enabled() -> bool:
 
 def set_deterministic(enabled: bool) -> None:
     """Batch invariance: a request's output is bit-identical whatever batch it is in (default:
-    `HYBRID_OPS_DETERMINISTIC`). The torch backend always is (one request at a time); the Triton decode kernel then
-    takes its split count from the table's capacity alone, not the batch size. FlashInfer cannot promise it: its
+    `HYBRID_OPS_DETERMINISTIC`). The torch backend then attends one request at a time (no batched decode); the Triton
+    decode kernel takes its split count from the table's capacity alone, not the batch size. FlashInfer cannot promise it: its
     scheduler splits work by the whole batch. Same inputs on the same backend are bit-identical either way.
     """
     _Settings.deterministic = bool(enabled)

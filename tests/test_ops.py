@@ -70,6 +70,14 @@ def test_decode(backend, dtype, option, q_len):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("prefixes", [[6], [9, 9, 9], [0]])  # one request; equal lengths; no prefix
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_decode_lengths_off_page_boundaries(backend, prefixes, q_len):
+    case = make_case([q_len] * len(prefixes), prefixes, page_size=4, seed=len(prefixes))
+    check_call(torch.ops.hybrid.decode, case, {}, torch.float32, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("spec", ["prefill", "decode"])
 @pytest.mark.parametrize("mode", list(ForwardMode))
 def test_attn_every_mode(backend, spec, mode):

@@ -2,13 +2,21 @@
 
 It reads the metadata to the host (one sync on CUDA), so it always checks the metadata's values and cannot be
 captured in a CUDA graph; on CUDA, "auto" prefers the Triton or FlashInfer backend.
+
+Two ways through a batch, both over `attend`:
+- one request at a time, its K/V a view of the cache when its pages are consecutive (no copy), else gathered;
+- decode batches (the same query length everywhere) whose gathered, padded K/V is small: one batched call,
+  which saves the per-request overhead that dominates small models (not in deterministic mode).
 """
 
 import torch
 import torch.nn.functional as F
 
 from ..metadata import new_token_slots
-from ..validation import FLOAT_DTYPES, check_metadata_values
+from ..validation import FLOAT_DTYPES, check_metadata_values, deterministic_enabled
+
+# Decode batches whose padded K + V gather stays under this many bytes run as one batched call.
+BATCHED_DECODE_BYTES = 8 << 20
 
 
 def store_kv(k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table):
@@ -20,44 +28,53 @@ def store_kv(k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table):
 
 
 def request_kv(cache, pages, length):
-    """[length, Hkv, D] of one request: a view when its pages are consecutive, else a gathered copy."""
+    """[length, Hkv, D] of one request: a view when its pages are consecutive, else a gathered copy.
+
+    pages: the request's page ids as a host list.
+    """
     page_size = cache.shape[1]
-    first = int(pages[0])
-    if int(pages[-1]) - first == pages.shape[0] - 1 and bool((pages.diff() == 1).all()):
+    first = pages[0]
+    if pages[-1] - first == len(pages) - 1 and all(b - a == 1 for a, b in zip(pages, pages[1:])):
         return cache.view(-1, *cache.shape[2:])[first * page_size : first * page_size + length]
     return cache[pages].flatten(0, 1)[:length]
 
 
-def attend(q, k, v, prefix, scale, sliding_window, logit_cap):
-    """Attention of one request's new tokens over its whole KV, computed in fp32 at least.
+def attend(q, k, v, prefix, seq_lens, scale, sliding_window, logit_cap):
+    """Attention of B requests' new tokens over their K/V, computed in fp32 at least.
 
-    q: [n, Hq, D]; k, v: [L, Hkv, D] with L = prefix + n; returns [n, Hq, D] in q's dtype.
+    q: [B, n, Hq, D]; k, v: [B, L, Hkv, D] with L = max(seq_lens) (rows past a request's length are padding);
+    prefix, seq_lens: [B] int64 (token j of request b sits at position prefix[b] + j).
+    Returns [B, n, Hq, D] in q's dtype.
     """
-    n, num_q_heads, head_dim = q.shape
-    length, num_kv_heads, _ = k.shape
+    batch, n, num_q_heads, head_dim = q.shape
+    length, num_kv_heads = k.shape[1], k.shape[2]
     group = num_q_heads // num_kv_heads
     compute_dtype = torch.promote_types(q.dtype, torch.float32)
-    # Each kv head serves its `group` query heads as extra rows: [Hkv, n * group, D], no K/V repeat.
-    q_rows = q.to(compute_dtype).view(n, num_kv_heads, group, head_dim).transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
-    k_t = k.to(compute_dtype).transpose(0, 1)
-    v_t = v.to(compute_dtype).transpose(0, 1)
+    # Each kv head serves its `group` query heads as extra rows: [B, Hkv, n * group, D], no K/V repeat.
+    q_rows = (q.to(compute_dtype).view(batch, n, num_kv_heads, group, head_dim).transpose(1, 2)
+              .reshape(batch, num_kv_heads, n * group, head_dim))
+    k_t = k.to(compute_dtype).transpose(1, 2)
+    v_t = v.to(compute_dtype).transpose(1, 2)
 
     mask = None
-    if n > 1 or (0 < sliding_window < length):
-        query_pos = torch.arange(prefix, prefix + n, device=q.device).repeat_interleave(group)[:, None]
-        key_pos = torch.arange(length, device=q.device)[None, :]
-        mask = key_pos <= query_pos
+    padded = batch > 1 and bool((seq_lens != length).any())
+    if n > 1 or padded or 0 < sliding_window < length:
+        query_pos = prefix[:, None] + torch.arange(n, device=q.device).repeat_interleave(group)  # [B, n * group]
+        key_pos = torch.arange(length, device=q.device)
+        mask = key_pos <= query_pos[:, :, None]  # also hides padding: query_pos < seq_len
         if sliding_window > 0:
-            mask &= key_pos > query_pos - sliding_window
+            mask &= key_pos > query_pos[:, :, None] - sliding_window
+        mask = mask[:, None]  # [B, 1, n * group, L]
     if logit_cap > 0:
-        scores = torch.matmul(q_rows, k_t.transpose(1, 2)) * scale
+        scores = torch.matmul(q_rows, k_t.transpose(2, 3)) * scale
         scores = logit_cap * torch.tanh(scores / logit_cap)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         out = torch.matmul(scores.softmax(dim=-1), v_t)
     else:
         out = F.scaled_dot_product_attention(q_rows, k_t, v_t, attn_mask=mask, scale=scale)
-    return out.view(num_kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, num_q_heads, head_dim).to(q.dtype)
+    return (out.view(batch, num_kv_heads, n, group, head_dim).transpose(1, 2)
+            .reshape(batch, n, num_q_heads, head_dim).to(q.dtype))
 
 
 class TorchBackend:
@@ -73,18 +90,35 @@ class TorchBackend:
 
     def prefill(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
                 logit_cap, decode=False):
-        num_pages, page_size = k_cache.shape[:2]
+        num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
         cu, lens = check_metadata_values(cu_seqlens_q, seq_lens, block_table, q.shape[0], num_pages, page_size,
                                          decode)
         store_kv(k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table)
+        if not lens or q.shape[0] == 0:
+            return q.new_empty(q.shape)
+        options = (scale, sliding_window, logit_cap)
+        max_pages = -(-max(lens) // page_size)
+        gather_bytes = 2 * len(lens) * max_pages * page_size * num_kv_heads * head_dim * k_cache.element_size()
+        # Padding changes a request's reduction, so the batch-invariant (deterministic) mode never batches.
+        if decode and gather_bytes <= BATCHED_DECODE_BYTES and not deterministic_enabled():
+            n = q.shape[0] // len(lens)
+            table = block_table[:, :max_pages]
+            lengths = seq_lens.to(torch.int64)
+            longest = max(lens)
+            out = attend(q.view(len(lens), n, *q.shape[1:]), k_cache[table].flatten(1, 2)[:, :longest],
+                         v_cache[table].flatten(1, 2)[:, :longest], lengths - n, lengths, *options)
+            return out.flatten(0, 1)
         out = q.new_empty(q.shape)
+        tables = block_table.tolist()
         for i, length in enumerate(lens):
             start, end = cu[i], cu[i + 1]
             if start == end:
                 continue
-            pages = block_table[i, : (length + page_size - 1) // page_size]
-            out[start:end] = attend(q[start:end], request_kv(k_cache, pages, length), request_kv(v_cache, pages, length),
-                                    length - (end - start), scale, sliding_window, logit_cap)
+            pages = tables[i][: -(-length // page_size)]
+            lengths = torch.tensor([length])
+            out[start:end] = attend(q[None, start:end], request_kv(k_cache, pages, length)[None],
+                                    request_kv(v_cache, pages, length)[None], lengths - (end - start), lengths,
+                                    *options)[0]
         return out
 
     def decode(self, *args):
