@@ -17,6 +17,9 @@ from ..validation import FLOAT_DTYPES, check_metadata_values, deterministic_enab
 
 # Decode batches whose padded K + V gather stays under this many bytes run as one batched call.
 BATCHED_DECODE_BYTES = 8 << 20
+# Up to this many query rows (tokens x query heads per kv head), two batched matmuls over the cache views beat
+# SDPA's tiled kernel on the CPU (decode and verify); above it, SDPA.
+MATMUL_QUERY_ROWS = 32
 
 
 def store_kv(k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table):
@@ -49,32 +52,39 @@ def attend(q, k, v, prefix, seq_lens, scale, sliding_window, logit_cap):
     batch, n, num_q_heads, head_dim = q.shape
     length, num_kv_heads = k.shape[1], k.shape[2]
     group = num_q_heads // num_kv_heads
-    compute_dtype = torch.promote_types(q.dtype, torch.float32)
-    # Each kv head serves its `group` query heads as extra rows: [B, Hkv, n * group, D], no K/V repeat.
-    q_rows = (q.to(compute_dtype).view(batch, n, num_kv_heads, group, head_dim).transpose(1, 2)
-              .reshape(batch, num_kv_heads, n * group, head_dim))
-    k_t = k.to(compute_dtype).transpose(1, 2)
-    v_t = v.to(compute_dtype).transpose(1, 2)
-
-    mask = None
+    out_dtype, compute_dtype = q.dtype, torch.promote_types(q.dtype, torch.float32)
+    q, k_t, v_t = q.to(compute_dtype), k.to(compute_dtype).transpose(1, 2), v.to(compute_dtype).transpose(1, 2)
     padded = batch > 1 and bool((seq_lens != length).any())
-    if n > 1 or padded or 0 < sliding_window < length:
-        query_pos = prefix[:, None] + torch.arange(n, device=q.device).repeat_interleave(group)  # [B, n * group]
+    needs_mask = n > 1 or padded or 0 < sliding_window < length
+
+    def mask(rows_per_token):
+        """[B, 1, n * rows_per_token, L] bool: causal (which also hides padding) and the window."""
+        query_pos = prefix[:, None] + torch.arange(n, device=q.device).repeat_interleave(rows_per_token)
         key_pos = torch.arange(length, device=q.device)
-        mask = key_pos <= query_pos[:, :, None]  # also hides padding: query_pos < seq_len
+        visible = key_pos <= query_pos[:, :, None]
         if sliding_window > 0:
-            mask &= key_pos > query_pos[:, :, None] - sliding_window
-        mask = mask[:, None]  # [B, 1, n * group, L]
-    if logit_cap > 0:
+            visible &= key_pos > query_pos[:, :, None] - sliding_window
+        return visible[:, None]
+
+    if logit_cap > 0 or n * group <= MATMUL_QUERY_ROWS:
+        # Each kv head serves its `group` query heads as extra rows: [B, Hkv, n * group, D], no K/V repeat.
+        q_rows = q.view(batch, n, num_kv_heads, group, head_dim).transpose(1, 2).reshape(batch, num_kv_heads, -1,
+                                                                                         head_dim)
         scores = torch.matmul(q_rows, k_t.transpose(2, 3)) * scale
-        scores = logit_cap * torch.tanh(scores / logit_cap)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        out = torch.matmul(scores.softmax(dim=-1), v_t)
+        if logit_cap > 0:
+            scores = logit_cap * torch.tanh(scores / logit_cap)
+        if needs_mask:
+            scores = scores.masked_fill(~mask(group), float("-inf"))
+        out = torch.matmul(scores.softmax(dim=-1), v_t).view(batch, num_kv_heads, n, group, head_dim)
+        out = out.transpose(1, 2).reshape(batch, n, num_q_heads, head_dim)
     else:
-        out = F.scaled_dot_product_attention(q_rows, k_t, v_t, attn_mask=mask, scale=scale)
-    return (out.view(batch, num_kv_heads, n, group, head_dim).transpose(1, 2)
-            .reshape(batch, n, num_q_heads, head_dim).to(q.dtype))
+        # SDPA's causal kernel serves a lone request without prefix or window; the rest need a mask.
+        is_causal = batch == 1 and n == length and sliding_window <= 0
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k_t, v_t, scale=scale, enable_gqa=True,
+                                             is_causal=is_causal,
+                                             attn_mask=mask(1) if needs_mask and not is_causal else None)
+        out = out.transpose(1, 2)
+    return out.to(out_dtype)
 
 
 class TorchBackend:

@@ -1,0 +1,330 @@
+"""hybrid_ops against its peers, measured side by side in one run (this machine is shared: read the ratios).
+
+    python -m bench                 # everything: op level, dispatch overhead, end to end, plot
+    python -m bench op dispatch     # some sections
+    python -m bench --quick         # smaller sizes, fewer repetitions
+
+Writes bench/results/{DEVICE}.json, .md (the tables) and .png (decode time against context length).
+"""
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+import hybrid_ops
+from hybrid_ops import PagedKVCache
+
+RESULTS = Path(__file__).resolve().parent / "results"
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+STATIC_CACHE_LEN = 4096
+
+
+def timeit(fn, reps=7, warmup=2):
+    """Median seconds of `fn()`."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def guarded_timeit(make_fn, reps):
+    """timeit of `make_fn()`, or None when building or running it fails (a peer that does not support the case)."""
+    try:
+        return timeit(make_fn(), reps)
+    except Exception as e:  # noqa: BLE001 - a failing peer is a result to report, not a reason to stop
+        print(f"    failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        return None
+
+
+def read_bandwidth():
+    """GB/s of summing a 512 MiB tensor: the floor for reading a KV cache."""
+    x = torch.ones(128 << 20)
+    return x.numel() * 4 / timeit(lambda: x.sum(), reps=5) / 1e9
+
+
+class Batch:
+    """Requests with a cached prefix and `n` new tokens each, in a paged cache and as the peers hold them."""
+
+    def __init__(self, prefix_lens, new_lens, dtype, shuffle_pages):
+        gen = torch.Generator().manual_seed(0)
+        self.prefix_lens, self.new_lens = prefix_lens, new_lens
+        self.seq_lens = [p + n for p, n in zip(prefix_lens, new_lens)]
+        self.dtype = dtype
+        pages_needed = sum(-(-s // PAGE) for s in self.seq_lens)
+        self.cache = PagedKVCache(pages_needed, PAGE, HKV, D, dtype=dtype)
+        if shuffle_pages:  # pages as a long-running server leaves them: scattered
+            perm = torch.randperm(pages_needed, generator=gen).tolist()
+            self.cache._free_pages = perm
+        for i in range(len(self.seq_lens)):
+            self.cache.add(i)
+        self.cache.step(list(range(len(prefix_lens))), prefix_lens)
+        self.meta = self.cache.step(list(range(len(new_lens))), new_lens).metadata
+        # Dense K/V per request: [1, Hkv, L, D], contiguous, the cache's contents
+        self.k = [torch.randn(1, HKV, s, D, generator=gen).to(dtype) for s in self.seq_lens]
+        self.v = [torch.randn(1, HKV, s, D, generator=gen).to(dtype) for s in self.seq_lens]
+        k_cache, v_cache = self.cache.layer(0)
+        for i, s in enumerate(self.seq_lens):
+            pages = self.cache._pages[i]
+            for dense, cache in ((self.k[i], k_cache), (self.v[i], v_cache)):
+                rows = dense[0].transpose(0, 1)  # [L, Hkv, D]
+                padded = torch.zeros(len(pages) * PAGE, HKV, D, dtype=dtype)
+                padded[:s] = rows
+                cache[pages] = padded.view(len(pages), PAGE, HKV, D)
+        total = sum(new_lens)
+        self.q = torch.randn(total, HQ, D, generator=gen).to(dtype)
+        starts = [0] + torch.tensor(new_lens).cumsum(0).tolist()
+        # The new tokens' k, v are the last rows of each request's dense K/V.
+        self.k_new = torch.cat([k[0, :, -n:].transpose(0, 1) for k, n in zip(self.k, new_lens)])
+        self.v_new = torch.cat([v[0, :, -n:].transpose(0, 1) for v, n in zip(self.v, new_lens)])
+        self.q_per_request = [self.q[a:b].transpose(0, 1)[None] for a, b in zip(starts, starts[1:])]
+        self.kv_bytes = sum(self.seq_lens) * HKV * D * 2 * torch.finfo(dtype).bits // 8
+
+    def hybrid(self, op):
+        k_cache, v_cache = self.cache.layer(0)
+        return lambda: op(self.q, self.k_new, self.v_new, k_cache, v_cache, *self.meta)
+
+    def sdpa_exact(self):
+        """Per-request SDPA over exact contiguous K/V: the dense ideal."""
+        def run():
+            for q, k, v, p in zip(self.q_per_request, self.k, self.v, self.prefix_lens):
+                mask = None if q.shape[2] == 1 else causal_lower_right(q.shape[2], k.shape[2])
+                F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return run
+
+    def sdpa_padded(self):
+        """One masked SDPA over a [B, Hkv, 4096, D] static cache, queries padded to the longest: StaticCache."""
+        batch, width = len(self.seq_lens), max(self.new_lens)
+        k_pad = torch.zeros(batch, HKV, STATIC_CACHE_LEN, D, dtype=self.dtype)
+        v_pad = torch.zeros_like(k_pad)
+        q_pad = torch.zeros(batch, HQ, width, D, dtype=self.dtype)
+        for i, s in enumerate(self.seq_lens):
+            k_pad[i, :, :s], v_pad[i, :, :s] = self.k[i][0], self.v[i][0]
+            q_pad[i, :, width - self.new_lens[i]:] = self.q_per_request[i][0]
+        q_pos = torch.tensor(self.seq_lens)[:, None] - width + torch.arange(width)  # left-padded queries
+        mask = (torch.arange(STATIC_CACHE_LEN) <= q_pos[:, :, None])[:, None]
+        return lambda: F.scaled_dot_product_attention(q_pad, k_pad, v_pad, attn_mask=mask, enable_gqa=True)
+
+    def flex(self):
+        """Compiled FlexAttention over packed K/V with a document (and causal) mask."""
+        k = torch.cat([k for k in self.k], dim=2)
+        v = torch.cat([v for v in self.v], dim=2)
+        q = torch.cat(self.q_per_request, dim=2)
+        doc_q = torch.repeat_interleave(torch.arange(len(self.new_lens)), torch.tensor(self.new_lens))
+        doc_kv = torch.repeat_interleave(torch.arange(len(self.seq_lens)), torch.tensor(self.seq_lens))
+        kv_start = torch.tensor([0] + self.seq_lens).cumsum(0)[:-1]
+        q_pos = torch.cat([torch.arange(p, p + n) for p, n in zip(self.prefix_lens, self.new_lens)])
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            doc = doc_q[q_idx]
+            return (doc == doc_kv[kv_idx]) & (kv_idx - kv_start[doc] <= q_pos[q_idx])
+
+        block_mask = create_block_mask(mask_mod, None, None, q.shape[2], k.shape[2], device="cpu")
+        compiled = torch.compile(flex_attention)
+        return lambda: compiled(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
+def op_section(quick, bandwidth):
+    reps = 3 if quick else 7
+    decode_lens = torch.linspace(256, 2048, 16).long().tolist()
+    cases = [("decode", "fp32", decode_lens, [1] * 16, torch.float32),
+             ("decode", "bf16", decode_lens, [1] * 16, torch.bfloat16),
+             ("prefill", "fp32", [0] * 4, [512, 256, 1024, 384], torch.float32),
+             ("prefill+prefix", "fp32", [1024, 512, 2048, 768], [256, 128, 512, 192], torch.float32)]
+    if quick:
+        cases = [c for c in cases if c[1] == "fp32"]
+    rows = []
+    for name, dtype_name, prefixes, news, dtype in cases:
+        prefixes = [p - 1 for p in prefixes] if name == "decode" else prefixes  # context includes the new token
+        for layout in ("consecutive", "scattered"):
+            if layout == "scattered" and name != "decode":
+                continue
+            batch = Batch(prefixes, news, dtype, shuffle_pages=layout == "scattered")
+            op = torch.ops.hybrid.decode if name == "decode" else torch.ops.hybrid.prefill
+            methods = {"hybrid_ops": lambda: batch.hybrid(op), "sdpa exact per request": batch.sdpa_exact,
+                       "sdpa padded static cache": batch.sdpa_padded, "flex attention": batch.flex}
+            times = {m: guarded_timeit(fn, reps) for m, fn in methods.items()}
+            for method, seconds in times.items():
+                rows.append(dict(case=name, dtype=dtype_name, pages=layout, method=method,
+                                 ms=seconds and seconds * 1e3, kv_gbps=seconds and batch.kv_bytes / seconds / 1e9,
+                                 of_read_bandwidth=seconds and batch.kv_bytes / seconds / 1e9 / bandwidth,
+                                 vs_hybrid=seconds and seconds / times["hybrid_ops"]))
+            print(f"  {name} {dtype_name} {layout}: " + ", ".join(
+                f"{m} {t * 1e3:.1f} ms" if t else f"{m} failed" for m, t in times.items()), flush=True)
+    return rows
+
+
+def context_sweep(quick):
+    """Decode time against context length (16 requests of equal length, fp32), per method."""
+    lengths = [256, 1024] if quick else [256, 512, 1024, 2048, 3072]
+    series = {}
+    for length in lengths:
+        batch = Batch([length - 1] * 16, [1] * 16, torch.float32, shuffle_pages=False)
+        methods = {"hybrid_ops": lambda: batch.hybrid(torch.ops.hybrid.decode),
+                   "sdpa exact per request": batch.sdpa_exact, "sdpa padded static cache": batch.sdpa_padded,
+                   "flex attention": batch.flex}
+        for method, make_fn in methods.items():
+            seconds = guarded_timeit(make_fn, 3)
+            if seconds:
+                series.setdefault(method, []).append((length, seconds * 1e3))
+    return series
+
+
+class _Null:
+    """A backend that does nothing: what remains of a call through the op is the dispatch cost."""
+
+    name, requirement, checks_values = "null", "nothing", True
+
+    def is_available(self):
+        return True
+
+    def supports(self, q):
+        return True
+
+    def prefill(self, q, *args):
+        return q
+
+    decode = prefill
+
+
+def dispatch_section():
+    hybrid_ops.register_backend(_Null())
+    null = _Null()
+    q = torch.randn(1, 1, 8)
+    cache = torch.zeros(2, 1, 1, 8)
+    one = torch.tensor([0, 1], dtype=torch.int32)
+    args = (q, q, q, cache, cache.clone(), one, one[1:], one[:1].view(1, 1))
+    n = 20000
+
+    def per_call(fn):
+        return timeit(lambda: [fn() for _ in range(n)], reps=5, warmup=1) / n * 1e6
+
+    from hybrid_ops.ops import _attn
+
+    rows = []
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            direct = per_call(lambda: null.decode(*args, 0.3, -1, 0.0))
+            python = per_call(lambda: _attn(*args, 2, decode_backend="null"))
+            op = per_call(lambda: torch.ops.hybrid.attn(*args, 2, decode_backend="null"))
+        rows.append(dict(mode=f"eager, grad {'on' if grad else 'off'}", backend_us=direct, python_us=python, op_us=op,
+                         registration_us=op - python, over_backend_us=op - direct))
+
+    def step(*a):
+        return torch.ops.hybrid.attn(*a, 2, decode_backend="null")
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        op = per_call(lambda: compiled(*args))
+        direct = per_call(lambda: null.decode(*args, 0.3, -1, 0.0))
+        python = per_call(lambda: _attn(*args, 2, decode_backend="null"))
+    rows.append(dict(mode="compiled (whole call)", backend_us=direct, python_us=python, op_us=op,
+                     registration_us=op - python, over_backend_us=op - direct))
+    return rows
+
+
+def e2e_section(quick):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from examples.generate import demo_model, demo_prompts, run_hybrid, run_transformers_static
+
+    new_tokens = 16 if quick else 48
+    model = demo_model()
+    prompts = demo_prompts(model.config.vocab_size)
+    _, stats, _, recompiles = run_hybrid(model, prompts, new_tokens)
+    _, seconds = run_transformers_static(model, prompts, new_tokens)
+    _, first_seconds = run_transformers_static(model, prompts, 1)
+    ours_ttft = statistics.mean(stats.first_token_seconds)
+    ref_rate = len(prompts) * new_tokens / seconds
+    return [dict(method="hybrid_ops generate (compiled)", tokens_per_s=stats.tokens_per_second,
+                 ttft_ms=ours_ttft * 1e3, recompiles=recompiles),
+            dict(method="transformers static cache (compiled)", tokens_per_s=ref_rate, ttft_ms=first_seconds * 1e3,
+                 recompiles=None),
+            dict(method="ratio hybrid_ops / transformers", tokens_per_s=stats.tokens_per_second / ref_rate,
+                 ttft_ms=ours_ttft / first_seconds, recompiles=None)]
+
+
+def markdown(results):
+    lines = [f"Measured {results['date']} on {results['machine']}; read bandwidth {results['read_gbps']:.1f} GB/s.", ""]
+    if "op" in results:
+        lines += ["| case | dtype | pages | method | ms | KV GB/s | of read bw | time / hybrid_ops |",
+                  "|---|---|---|---|---:|---:|---:|---:|"]
+        lines += [f"| {r['case']} | {r['dtype']} | {r['pages']} | {r['method']} | {r['ms']:.1f} | {r['kv_gbps']:.1f} "
+                  f"| {r['of_read_bandwidth']:.0%} | {r['vs_hybrid']:.2f} |" if r["ms"] else
+                  f"| {r['case']} | {r['dtype']} | {r['pages']} | {r['method']} | failed | | | |" for r in results["op"]]
+        lines.append("")
+    if "dispatch" in results:
+        lines += ["| dispatch | backend call us | python impl us | op us | registration us | op - backend us |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['mode']} | {r['backend_us']:.1f} | {r['python_us']:.1f} | {r['op_us']:.1f} "
+                  f"| {r['registration_us']:.1f} | {r['over_backend_us']:.1f} |" for r in results["dispatch"]]
+        lines.append("")
+    if "e2e" in results:
+        lines += ["| end to end | tokens/s | time to first token (ms) |", "|---|---:|---:|"]
+        for r in results["e2e"]:
+            fmt = "{:.2f}x" if r["method"].startswith("ratio") else "{:.1f}"
+            lines.append(f"| {r['method']} | {fmt.format(r['tokens_per_s'])} | {fmt.format(r['ttft_ms'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(series, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method, points in series.items():
+        ax.plot(*zip(*points), marker="o", label=method)
+    ax.set_xlabel("context length per request (16 requests)")
+    ax.set_ylabel("decode time per step (ms)")
+    ax.set_yscale("log")
+    ax.set_title("Decode attention, Hq 32 / Hkv 8, D 128, fp32, page 16")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sections", nargs="*", default=["op", "dispatch", "e2e", "plot"])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    bandwidth = read_bandwidth()
+    device = "cpu"
+    results = dict(date=time.strftime("%Y-%m-%d"), machine=f"{platform.processor() or platform.machine()}, "
+                   f"{torch.get_num_threads()} threads, torch {torch.__version__}", read_gbps=bandwidth)
+    print(f"read bandwidth {bandwidth:.1f} GB/s")
+    if "op" in args.sections:
+        results["op"] = op_section(args.quick, bandwidth)
+    if "dispatch" in args.sections:
+        results["dispatch"] = dispatch_section()
+    if "e2e" in args.sections:
+        results["e2e"] = e2e_section(args.quick)
+    RESULTS.mkdir(exist_ok=True)
+    if "plot" in args.sections:
+        results["sweep"] = context_sweep(args.quick)
+        plot(results["sweep"], RESULTS / f"{device}.png")
+    table = markdown(results)
+    print(table)
+    (RESULTS / f"{device}.json").write_text(json.dumps(results, indent=1))
+    (RESULTS / f"{device}.md").write_text(table)
+    return results
+
+
+if __name__ == "__main__":
+    main()
