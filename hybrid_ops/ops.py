@@ -3,6 +3,8 @@
     torch.ops.hybrid.prefill  any ragged mix of requests (prefill, chunked prefill over a cached prefix)
     torch.ops.hybrid.decode   the same query length for every request (1 for DECODE, the draft length for verify)
     torch.ops.hybrid.attn     routes by `forward_mode` (the table is `modes.ROUTING`)
+    torch.ops.hybrid.plan     the step's host-side planning for backends that plan (FlashInfer), kept out of
+                              CUDA graphs (`Tag.cudagraph_unsafe`); a no-op for the others
 
 Each op writes the new k, v into the paged cache (declared as mutated, `Tensor(a!)`, so torch.compile calls it on
 the caller's cache without a copy), then attends. `Library.define` + `impl` keeps the eager dispatch cost to a few
@@ -27,11 +29,17 @@ SCHEMAS = {
     "decode": f"decode({_ARGS}, *, {_OPTIONS}, str backend=\"auto\") -> Tensor",
     "attn": f"attn({_ARGS}, SymInt forward_mode, *, {_OPTIONS}, str prefill_backend=\"auto\", "
             "str decode_backend=\"auto\", str speculative_attention_mode=\"prefill\") -> Tensor",
+    # Host-side planning for the step (FlashInfer), outside CUDA graphs: k_cache gives device, layout and head dim.
+    "plan": "plan(Tensor k_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, SymInt forward_mode, "
+            f"*, ScalarType q_dtype, int num_q_heads, {_OPTIONS}, str prefill_backend=\"auto\", "
+            "str decode_backend=\"auto\", str speculative_attention_mode=\"prefill\") -> ()",
 }
 
 lib = torch.library.Library("hybrid", "DEF")
-for _schema in SCHEMAS.values():
-    lib.define(_schema)
+for _name, _schema in SCHEMAS.items():
+    lib.define(_schema, tags=(torch.Tag.cudagraph_unsafe,) if _name == "plan" else ())
+# plan returns nothing; its effect is the backend's plan state, so the compiler must keep it.
+torch.fx.node.has_side_effect(torch.ops.hybrid.plan.default)
 
 
 def _run(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
@@ -113,7 +121,30 @@ def _attn_fake(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, f
                  logit_cap)
 
 
+def _plan(k_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, *, q_dtype, num_q_heads, scale=None,
+          sliding_window=-1, logit_cap=0.0, prefill_backend="auto", decode_backend="auto",
+          speculative_attention_mode="prefill"):
+    """Plan the step for the backend that `forward_mode` routes to; a no-op for backends that do not plan."""
+    path = select_path(forward_mode, speculative_attention_mode)
+    backend, arg = (decode_backend, "decode_backend") if path == "decode" else (prefill_backend, "prefill_backend")
+    head_dim = k_cache.shape[-1]
+    impl = get_backend(backend, k_cache.new_empty((0, num_q_heads, head_dim), dtype=q_dtype), arg)
+    if hasattr(impl, "plan"):
+        impl.plan(path, q_dtype, num_q_heads, k_cache, cu_seqlens_q, seq_lens, block_table,
+                  1.0 / math.sqrt(head_dim) if scale is None else scale, sliding_window, logit_cap)
+
+
+@torch.library.register_fake("hybrid::plan")
+def _plan_fake(k_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, *, q_dtype, num_q_heads, scale=None,
+               sliding_window=-1, logit_cap=0.0, prefill_backend="auto", decode_backend="auto",
+               speculative_attention_mode="prefill"):
+    check_backend_name(prefill_backend, "prefill_backend")
+    check_backend_name(decode_backend, "decode_backend")
+    check_speculative_attention_mode(speculative_attention_mode)
+
+
 # One implementation for every device: the backends choose their kernels by device.
 lib.impl("prefill", _prefill, "CompositeExplicitAutograd")
 lib.impl("decode", _decode, "CompositeExplicitAutograd")
 lib.impl("attn", _attn, "CompositeExplicitAutograd")
+lib.impl("plan", _plan, "CompositeExplicitAutograd")

@@ -1,7 +1,7 @@
 """The backend registry: one place maps a backend name to the object that runs it.
 
 A backend has `name`, `requirement` (what `is_available` needs, for the error message), `is_available() -> bool`,
-`supports(q) -> bool` (device, dtype, head dim), `checks_values` (True if it reads the metadata to the host and
+`supports(q) -> bool` (device, dtype, head dim), optionally `plan(...)` (see `torch.ops.hybrid.plan`), `checks_values` (True if it reads the metadata to the host and
 checks it itself; otherwise the ops do so in validation mode), and `prefill` / `decode`, each called as
     fn(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale: float, sliding_window: int,
        logit_cap: float) -> Tensor [T, Hq, D]
@@ -10,6 +10,7 @@ Register your own with `register_backend`.
 """
 
 from ..errors import HybridInputError
+from .flashinfer import FlashInferBackend
 from .torch_ref import TorchBackend
 from .triton import TritonBackend
 
@@ -63,3 +64,4 @@ def get_backend(name: str, q, arg: str = "backend"):
 
 register_backend(TorchBackend())
 register_backend(TritonBackend())
+register_backend(FlashInferBackend())
