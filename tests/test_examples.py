@@ -34,3 +34,12 @@ def test_generate_demo():
     assert result.returncode == 0, result.stderr[-3000:]
     assert "recompiles in the measured run: 0" in result.stdout
     assert "identical tokens for 8/8 prompts" in result.stdout
+
+
+def test_gpu_check_script_smoke(tmp_path):
+    """The GPU check script's logic, at tiny sizes on the CPU, so it is ready whenever a GPU is."""
+    result = subprocess.run([sys.executable, str(EXAMPLES.parent / "scripts" / "gpu_check.py"), "--smoke", "--out",
+                             str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "correct: triton torch.bfloat16 every mode" in result.stdout
+    assert (tmp_path / "gpu_check_smoke_cpu.md").exists()

@@ -1,0 +1,197 @@
+"""Every GPU check and the GPU benchmark, in one run of a few minutes on one GPU.
+
+    python scripts/gpu_check.py            # on a CUDA machine; writes bench/results/gpu.{md,json}
+    python scripts/gpu_check.py --smoke    # tiny sizes, on the CPU too (Triton through its interpreter)
+
+1. Every backend (torch, triton, flashinfer when importable) and mode against the float64 reference.
+2. torch.compile(mode="reduce-overhead") of a module calling torch.ops.hybrid.attn with EXTEND, DECODE and
+   TARGET_VERIFY alternating: CUDA-graph trees must replay it (no "skipping cudagraphs"), with correct outputs and
+   the KV writes landing in the caller's cache.
+3. Decode (batch 1/16/64 x context 1k/4k/32k) and prefill (512/4k new tokens, prefix 0/2k) at Hq 32, Hkv 8, D 128,
+   bf16, page 16: KV bandwidth and TFLOP/s against the copy bandwidth and bf16 matmul rate measured in this run.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if "--smoke" in sys.argv and not os.environ.get("TRITON_INTERPRET"):
+    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is decorated
+sys.path.insert(0, str(ROOT / "tests"))
+
+import torch  # noqa: E402
+from reference import assert_close, expected_cache, make_case, reference  # noqa: E402
+
+import hybrid_ops  # noqa: E402
+from hybrid_ops import ForwardMode  # noqa: E402
+
+
+def timed(fn, device):
+    """Median milliseconds of fn()."""
+    if device == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=10, rep=50)
+    fn()
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def available_backends(device):
+    names = ["torch", "triton"]
+    if device == "cuda" and hybrid_ops.get_backend.__globals__["_BACKENDS"]["flashinfer"].is_available():
+        names.append("flashinfer")
+    return names
+
+
+def check_correctness(device, report):
+    dtypes = [torch.bfloat16, torch.float16] + ([torch.float32] if device == "cpu" else [])
+    for backend in available_backends(device):
+        for dtype in dtypes:
+            if backend == "flashinfer" and dtype == torch.float32:
+                continue
+            for mode in ForwardMode:
+                for spec in ("prefill", "decode"):
+                    decode_path = hybrid_ops.select_path(mode, spec) == "decode"
+                    q_lens = [] if mode == ForwardMode.IDLE else (
+                        [1 if mode == ForwardMode.DECODE else 3] * 3 if decode_path else [7, 1, 0, 19])
+                    case = make_case(q_lens, [30, 0, 65, 12][: len(q_lens)], num_q_heads=8, num_kv_heads=2,
+                                     head_dim=128, page_size=16, dtype=dtype, device=device, seed=int(mode))
+                    k_ref, v_ref = expected_cache(case)
+                    options = dict(sliding_window=24, logit_cap=0.0 if backend == "flashinfer" else 20.0)
+                    out = torch.ops.hybrid.attn(*case.args, int(mode), **options, prefill_backend=backend,
+                                                decode_backend=backend, speculative_attention_mode=spec)
+                    assert_close(out.cpu(), reference(case, **options), dtype)
+                    assert torch.equal(case.k_cache.cpu(), k_ref.cpu()) and torch.equal(case.v_cache.cpu(),
+                                                                                       v_ref.cpu())
+            report.append(f"correct: {backend} {dtype} every mode, both speculative settings")
+            print(report[-1], flush=True)
+
+
+def check_cuda_graphs(report):
+    """reduce-overhead compile with the mode alternating: replays, no skips, correct, writes in the real cache."""
+    from torch._dynamo.utils import counters
+
+    backends = [b for b in available_backends("cuda") if b != "torch"]  # the torch backend syncs: not capturable
+    for backend in backends:
+        torch._dynamo.reset()
+        counters.clear()
+
+        def step(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode: int):
+            torch.ops.hybrid.plan(k_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, q_dtype=q.dtype,
+                                  num_q_heads=q.shape[1], prefill_backend=backend, decode_backend=backend,
+                                  speculative_attention_mode="decode")
+            return torch.ops.hybrid.attn(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table,
+                                         forward_mode, prefill_backend=backend, decode_backend=backend,
+                                         speculative_attention_mode="decode") * 1.0
+
+        compiled = torch.compile(step, mode="reduce-overhead", dynamic=False,
+                                 options={"graph_partition": True})
+        shapes = {ForwardMode.EXTEND: [9, 30], ForwardMode.DECODE: [1, 1], ForwardMode.TARGET_VERIFY: [4, 4]}
+        # One persistent cache, as a model has: each step's case is copied into its first pages.
+        k_cache = torch.zeros(64, 16, 2, 128, dtype=torch.bfloat16, device="cuda")
+        v_cache = torch.zeros_like(k_cache)
+        torch._dynamo.mark_static_address(k_cache)
+        torch._dynamo.mark_static_address(v_cache)
+        for round_ in range(4):
+            for mode, q_lens in shapes.items():
+                case = make_case(q_lens, [40, 7], num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16,
+                                 dtype=torch.bfloat16, device="cuda", seed=round_ * 10 + int(mode))
+                used = case.k_cache.shape[0]
+                k_cache[:used].copy_(case.k_cache)
+                v_cache[:used].copy_(case.v_cache)
+                k_ref, _ = expected_cache(case)
+                out = compiled(case.q, case.k, case.v, k_cache, v_cache, *case.args[5:], int(mode))
+                torch.cuda.synchronize()
+                assert_close(out.cpu(), reference(case), torch.bfloat16)
+                assert torch.equal(k_cache[:used].cpu(), k_ref.cpu()), "the KV write did not land in the real cache"
+        skips = counters["inductor"].get("cudagraph_skips", 0)
+        assert skips == 0, f"{backend}: {skips} cudagraph skips"
+        report.append(f"cuda graphs: {backend} replays EXTEND/DECODE/TARGET_VERIFY, 0 skips, writes in place")
+        print(report[-1], flush=True)
+
+
+def paged_batch(q_lens, prefixes, hq, hkv, d, page, dtype, device):
+    """Op arguments for a benchmark batch, built on the device: random caches over scattered pages."""
+    seq_lens = [p + n for p, n in zip(prefixes, q_lens)]
+    counts = [-(-s // page) for s in seq_lens]
+    pages = torch.randperm(sum(counts)).split(counts)
+    meta = hybrid_ops.build_metadata(q_lens, seq_lens, [p.tolist() for p in pages], device=device)
+    k_cache = torch.randn(sum(counts), page, hkv, d, dtype=dtype, device=device)
+    total = sum(q_lens)
+    return (torch.randn(total, hq, d, dtype=dtype, device=device), torch.randn(total, hkv, d, dtype=dtype, device=device),
+            torch.randn(total, hkv, d, dtype=dtype, device=device), k_cache, torch.randn_like(k_cache), *meta.metadata)
+
+
+def benchmark(device, smoke, rows):
+    dtype = torch.bfloat16
+    hq, hkv, d, page = (8, 2, 64, 16) if smoke else (32, 8, 128, 16)
+    elt = 2
+    if device == "cuda":
+        big = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+        copy_gbps = 2 * big.numel() / timed(lambda: big.clone(), device) / 1e6
+        a = torch.randn(8192, 8192, dtype=dtype, device=device)
+        matmul_tflops = 2 * 8192**3 / timed(lambda: a @ a, device) / 1e9
+        del big, a
+    else:
+        copy_gbps = matmul_tflops = float("nan")
+    print(f"copy {copy_gbps:.0f} GB/s, bf16 matmul {matmul_tflops:.0f} TFLOP/s", flush=True)
+    decode = [(b, c) for b in (1, 16, 64) for c in (1024, 4096, 32768)] if not smoke else [(2, 64)]
+    prefill = [(n, p) for n in (512, 4096) for p in (0, 2048)] if not smoke else [(32, 16)]
+    backends = [b for b in available_backends(device) if b != "torch"]
+    for kind, shapes in (("decode", decode), ("prefill", prefill)):
+        for a, b in shapes:
+            q_lens, prefixes = ([1] * a, [b - 1] * a) if kind == "decode" else ([a], [b])
+            args = paged_batch(q_lens, prefixes, hq, hkv, d, page, dtype, device)
+            op = torch.ops.hybrid.decode if kind == "decode" else torch.ops.hybrid.prefill
+            kv_bytes = sum(p + n for p, n in zip(prefixes, q_lens)) * hkv * d * 2 * elt
+            flops = sum(4 * n * (p + (n + 1) / 2) * hq * d for p, n in zip(prefixes, q_lens))
+            row = dict(kind=kind, shape=f"batch {a} x ctx {b}" if kind == "decode" else f"new {a} prefix {b}")
+            for backend in backends:
+                ms = timed(lambda: op(*args, backend=backend), device)
+                row[backend] = dict(ms=ms, kv_gbps=kv_bytes / ms / 1e6, tflops=flops / ms / 1e9,
+                                    of_copy=kv_bytes / ms / 1e6 / copy_gbps, of_matmul=flops / ms / 1e9 / matmul_tflops)
+            rows.append(row)
+            print(row, flush=True)
+    return dict(copy_gbps=copy_gbps, matmul_tflops=matmul_tflops)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, any device")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    start = time.time()
+    report, rows = [f"{device}: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch "
+                    f"{torch.__version__}"], []
+    check_correctness(device, report)
+    if device == "cuda":
+        check_cuda_graphs(report)
+    rates = benchmark(device, args.smoke, rows)
+    lines = report + ["", f"copy bandwidth {rates['copy_gbps']:.0f} GB/s, bf16 matmul {rates['matmul_tflops']:.0f} "
+                      "TFLOP/s (measured in this run)", "", "| kind | shape | backend | ms | KV GB/s | of copy bw "
+                      "| TFLOP/s | of matmul |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        for backend, r in row.items():
+            if isinstance(r, dict):
+                lines.append(f"| {row['kind']} | {row['shape']} | {backend} | {r['ms']:.3f} | {r['kv_gbps']:.0f} "
+                             f"| {r['of_copy']:.0%} | {r['tflops']:.1f} | {r['of_matmul']:.0%} |")
+    lines.append(f"\n{time.time() - start:.0f} s in all")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    name = "gpu" if device == "cuda" else "gpu_check_smoke_cpu"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{name}.md").write_text(text)
+    (args.out / f"{name}.json").write_text(json.dumps(dict(report=report, rates=rates, rows=rows), indent=1))
+    if os.environ.get("OUT"):
+        (Path(os.environ["OUT"]) / f"{name}.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
