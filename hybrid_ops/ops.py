@@ -58,18 +58,6 @@ def _run(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, s
                                sliding_window, logit_cap)
 
 
-def _prefill(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *, scale=None, sliding_window=-1,
-             logit_cap=0.0, backend="auto"):
-    return _run("prefill", q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                logit_cap, backend)
-
-
-def _decode(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *, scale=None, sliding_window=-1,
-            logit_cap=0.0, backend="auto"):
-    return _run("decode", q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                logit_cap, backend)
-
-
 def _attn(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, *, scale=None,
           sliding_window=-1, logit_cap=0.0, prefill_backend="auto", decode_backend="auto",
           speculative_attention_mode="prefill"):
@@ -90,20 +78,21 @@ def _fake(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, 
     return q.new_empty(q.shape)
 
 
-@torch.library.register_fake("hybrid::prefill")
-def _prefill_fake(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *, scale=None, sliding_window=-1,
-                  logit_cap=0.0, backend="auto"):
-    check_backend_name(backend)
-    return _fake("prefill", q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                 logit_cap)
+def _path_op(path):
+    """The real and fake implementations of `hybrid::prefill` or `hybrid::decode`."""
 
+    def impl(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *, scale=None, sliding_window=-1,
+             logit_cap=0.0, backend="auto"):
+        return _run(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
+                    logit_cap, backend)
 
-@torch.library.register_fake("hybrid::decode")
-def _decode_fake(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *, scale=None, sliding_window=-1,
-                 logit_cap=0.0, backend="auto"):
-    check_backend_name(backend)
-    return _fake("decode", q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                 logit_cap)
+    def fake(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *, scale=None, sliding_window=-1,
+             logit_cap=0.0, backend="auto"):
+        check_backend_name(backend)
+        return _fake(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
+                     logit_cap)
+
+    return impl, fake
 
 
 @torch.library.register_fake("hybrid::attn")
@@ -144,7 +133,9 @@ def _plan_fake(k_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, *, q_
 
 
 # One implementation for every device: the backends choose their kernels by device.
-lib.impl("prefill", _prefill, "CompositeExplicitAutograd")
-lib.impl("decode", _decode, "CompositeExplicitAutograd")
+for _path in ("prefill", "decode"):
+    _impl, _fake_impl = _path_op(_path)
+    lib.impl(_path, _impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"hybrid::{_path}", _fake_impl)
 lib.impl("attn", _attn, "CompositeExplicitAutograd")
 lib.impl("plan", _plan, "CompositeExplicitAutograd")

@@ -43,3 +43,11 @@ def test_gpu_check_script_smoke(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "correct: triton torch.bfloat16 every mode" in result.stdout
     assert (tmp_path / "gpu_check_smoke_cpu.md").exists()
+
+
+def test_bench_runs(tmp_path):
+    """The benchmark script runs (its dispatch section, quick); it asserts no timings, it only must not rot."""
+    result = subprocess.run([sys.executable, "-m", "bench", "dispatch", "--quick"], capture_output=True, text=True,
+                            timeout=600, cwd=EXAMPLES.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| eager, grad off |" in result.stdout

@@ -8,10 +8,11 @@ out of the captured partitions). Our cache layout (separate k and v caches, [num
 FlashInfer's "NHD" layout.
 """
 
-import functools
 from dataclasses import dataclass
 
 import torch
+
+from .deps import importable
 
 WORKSPACE_BYTES = 128 << 20
 
@@ -55,13 +56,8 @@ class FlashInferBackend:
         self._workspaces = {}  # device -> workspace buffer
         self.plans_made = 0
 
-    @functools.cache
     def is_available(self) -> bool:
-        try:
-            import flashinfer  # noqa: F401
-        except ImportError:
-            return False
-        return True
+        return importable("flashinfer")
 
     def supports(self, q) -> bool:
         return q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in self.head_dims

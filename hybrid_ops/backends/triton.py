@@ -5,12 +5,12 @@ Sync-free and CUDA-graph safe: metadata stays on the device, out-of-range block 
 the first use), which is how the tests run it.
 """
 
-import functools
 import os
 
 import torch
 
 from ..validation import FLOAT_DTYPES, deterministic_enabled
+from .deps import importable
 
 
 def _interpreting() -> bool:
@@ -22,13 +22,8 @@ class TritonBackend:
     requirement = "triton (pip install 'hybrid_ops[triton]')"
     checks_values = False
 
-    @functools.cache
     def is_available(self) -> bool:
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return False
-        return True
+        return importable("triton")
 
     def supports(self, q) -> bool:
         on_device = q.device.type == "cuda" or (q.device.type == "cpu" and _interpreting())
