@@ -52,10 +52,12 @@ def _run(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, s
     if validation_enabled() and not impl.checks_values:
         check_metadata_values(cu_seqlens_q, seq_lens, block_table, q.shape[0], k_cache.shape[0], k_cache.shape[1],
                               path == "decode")
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    return getattr(impl, path)(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale,
-                               sliding_window, logit_cap)
+    return getattr(impl, path)(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table,
+                               _scale(scale, q.shape[-1]), sliding_window, logit_cap)
+
+
+def _scale(scale, head_dim):
+    return 1.0 / math.sqrt(head_dim) if scale is None else scale
 
 
 def _attn(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, *, scale=None,
@@ -119,8 +121,8 @@ def _plan(k_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, *, q_dtype
     head_dim = k_cache.shape[-1]
     impl = get_backend(backend, k_cache.new_empty((0, num_q_heads, head_dim), dtype=q_dtype), arg)
     if hasattr(impl, "plan"):
-        impl.plan(path, q_dtype, num_q_heads, k_cache, cu_seqlens_q, seq_lens, block_table,
-                  1.0 / math.sqrt(head_dim) if scale is None else scale, sliding_window, logit_cap)
+        impl.plan(path, q_dtype, num_q_heads, k_cache, cu_seqlens_q, seq_lens, block_table, _scale(scale, head_dim),
+                  sliding_window, logit_cap)
 
 
 @torch.library.register_fake("hybrid::plan")
