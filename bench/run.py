@@ -303,9 +303,12 @@ def plot(series, path):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("sections", nargs="*", default=SECTIONS, choices=SECTIONS)
+    parser.add_argument("sections", nargs="*", help=f"any of {SECTIONS} (default: all)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
+    args.sections = args.sections or SECTIONS
+    if set(args.sections) - set(SECTIONS):
+        parser.error(f"sections must be among {SECTIONS}, got {args.sections}")
     torch.manual_seed(0)
     bandwidth = read_bandwidth()
     device = "cpu"
