@@ -24,7 +24,7 @@ def demo_model(path=None, dtype=torch.float32):
     if path:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     config = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
                          bos_token_id=None, eos_token_id=None, pad_token_id=0)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
@@ -39,7 +39,7 @@ def run_hybrid(model, prompts, max_new_tokens, progress=False):
     """Two runs of one HybridGenerator (the first compiles); returns (tokens, stats of the second, graphs compiled,
     graphs compiled in the second run)."""
     generator = hybrid_ops.HybridGenerator(model, max_batch_size=len(prompts),
-                                           max_seq_len=max(map(len, prompts)) + max_new_tokens, prefill_chunk=256)
+                                           max_seq_len=max(map(len, prompts)) + max_new_tokens, prefill_chunk=1024)
     graphs = counters["stats"]["unique_graphs"]
     generator.generate(prompts, max_new_tokens, progress=progress)
     warm_graphs = counters["stats"]["unique_graphs"]
