@@ -1,6 +1,6 @@
 """hybrid_ops: paged LLM attention as `torch.library` ops that `torch.compile` and CUDA graphs capture whole.
 
-    torch.ops.hybrid.prefill / decode / attn   (schemas in `hybrid_ops.ops`)
+    torch.ops.hybrid.prefill / decode / attn / plan   (schemas in `hybrid_ops.ops`)
 
 Set `HYBRID_OPS_VALIDATE=1` or call `set_validation(True)` to check the metadata's values on every call.
 """
@@ -16,6 +16,8 @@ from .modes import ROUTING, ForwardMode, select_path
 from .validation import deterministic_enabled, set_deterministic, set_validation, validation_enabled
 
 __all__ = [
-    "GenerationStats", "HybridGenerator", "generate", "AttentionLayer", "HybridAttnBackend", "PagedKVCache", "PhaseBackend", "ForwardBatch", "ForwardMode", "ROUTING", "HybridInputError", "HybridOpsError", "OutOfPagesError", "backend_names",
-    "build_metadata", "get_backend", "register_backend", "set_deterministic", "deterministic_enabled", "set_validation", "select_path", "validation_enabled",
+    "AttentionLayer", "backend_names", "build_metadata", "deterministic_enabled", "ForwardBatch", "ForwardMode",
+    "generate", "GenerationStats", "get_backend", "HybridAttnBackend", "HybridGenerator", "HybridInputError",
+    "HybridOpsError", "OutOfPagesError", "PagedKVCache", "PhaseBackend", "register_backend", "ROUTING", "select_path",
+    "set_deterministic", "set_validation", "validation_enabled",
 ]
