@@ -133,6 +133,7 @@ class Batch:
             doc = doc_q[q_idx]
             return (doc == doc_kv[kv_idx]) & (kv_idx - kv_start[doc] <= q_pos[q_idx])
 
+        torch._dynamo.reset()  # a failed flex compile for one shape must not poison the next
         block_mask = create_block_mask(mask_mod, None, None, q.shape[2], k.shape[2], device="cpu")
         compiled = torch.compile(flex_attention)
         return lambda: compiled(q, k, v, block_mask=block_mask, enable_gqa=True)

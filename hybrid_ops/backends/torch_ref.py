@@ -30,8 +30,9 @@ def store_kv(k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table):
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
 
 
-def request_kv(cache, pages, length):
-    """[length, Hkv, D] of one request: a view when its pages are consecutive, else a gathered copy.
+def request_kv(cache, pages, length, buffer):
+    """[length, Hkv, D] of one request: a view when its pages are consecutive, else gathered into `buffer`
+    (a `Workspace.get` of at least len(pages) pages).
 
     pages: the request's page ids as a host list.
     """
@@ -39,8 +40,26 @@ def request_kv(cache, pages, length):
     first = pages[0]
     if pages[-1] - first == len(pages) - 1 and all(b - a == 1 for a, b in zip(pages, pages[1:])):
         return cache.view(-1, *cache.shape[2:])[first * page_size : first * page_size + length]
-    # index_select: faster than indexing with a list on the CPU (31 vs 35 ms for the decode benchmark)
-    return cache.index_select(0, torch.tensor(pages, device=cache.device)).flatten(0, 1)[:length]
+    gathered = buffer[: len(pages)]
+    torch.index_select(cache, 0, torch.tensor(pages, device=cache.device), out=gathered)
+    return gathered.flatten(0, 1)[:length]
+
+
+class Workspace:
+    """Gather buffers reused across calls, one for keys and one for values (layers run one after another; one
+    thread at a time). A fresh buffer per call costs page faults: on the CPU, first-touch faults made the gathers
+    of the decode benchmark take 31 ms instead of 17."""
+
+    def __init__(self):
+        self._buffers = {}
+
+    def get(self, role, cache, num_pages):
+        """A [num_pages, page_size, Hkv, D] buffer like `cache`'s pages; role: "k" or "v"."""
+        key = (role, cache.dtype, cache.device)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape[0] < num_pages or buffer.shape[1:] != cache.shape[1:]:
+            buffer = self._buffers[key] = cache.new_empty((num_pages, *cache.shape[1:]))
+        return buffer[:num_pages]
 
 
 def attend(q, k, v, prefix, seq_lens, scale, sliding_window, logit_cap):
@@ -93,6 +112,9 @@ class TorchBackend:
     requirement = "torch"
     checks_values = True
 
+    def __init__(self):
+        self.workspace = Workspace()
+
     def is_available(self) -> bool:
         return True
 
@@ -117,21 +139,23 @@ class TorchBackend:
             lengths = seq_lens.to(torch.int64)
             kv_shape = (len(lens), max_pages * page_size, num_kv_heads, head_dim)
             longest = max(lens)
-            k_padded = k_cache.index_select(0, pages).view(kv_shape)[:, :longest]
-            v_padded = v_cache.index_select(0, pages).view(kv_shape)[:, :longest]
+            k_padded = torch.index_select(k_cache, 0, pages, out=self.workspace.get("k", k_cache, pages.shape[0]))
+            v_padded = torch.index_select(v_cache, 0, pages, out=self.workspace.get("v", v_cache, pages.shape[0]))
+            k_padded, v_padded = k_padded.view(kv_shape)[:, :longest], v_padded.view(kv_shape)[:, :longest]
             out = attend(q.view(len(lens), n, *q.shape[1:]), k_padded, v_padded, lengths - n, lengths, *options)
             return out.flatten(0, 1)
         out = q.new_empty(q.shape)
         tables = block_table.tolist()
+        k_buffer, v_buffer = (self.workspace.get(role, k_cache, max_pages) for role in ("k", "v"))
         for i, length in enumerate(lens):
             start, end = cu[i], cu[i + 1]
             if start == end:
                 continue
             pages = tables[i][: -(-length // page_size)]
             lengths = torch.tensor([length])
-            out[start:end] = attend(q[None, start:end], request_kv(k_cache, pages, length)[None],
-                                    request_kv(v_cache, pages, length)[None], lengths - (end - start), lengths,
-                                    *options)[0]
+            out[start:end] = attend(q[None, start:end], request_kv(k_cache, pages, length, k_buffer)[None],
+                                    request_kv(v_cache, pages, length, v_buffer)[None], lengths - (end - start),
+                                    lengths, *options)[0]
         return out
 
     def decode(self, *args):
