@@ -60,15 +60,15 @@ class HybridGenerator:
         self.cache = PagedKVCache(max_batch_size * pages_per_request, page_size, config.num_key_value_heads,
                                   head_dim, num_layers=config.num_hidden_layers,
                                   max_pages_per_request=pages_per_request, dtype=param.dtype, device=param.device)
-        self._make_step = lambda mode, cu, lens, table: HybridStep(  # noqa: E731
-            mode, cu, lens, table, self.cache.k_caches, self.cache.v_caches, prefill_backend, decode_backend)
+        self._step_type, self._backends = HybridStep, (prefill_backend, decode_backend)
         self.forward = torch.compile(self._forward, fullgraph=True, dynamic=True) if compile else self._forward
         self.device = param.device
 
     def _forward(self, input_ids, position_ids, logits_index, forward_mode: int, cu_seqlens_q, seq_lens,
                  block_table):
         """input_ids, position_ids: [1, T]; logits_index: [n] token rows to project -> logits [n, vocab]."""
-        step = self._make_step(forward_mode, cu_seqlens_q, seq_lens, block_table)
+        step = self._step_type(forward_mode, cu_seqlens_q, seq_lens, block_table, self.cache.k_caches,
+                               self.cache.v_caches, *self._backends)
         out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                          logits_to_keep=logits_index, hybrid_step=step)
         return out.logits[0]
@@ -107,18 +107,20 @@ class HybridGenerator:
                 counts.append(len(new))
             meta = self.cache.step([r.index for r, _ in batch], counts, mode)
             ends = torch.tensor(counts).cumsum(0) - 1
-            logits_index = ends[[i for i, (_, chunk) in enumerate(batch) if sampled[i]]].to(self.device)
+            # At least one row even when no request samples (a long prompt mid-chunk): Dynamo gives size 0 a graph
+            # of its own, which a later run could meet for the first time.
+            rows = [i for i, s in enumerate(sampled) if s] or [len(batch) - 1]
             logits = self.forward(torch.tensor([tokens], device=self.device),
-                                  torch.tensor([positions], device=self.device), logits_index, int(mode),
-                                  *meta.metadata)
-            next_tokens = _sample(logits, do_sample, temperature, top_k, generator).tolist()
+                                  torch.tensor([positions], device=self.device), ends[rows].to(self.device),
+                                  int(mode), *meta.metadata)
+            next_tokens = iter(_sample(logits, do_sample, temperature, top_k, generator).tolist())
             stats.steps[mode.name] += 1
-            for (request, chunk), is_sampled in zip(batch, sampled):
+            for request, chunk in batch:
                 if chunk is not None:
                     request.prefilled += len(chunk)
                     stats.prompt_tokens += len(chunk)
             for request in [r for (r, _), s in zip(batch, sampled) if s]:
-                token = next_tokens.pop(0)
+                token = next(next_tokens)
                 request.generated.append(token)
                 if len(request.generated) == 1:
                     stats.first_token_seconds.append(time.perf_counter() - start)
