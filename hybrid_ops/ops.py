@@ -17,7 +17,7 @@ import torch
 
 from .backends import check_backend_name, get_backend
 from .modes import check_speculative_attention_mode, select_path
-from .validation import (args_ok, check_args, check_decode_shape, check_metadata_values,
+from .validation import (args_ok, check_args, check_decode_shape, check_metadata_values, decode_shape_ok,
                          validation_enabled)
 
 _ARGS = ("Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
@@ -46,7 +46,7 @@ def _run(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, s
          backend, arg="backend"):
     if not args_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap):
         check_args(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap)
-    if path == "decode" and not (q.shape[0] % seq_lens.shape[0] == 0 if seq_lens.shape[0] else q.shape[0] == 0):
+    if path == "decode" and not decode_shape_ok(q.shape[0], seq_lens.shape[0]):
         check_decode_shape(q, seq_lens)
     impl = get_backend(backend, q, arg)
     if validation_enabled() and not impl.checks_values:
@@ -60,15 +60,19 @@ def _scale(scale, head_dim):
     return 1.0 / math.sqrt(head_dim) if scale is None else scale
 
 
+def _route(forward_mode, speculative_attention_mode, prefill_backend, decode_backend):
+    """(path, backend name, its argument's name) that `forward_mode` goes to; the other name is checked too."""
+    if select_path(forward_mode, speculative_attention_mode) == "decode":
+        check_backend_name(prefill_backend, "prefill_backend")
+        return "decode", decode_backend, "decode_backend"
+    check_backend_name(decode_backend, "decode_backend")
+    return "prefill", prefill_backend, "prefill_backend"
+
+
 def _attn(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, *, scale=None,
           sliding_window=-1, logit_cap=0.0, prefill_backend="auto", decode_backend="auto",
           speculative_attention_mode="prefill"):
-    if select_path(forward_mode, speculative_attention_mode) == "decode":
-        path, backend, arg = "decode", decode_backend, "decode_backend"
-        check_backend_name(prefill_backend, "prefill_backend")
-    else:
-        path, backend, arg = "prefill", prefill_backend, "prefill_backend"
-        check_backend_name(decode_backend, "decode_backend")
+    path, backend, arg = _route(forward_mode, speculative_attention_mode, prefill_backend, decode_backend)
     return _run(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
                 logit_cap, backend, arg)
 
@@ -116,8 +120,7 @@ def _plan(k_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, *, q_dtype
           sliding_window=-1, logit_cap=0.0, prefill_backend="auto", decode_backend="auto",
           speculative_attention_mode="prefill"):
     """Plan the step for the backend that `forward_mode` routes to; a no-op for backends that do not plan."""
-    path = select_path(forward_mode, speculative_attention_mode)
-    backend, arg = (decode_backend, "decode_backend") if path == "decode" else (prefill_backend, "prefill_backend")
+    path, backend, arg = _route(forward_mode, speculative_attention_mode, prefill_backend, decode_backend)
     head_dim = k_cache.shape[-1]
     impl = get_backend(backend, k_cache.new_empty((0, num_q_heads, head_dim), dtype=q_dtype), arg)
     if hasattr(impl, "plan"):

@@ -122,10 +122,15 @@ def check_args(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, s
         raise HybridInputError(f"logit_cap must be 0.0 (no soft-cap) or a finite positive float, got {logit_cap}")
 
 
+def decode_shape_ok(num_tokens, num_requests):
+    """`decode` needs the same query length for every request: T must be a multiple of B (T = 0 when B = 0)."""
+    return num_tokens % num_requests == 0 if num_requests > 0 else num_tokens == 0
+
+
 def check_decode_shape(q, seq_lens):
-    """`decode` needs the same query length for every request; T // B is that length."""
+    """Raises unless `decode_shape_ok`; T // B is then each request's query length."""
     num_tokens, num_requests = q.shape[0], seq_lens.shape[0]
-    _check(num_tokens % num_requests == 0 if num_requests > 0 else num_tokens == 0,
+    _check(decode_shape_ok(num_tokens, num_requests),
            lambda: f"decode needs the same number of query tokens per request: T = {num_tokens} "
                    f"is not a multiple of B = {num_requests}")
 
