@@ -9,6 +9,7 @@ every step and mode.
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -106,13 +107,13 @@ class HybridGenerator:
                 positions += range(base, base + len(new))
                 counts.append(len(new))
             meta = self.cache.step([r.index for r, _ in batch], counts, mode)
-            ends = torch.tensor(counts).cumsum(0) - 1
+            ends = list(accumulate(counts))
             # At least one row even when no request samples (a long prompt mid-chunk): Dynamo gives size 0 a graph
             # of its own, which a later run could meet for the first time.
-            rows = [i for i, s in enumerate(sampled) if s] or [len(batch) - 1]
+            rows = [ends[i] - 1 for i, s in enumerate(sampled) if s] or [ends[-1] - 1]
             logits = self.forward(torch.tensor([tokens], device=self.device),
-                                  torch.tensor([positions], device=self.device), ends[rows].to(self.device),
-                                  int(mode), *meta.metadata)
+                                  torch.tensor([positions], device=self.device),
+                                  torch.tensor(rows, device=self.device), int(mode), *meta.metadata)
             next_tokens = iter(_sample(logits, do_sample, temperature, top_k, generator).tolist())
             stats.steps[mode.name] += 1
             for request, chunk in batch:

@@ -17,6 +17,7 @@ positions 0 .. P + j (with a sliding window W > 0: the last W of those):
 """
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -50,11 +51,9 @@ def build_metadata(q_lens, seq_lens, page_lists, max_pages=None, device="cpu",
     which is never read past a request's `seq_lens`.
     """
     width = max([len(p) for p in page_lists], default=0) if max_pages is None else max_pages
-    table = torch.zeros(len(page_lists), width, dtype=torch.int32)
-    for i, pages in enumerate(page_lists):
-        table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(q_lens, dtype=torch.int64).cumsum(0)
+    rows = [list(pages) + [0] * (width - len(pages)) for pages in page_lists]
+    table = torch.tensor(rows, dtype=torch.int32).view(len(page_lists), width)
+    cu = torch.tensor(list(accumulate(q_lens, initial=0)), dtype=torch.int32)
     return ForwardBatch(ForwardMode(forward_mode), cu.to(device),
                         torch.tensor(seq_lens, dtype=torch.int32, device=device), table.to(device))
 

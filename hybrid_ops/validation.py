@@ -32,9 +32,10 @@ def validation_enabled() -> bool:
 
 def set_deterministic(enabled: bool) -> None:
     """Batch invariance: a request's output is bit-identical whatever batch it is in (default:
-    `HYBRID_OPS_DETERMINISTIC`). The torch backend then attends one request at a time (no batched decode); the Triton
-    decode kernel takes its split count from the table's capacity alone, not the batch size. FlashInfer cannot promise it: its
-    scheduler splits work by the whole batch. Same inputs on the same backend are bit-identical either way.
+    `HYBRID_OPS_DETERMINISTIC`). The torch backend then attends one request at a time (no batched decode); the
+    Triton decode kernel takes its split count from the table's capacity alone, not the batch size. FlashInfer
+    cannot promise it: its scheduler splits work by the whole batch. Same inputs on the same backend are
+    bit-identical either way.
     """
     _Settings.deterministic = bool(enabled)
 
@@ -78,7 +79,8 @@ def check_args(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, s
     cu_seqlens_q: [B + 1] int32; seq_lens: [B] int32; block_table: [B, max_pages] int32.
     """
     for name, t, rank in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4),
-                          ("cu_seqlens_q", cu_seqlens_q, 1), ("seq_lens", seq_lens, 1), ("block_table", block_table, 2)):
+                          ("cu_seqlens_q", cu_seqlens_q, 1), ("seq_lens", seq_lens, 1),
+                          ("block_table", block_table, 2)):
         if t.dim() != rank:
             raise HybridInputError(f"{name} must have {rank} dimensions, got shape {tuple(t.shape)}")
         if t.device != q.device:

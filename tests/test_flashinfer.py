@@ -93,6 +93,13 @@ def test_plan_once_per_step(fake_flashinfer):
     other = make_case([1, 1, 1], [4, 9, 2], page_size=4)  # new tensors: a new plan, the wrapper reused
     backend.decode(*other.args, scale, 5, 2.0)
     assert backend.plans_made == 4 and len({id(p.wrapper) for p in backend._plans.values()}) == 2
+    with torch.inference_mode():  # inference tensors have no version: identity alone, and an explicit plan re-plans
+        step = make_case([1, 1, 1], [4, 9, 2], page_size=4)
+        for _layer in range(2):
+            backend.decode(*step.args, scale, 5, 2.0)
+        assert backend.plans_made == 5
+        backend.plan("decode", step.q.dtype, step.q.shape[1], step.k_cache, *step.args[5:], scale, 5, 2.0)
+        assert backend.plans_made == 6
 
 
 def test_plan_op_is_kept_and_marked_cudagraph_unsafe():

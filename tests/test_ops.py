@@ -172,3 +172,27 @@ def test_opcheck_attn(mode, q_lens, spec):
     case = make_case(q_lens, [4] * len(q_lens), seed=1)
     torch.library.opcheck(torch.ops.hybrid.attn.default, (*case.args, int(mode)),
                           {"speculative_attention_mode": spec})
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_torch_step_plan_follows_the_metadata(inference):
+    """The torch backend checks and plans a step once: layers that pass the same metadata share the plan, and
+    metadata rewritten in place (static buffers; inference tensors have no version counter) gets a new one."""
+    with torch.inference_mode(inference):
+        case = make_case([1, 1, 1], [3, 9, 5], seed=2)  # both: 3 requests, 4-page tables, 9-page caches
+        other = make_case([1, 1, 1], [10, 2, 7], seed=3)
+        backend = hybrid_ops.get_backend("torch", case.q)
+        plans = backend.plans_made
+        for _layer in range(3):
+            check_call(torch.ops.hybrid.decode, case, {}, torch.float32, backend="torch")
+        assert backend.plans_made == plans + 1
+        for mine, theirs in zip(case.args[5:], other.args[5:]):
+            mine.copy_(theirs)
+        other.cu_seqlens_q, other.seq_lens, other.block_table = case.args[5:]
+        check_call(torch.ops.hybrid.decode, other, {}, torch.float32, backend="torch")
+        assert backend.plans_made == plans + 2
+        other.block_table[1, 0] = other.k_cache.shape[0]  # out of range, in place: checked again
+        before = other.k_cache.clone()
+        with pytest.raises(hybrid_ops.HybridInputError, match=r"block_table\[1, 0\]"):
+            torch.ops.hybrid.decode(*other.args, backend="torch")
+        assert torch.equal(other.k_cache, before)

@@ -1,7 +1,6 @@
 """Reliability: property-based conformance, isolation between requests, determinism, and a soak run."""
 
 import random
-import time
 
 import pytest
 import torch
@@ -149,18 +148,16 @@ def test_batch_invariance_when_deterministic(backend, op):
         hybrid_ops.set_deterministic(False)
 
 
-# (backend, seconds, minimum steps): the Triton interpreter runs about 5 steps a second on this size.
-@pytest.mark.parametrize("backend, seconds, min_steps", [("torch", 20, 2000), ("triton", 15, 50)])
-def test_soak(backend, seconds, min_steps):
-    """Requests arrive, grow by prefill chunks, decode and verify steps, and finish, for a fixed time; every 7th step
-    is checked against the reference; at the end every page is free again."""
+# The Triton interpreter runs about 5 steps a second on this size.
+@pytest.mark.parametrize("backend, num_steps", [("torch", 2000), ("triton", 60)])
+def test_soak(backend, num_steps):
+    """Requests arrive, grow by prefill chunks, decode and verify steps, and finish, for a fixed number of steps;
+    every 7th step is checked against the reference; at the end every page is free again."""
     rng = random.Random(backend)
     cache = PagedKVCache(num_pages=48, page_size=4, num_kv_heads=2, head_dim=8, max_pages_per_request=16)
     k_cache, v_cache = cache.layer(0)
-    history, live, steps, checked = {}, [], 0, 0
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        steps += 1
+    history, live, checked = {}, [], 0
+    for steps in range(1, num_steps + 1):
         if len(live) < 6 and rng.random() < 0.4:
             rid = steps
             cache.add(rid)
@@ -204,5 +201,4 @@ def test_soak(backend, seconds, min_steps):
     for rid in live:
         cache.free(rid)
     assert cache.num_free_pages == cache.num_pages and not cache.requests
-    print(f"soak {backend}: {steps} steps, {checked} checked against the reference")
-    assert steps >= min_steps and checked >= min_steps // 10, (steps, checked)
+    assert checked >= num_steps // 10, checked

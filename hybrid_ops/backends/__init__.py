@@ -1,8 +1,9 @@
 """The backend registry: one place maps a backend name to the object that runs it.
 
 A backend has `name`, `requirement` (what `is_available` needs, for the error message), `is_available() -> bool`,
-`supports(q) -> bool` (device, dtype, head dim), optionally `plan(...)` (see `torch.ops.hybrid.plan`), `checks_values` (True if it reads the metadata to the host and
-checks it itself; otherwise the ops do so in validation mode), and `prefill` / `decode`, each called as
+`supports(q) -> bool` (device, dtype, head dim), optionally `plan(...)` (see `torch.ops.hybrid.plan`),
+`checks_values` (True if it reads the metadata to the host and checks it itself; otherwise the ops do so in
+validation mode), and `prefill` / `decode`, each called as
     fn(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale: float, sliding_window: int,
        logit_cap: float) -> Tensor [T, Hq, D]
 with arguments already checked by `validation.check_args`. Each writes the new k, v to the cache, then attends.

@@ -2,10 +2,11 @@
 
 Our metadata becomes FlashInfer's at this edge, on the device and without a host sync (`to_flashinfer_metadata`).
 FlashInfer splits the work when it *plans*, once per step: the plan is kept while the metadata tensors are the same
-objects at the same version, so the layers of one step share it. Call `torch.ops.hybrid.plan` before the layers to
-plan outside a captured CUDA graph (the op is tagged `cudagraph_unsafe`, so inductor's graph partitioning keeps it
-out of the captured partitions). Our cache layout (separate k and v caches, [num_pages, page_size, Hkv, D]) is
-FlashInfer's "NHD" layout.
+objects at the same version, so the layers of one step share it. `torch.ops.hybrid.plan` always plans: call it before
+the layers to plan outside a captured CUDA graph (the op is tagged `cudagraph_unsafe`, so inductor's graph
+partitioning keeps it out of the captured partitions), and whenever metadata made under `inference_mode` is rewritten
+in place (inference tensors have no version counter). Our cache layout (separate k and v caches,
+[num_pages, page_size, Hkv, D]) is FlashInfer's "NHD" layout.
 """
 
 from dataclasses import dataclass
@@ -41,8 +42,18 @@ def to_flashinfer_metadata(cu_seqlens_q, seq_lens, block_table, page_size):
 
 @dataclass
 class _Plan:
-    key: tuple  # what the plan was made for: metadata tensors (identity, version) and the attention options
+    metadata: tuple  # the metadata tensors it was made for, held so that their ids cannot be reused
+    versions: tuple  # their versions then (None for inference tensors)
+    sizes: tuple  # dtypes, head counts, page size and attention options
     wrapper: object
+
+    def matches(self, metadata, sizes) -> bool:
+        return (sizes == self.sizes and all(a is b for a, b in zip(metadata, self.metadata))
+                and _versions(metadata) == self.versions)
+
+
+def _versions(tensors):
+    return tuple(None if t.is_inference() else t._version for t in tensors)
 
 
 class FlashInferBackend:
@@ -73,14 +84,15 @@ class FlashInferBackend:
         return flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
 
     def plan(self, path, q_dtype, num_q_heads, k_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-             logit_cap):
-        """Plan `path` for this step's metadata, unless the kept plan was made for exactly these tensors."""
+             logit_cap, force=True):
+        """Plan `path` for this step's metadata; without `force`, keep the plan made for exactly these tensors."""
         page_size, num_kv_heads, head_dim = k_cache.shape[1:]
-        key = tuple((id(t), t._version) for t in (cu_seqlens_q, seq_lens, block_table)) + (
-            q_dtype, num_q_heads, num_kv_heads, head_dim, page_size, scale, sliding_window, logit_cap)
+        metadata = (cu_seqlens_q, seq_lens, block_table)
+        sizes = (q_dtype, k_cache.dtype, num_q_heads, num_kv_heads, head_dim, page_size, scale, sliding_window,
+                 logit_cap)
         slot = (path, k_cache.device)
         plan = self._plans.get(slot)
-        if plan is not None and plan.key == key:
+        if not force and plan is not None and plan.matches(metadata, sizes):
             return plan.wrapper
         wrapper = plan.wrapper if plan is not None else self._new_wrapper(path, k_cache.device)
         qo_indptr, kv_indptr, kv_indices, last_page_len = to_flashinfer_metadata(cu_seqlens_q, seq_lens, block_table,
@@ -94,7 +106,7 @@ class FlashInferBackend:
         else:
             wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, num_q_heads, num_kv_heads, head_dim,
                          page_size, causal=True, **options)
-        self._plans[slot] = _Plan(key, wrapper)
+        self._plans[slot] = _Plan(metadata, _versions(metadata), sizes, wrapper)
         self.plans_made += 1
         return wrapper
 
@@ -104,7 +116,7 @@ class FlashInferBackend:
 
         store_kv(k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table)
         wrapper = self.plan(path, q.dtype, q.shape[1], k_cache, cu_seqlens_q, seq_lens, block_table, scale,
-                            sliding_window, logit_cap)
+                            sliding_window, logit_cap, force=False)
         return wrapper.run(q.contiguous(), (k_cache, v_cache))
 
     def prefill(self, *args):

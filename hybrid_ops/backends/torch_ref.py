@@ -3,10 +3,15 @@
 It reads the metadata to the host (one sync on CUDA), so it always checks the metadata's values and cannot be
 captured in a CUDA graph; on CUDA, "auto" prefers the Triton or FlashInfer backend.
 
+The layers of a step share one `StepPlan`: the first builds it (checked host lists, the new tokens' cache rows,
+gather indices, masks) and the others reuse it while the metadata holds the same values, which costs three
+`torch.equal`s. Small models spend most of an attention call on exactly this work, once per layer otherwise.
+
 Two ways through a batch, both over `attend`:
-- one request at a time, its K/V a view of the cache when its pages are consecutive (no copy), else gathered;
-- decode batches (the same query length everywhere) whose gathered, padded K/V is small: one batched call,
-  which saves the per-request overhead that dominates small models (not in deterministic mode).
+- decode batches (the same query length everywhere) whose gathered, padded K/V is small: one batched call
+  (not in deterministic mode);
+- otherwise one request at a time, its K/V a view of the cache when its pages are consecutive (no copy), else
+  gathered into a reused buffer.
 """
 
 import torch
@@ -17,32 +22,78 @@ from ..validation import FLOAT_DTYPES, check_metadata_values, deterministic_enab
 
 # Decode batches whose padded K + V gather stays under this many bytes run as one batched call.
 BATCHED_DECODE_BYTES = 8 << 20
-# Up to this many query rows (tokens x query heads per kv head), two batched matmuls over the cache views beat
-# SDPA's tiled kernel on the CPU (decode and verify); above it, SDPA.
+# A lone request with up to this many query rows (tokens x query heads per kv head): two batched matmuls over the
+# cache views beat SDPA's tiled kernel on the CPU (decode and verify). Above it, or for a padded batch, SDPA.
 MATMUL_QUERY_ROWS = 32
 
 
-def store_kv(k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table):
-    """Write the new k, v: [T, Hkv, D] to their cache rows, in place."""
-    num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
-    slots = new_token_slots(cu_seqlens_q, seq_lens, block_table, k.shape[0], page_size)
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+def _matmul_branch(batch, query_rows, logit_cap):
+    """Whether `attend` takes the matmul branch (SDPA has no soft-cap)."""
+    return logit_cap > 0 or (batch == 1 and query_rows <= MATMUL_QUERY_ROWS)
 
 
-def request_kv(cache, pages, length, buffer):
-    """[length, Hkv, D] of one request: a view when its pages are consecutive, else gathered into `buffer`
-    (a `Workspace.get` of at least len(pages) pages).
+class StepPlan:
+    """What every layer of a step derives from the metadata alone.
 
-    pages: the request's page ids as a host list.
+    key: what else it depends on (T, the caches' shape, dtype and device, decode, determinism).
     """
-    page_size = cache.shape[1]
-    first = pages[0]
-    if pages[-1] - first == len(pages) - 1 and all(b - a == 1 for a, b in zip(pages, pages[1:])):
-        return cache.view(-1, *cache.shape[2:])[first * page_size : first * page_size + length]
-    gathered = buffer[: len(pages)]
-    torch.index_select(cache, 0, torch.tensor(pages, device=cache.device), out=gathered)
-    return gathered.flatten(0, 1)[:length]
+
+    def __init__(self, key, cu_seqlens_q, seq_lens, block_table, num_tokens, num_pages, page_size, decode):
+        self.key = key
+        self.metadata = (cu_seqlens_q.clone(), seq_lens.clone(), block_table.clone())
+        self.cu, self.lens = check_metadata_values(cu_seqlens_q, seq_lens, block_table, num_tokens, num_pages,
+                                                   page_size, decode)
+        self.slots = new_token_slots(cu_seqlens_q, seq_lens, block_table, num_tokens, page_size)  # [T] int64
+        self.page_size = page_size
+        self.max_pages = -(-max(self.lens, default=0) // page_size)
+        self.device = block_table.device
+        self._masks, self._requests, self._tables, self._gather_index = {}, {}, None, None
+
+    def matches(self, key, cu_seqlens_q, seq_lens, block_table) -> bool:
+        return key == self.key and all(
+            torch.equal(a, b) for a, b in zip((cu_seqlens_q, seq_lens, block_table), self.metadata))
+
+    def gather_index(self):
+        """[B * max_pages] page ids: every request's pages, padded to the longest (batched decode)."""
+        if self._gather_index is None:
+            self._gather_index = self.metadata[2][:, : self.max_pages].flatten()
+        return self._gather_index
+
+    def request(self, i):
+        """(first page if request i's pages are consecutive else None, its page ids [num_pages] on the device)."""
+        if i not in self._requests:
+            if self._tables is None:
+                self._tables = self.metadata[2].tolist()
+            pages = self._tables[i][: -(-self.lens[i] // self.page_size)]
+            consecutive = all(b - a == 1 for a, b in zip(pages, pages[1:]))
+            self._requests[i] = (pages[0], None) if consecutive else (None, torch.tensor(pages, device=self.device))
+        return self._requests[i]
+
+    def mask(self, request, num_queries, sliding_window, matmul):
+        """(bias, is_causal) for request `request`'s queries, or for the whole batch when `request` is None.
+
+        bias: [B, 1, n, L] float32 (0 where a query sees a key, -inf elsewhere; L the longest sequence), or None
+        when every query sees every key, or when `is_causal` (the queries are the whole sequence, SDPA's plain
+        causal case, which needs no mask unless `matmul`).
+        """
+        key = (request, num_queries, sliding_window, matmul)
+        if key not in self._masks:
+            lens = self.lens if request is None else [self.lens[request]]
+            length = max(lens)
+            windowed = 0 < sliding_window < length
+            is_causal = len(lens) == 1 and num_queries == length and not windowed and not matmul
+            if is_causal or (num_queries == 1 and min(lens) == length and not windowed):
+                self._masks[key] = None, is_causal
+            else:
+                seq_lens = torch.tensor(lens, device=self.device)
+                query_pos = seq_lens[:, None] - num_queries + torch.arange(num_queries, device=self.device)
+                key_pos = torch.arange(length, device=self.device)
+                visible = key_pos <= query_pos[:, :, None]  # causal; also hides the padding of shorter requests
+                if windowed:
+                    visible &= key_pos > query_pos[:, :, None] - sliding_window
+                bias = torch.zeros(visible.shape, device=self.device).masked_fill_(~visible, float("-inf"))
+                self._masks[key] = bias[:, None], False
+        return self._masks[key]
 
 
 class Workspace:
@@ -61,49 +112,39 @@ class Workspace:
             buffer = self._buffers[key] = cache.new_empty((num_pages, *cache.shape[1:]))
         return buffer[:num_pages]
 
+    def gather(self, role, cache, index):
+        """cache[index]: [len(index), page_size, Hkv, D], into the reused buffer."""
+        return torch.index_select(cache, 0, index, out=self.get(role, cache, index.shape[0]))
 
-def attend(q, k, v, prefix, seq_lens, scale, sliding_window, logit_cap):
+
+def attend(q, k, v, bias, is_causal, scale, logit_cap):
     """Attention of B requests' new tokens over their K/V, computed in fp32 at least.
 
-    q: [B, n, Hq, D]; k, v: [B, L, Hkv, D] with L = max(seq_lens) (rows past a request's length are padding);
-    prefix, seq_lens: [B] int64 (token j of request b sits at position prefix[b] + j).
+    q: [B, n, Hq, D]; k, v: [B, L, Hkv, D] (rows a query must not see are masked by `bias`);
+    bias: [B, 1, n, L] float32 added to the scores, or None; is_causal: the plain causal mask instead (n == L).
     Returns [B, n, Hq, D] in q's dtype.
     """
     batch, n, num_q_heads, head_dim = q.shape
-    length, num_kv_heads = k.shape[1], k.shape[2]
+    num_kv_heads = k.shape[2]
     group = num_q_heads // num_kv_heads
     out_dtype, compute_dtype = q.dtype, torch.promote_types(q.dtype, torch.float32)
     q, k_t, v_t = q.to(compute_dtype), k.to(compute_dtype).transpose(1, 2), v.to(compute_dtype).transpose(1, 2)
-    padded = batch > 1 and bool((seq_lens != length).any())
-    needs_mask = n > 1 or padded or 0 < sliding_window < length
-
-    def mask(rows_per_token):
-        """[B, 1, n * rows_per_token, L] bool: causal (which also hides padding) and the window."""
-        query_pos = prefix[:, None] + torch.arange(n, device=q.device).repeat_interleave(rows_per_token)
-        key_pos = torch.arange(length, device=q.device)
-        visible = key_pos <= query_pos[:, :, None]
-        if sliding_window > 0:
-            visible &= key_pos > query_pos[:, :, None] - sliding_window
-        return visible[:, None]
-
-    if logit_cap > 0 or n * group <= MATMUL_QUERY_ROWS:
+    if _matmul_branch(batch, n * group, logit_cap):
         # Each kv head serves its `group` query heads as extra rows: [B, Hkv, n * group, D], no K/V repeat.
         q_rows = q.view(batch, n, num_kv_heads, group, head_dim).transpose(1, 2).reshape(batch, num_kv_heads, -1,
                                                                                          head_dim)
-        scores = torch.matmul(q_rows, k_t.transpose(2, 3)) * scale
+        scores = torch.matmul(q_rows, k_t.transpose(2, 3)).mul_(scale)
         if logit_cap > 0:
             scores = logit_cap * torch.tanh(scores / logit_cap)
-        if needs_mask:
-            scores = scores.masked_fill(~mask(group), float("-inf"))
+        if is_causal:
+            bias = torch.full((n, n), float("-inf"), device=q.device).triu_(1)
+        if bias is not None:  # [B, 1, n, L] against the scores' [B, Hkv, n, group, L]
+            scores.view(batch, num_kv_heads, n, group, -1).add_(bias[:, :, :, None])
         out = torch.matmul(scores.softmax(dim=-1), v_t).view(batch, num_kv_heads, n, group, head_dim)
         out = out.transpose(1, 2).reshape(batch, n, num_q_heads, head_dim)
     else:
-        # SDPA's causal kernel serves a lone request without prefix or window; the rest need a mask.
-        is_causal = batch == 1 and n == length and sliding_window <= 0
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k_t, v_t, scale=scale, enable_gqa=True,
-                                             is_causal=is_causal,
-                                             attn_mask=mask(1) if needs_mask and not is_causal else None)
-        out = out.transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k_t, v_t, attn_mask=bias, is_causal=is_causal,
+                                             scale=scale, enable_gqa=True).transpose(1, 2)
     return out.to(out_dtype)
 
 
@@ -114,6 +155,8 @@ class TorchBackend:
 
     def __init__(self):
         self.workspace = Workspace()
+        self._plan = None
+        self.plans_made = 0
 
     def is_available(self) -> bool:
         return True
@@ -121,41 +164,56 @@ class TorchBackend:
     def supports(self, q) -> bool:
         return q.dtype in FLOAT_DTYPES
 
+    def step_plan(self, cu_seqlens_q, seq_lens, block_table, num_tokens, k_cache, decode) -> StepPlan:
+        """The plan for this metadata: the kept one when its values are the same, else a new one (which checks
+        them, raising `HybridInputError` before anything is written)."""
+        key = (num_tokens, k_cache.shape, k_cache.dtype, k_cache.device, decode, deterministic_enabled())
+        plan = self._plan
+        if plan is None or not plan.matches(key, cu_seqlens_q, seq_lens, block_table):
+            plan = StepPlan(key, cu_seqlens_q, seq_lens, block_table, num_tokens, k_cache.shape[0],
+                            k_cache.shape[1], decode)
+            self._plan = plan
+            self.plans_made += 1
+        return plan
+
     def prefill(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
                 logit_cap, decode=False):
         num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
-        cu, lens = check_metadata_values(cu_seqlens_q, seq_lens, block_table, q.shape[0], num_pages, page_size,
-                                         decode)
-        store_kv(k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table)
+        plan = self.step_plan(cu_seqlens_q, seq_lens, block_table, q.shape[0], k_cache, decode)
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slots, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slots, v)
+        lens = plan.lens
         if not lens or q.shape[0] == 0:
             return q.new_empty(q.shape)
-        options = (scale, sliding_window, logit_cap)
-        max_pages = -(-max(lens) // page_size)
-        gather_bytes = 2 * len(lens) * max_pages * page_size * num_kv_heads * head_dim * k_cache.element_size()
+        group = q.shape[1] // num_kv_heads
+        options = (scale, logit_cap)
+        gather_bytes = 2 * len(lens) * plan.max_pages * page_size * num_kv_heads * head_dim * k_cache.element_size()
         # Padding changes a request's reduction, so the batch-invariant (deterministic) mode never batches.
         if decode and gather_bytes <= BATCHED_DECODE_BYTES and not deterministic_enabled():
             n = q.shape[0] // len(lens)
-            pages = block_table[:, :max_pages].flatten()
-            lengths = seq_lens.to(torch.int64)
-            kv_shape = (len(lens), max_pages * page_size, num_kv_heads, head_dim)
-            longest = max(lens)
-            k_padded = torch.index_select(k_cache, 0, pages, out=self.workspace.get("k", k_cache, pages.shape[0]))
-            v_padded = torch.index_select(v_cache, 0, pages, out=self.workspace.get("v", v_cache, pages.shape[0]))
-            k_padded, v_padded = k_padded.view(kv_shape)[:, :longest], v_padded.view(kv_shape)[:, :longest]
-            out = attend(q.view(len(lens), n, *q.shape[1:]), k_padded, v_padded, lengths - n, lengths, *options)
-            return out.flatten(0, 1)
+            index, longest = plan.gather_index(), max(lens)
+            kv_shape = (len(lens), plan.max_pages * page_size, num_kv_heads, head_dim)
+            k_padded = self.workspace.gather("k", k_cache, index).view(kv_shape)[:, :longest]
+            v_padded = self.workspace.gather("v", v_cache, index).view(kv_shape)[:, :longest]
+            bias, is_causal = plan.mask(None, n, sliding_window, _matmul_branch(len(lens), n * group, logit_cap))
+            return attend(q.view(len(lens), n, *q.shape[1:]), k_padded, v_padded, bias, is_causal,
+                          *options).flatten(0, 1)
         out = q.new_empty(q.shape)
-        tables = block_table.tolist()
-        k_buffer, v_buffer = (self.workspace.get(role, k_cache, max_pages) for role in ("k", "v"))
         for i, length in enumerate(lens):
-            start, end = cu[i], cu[i + 1]
+            start, end = plan.cu[i], plan.cu[i + 1]
             if start == end:
                 continue
-            pages = tables[i][: -(-length // page_size)]
-            lengths = torch.tensor([length])
-            out[start:end] = attend(q[None, start:end], request_kv(k_cache, pages, length, k_buffer)[None],
-                                    request_kv(v_cache, pages, length, v_buffer)[None], lengths - (end - start),
-                                    lengths, *options)[0]
+            first, index = plan.request(i)
+            kv = []
+            for role, cache in (("k", k_cache), ("v", v_cache)):
+                if first is not None:  # consecutive pages: a view of the cache
+                    rows = cache.view(-1, num_kv_heads, head_dim)[first * page_size : first * page_size + length]
+                else:
+                    rows = self.workspace.gather(role, cache, index).flatten(0, 1)[:length]
+                kv.append(rows[None])
+            bias, is_causal = plan.mask(i, end - start, sliding_window, _matmul_branch(1, (end - start) * group,
+                                                                                      logit_cap))
+            out[start:end] = attend(q[None, start:end], *kv, bias, is_causal, *options)[0]
         return out
 
     def decode(self, *args):
