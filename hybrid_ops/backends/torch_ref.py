@@ -121,7 +121,8 @@ def attend(q, k, v, bias, is_causal, scale, logit_cap):
     """Attention of B requests' new tokens over their K/V, computed in fp32 at least.
 
     q: [B, n, Hq, D]; k, v: [B, L, Hkv, D] (rows a query must not see are masked by `bias`);
-    bias: [B, 1, n, L] float32 added to the scores, or None; is_causal: the plain causal mask instead (n == L).
+    bias: [B, 1, n, L] float32 added to the scores, or None; is_causal: SDPA's plain causal mask instead (n == L;
+    the matmul branch takes its causal mask as a bias, see `StepPlan.mask`).
     Returns [B, n, Hq, D] in q's dtype.
     """
     batch, n, num_q_heads, head_dim = q.shape
@@ -136,8 +137,6 @@ def attend(q, k, v, bias, is_causal, scale, logit_cap):
         scores = torch.matmul(q_rows, k_t.transpose(2, 3)).mul_(scale)
         if logit_cap > 0:
             scores = logit_cap * torch.tanh(scores / logit_cap)
-        if is_causal:
-            bias = torch.full((n, n), float("-inf"), device=q.device).triu_(1)
         if bias is not None:  # [B, 1, n, L] against the scores' [B, Hkv, n, group, L]
             scores.view(batch, num_kv_heads, n, group, -1).add_(bias[:, :, :, None])
         out = torch.matmul(scores.softmax(dim=-1), v_t).view(batch, num_kv_heads, n, group, head_dim)
