@@ -38,7 +38,8 @@ class StepPlan:
     key: what else it depends on (T, the caches' shape, dtype and device, decode, determinism).
     """
 
-    def __init__(self, key, cu_seqlens_q, seq_lens, block_table, num_tokens, num_pages, page_size, decode):
+    def __init__(self, key, cu_seqlens_q, seq_lens, block_table, num_tokens, k_cache, decode):
+        num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
         self.key = key
         self.metadata = (cu_seqlens_q.clone(), seq_lens.clone(), block_table.clone())
         self.cu, self.lens = check_metadata_values(cu_seqlens_q, seq_lens, block_table, num_tokens, num_pages,
@@ -46,6 +47,10 @@ class StepPlan:
         self.slots = new_token_slots(cu_seqlens_q, seq_lens, block_table, num_tokens, page_size)  # [T] int64
         self.page_size = page_size
         self.max_pages = -(-max(self.lens, default=0) // page_size)
+        row_bytes = num_kv_heads * head_dim * k_cache.element_size()
+        gather_bytes = 2 * len(self.lens) * self.max_pages * page_size * row_bytes
+        # Padding changes a request's reduction, so the batch-invariant (deterministic) mode never batches.
+        self.batched = decode and gather_bytes <= BATCHED_DECODE_BYTES and not deterministic_enabled()
         self.device = block_table.device
         self._masks, self._requests, self._tables, self._gather_index = {}, {}, None, None
 
@@ -169,15 +174,14 @@ class TorchBackend:
         key = (num_tokens, k_cache.shape, k_cache.dtype, k_cache.device, decode, deterministic_enabled())
         plan = self._plan
         if plan is None or not plan.matches(key, cu_seqlens_q, seq_lens, block_table):
-            plan = StepPlan(key, cu_seqlens_q, seq_lens, block_table, num_tokens, k_cache.shape[0],
-                            k_cache.shape[1], decode)
+            plan = StepPlan(key, cu_seqlens_q, seq_lens, block_table, num_tokens, k_cache, decode)
             self._plan = plan
             self.plans_made += 1
         return plan
 
     def prefill(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
                 logit_cap, decode=False):
-        num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
+        _, page_size, num_kv_heads, head_dim = k_cache.shape
         plan = self.step_plan(cu_seqlens_q, seq_lens, block_table, q.shape[0], k_cache, decode)
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slots, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slots, v)
@@ -186,9 +190,7 @@ class TorchBackend:
             return q.new_empty(q.shape)
         group = q.shape[1] // num_kv_heads
         options = (scale, logit_cap)
-        gather_bytes = 2 * len(lens) * plan.max_pages * page_size * num_kv_heads * head_dim * k_cache.element_size()
-        # Padding changes a request's reduction, so the batch-invariant (deterministic) mode never batches.
-        if decode and gather_bytes <= BATCHED_DECODE_BYTES and not deterministic_enabled():
+        if plan.batched:
             n = q.shape[0] // len(lens)
             index, longest = plan.gather_index(), max(lens)
             kv_shape = (len(lens), plan.max_pages * page_size, num_kv_heads, head_dim)
