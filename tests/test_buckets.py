@@ -168,5 +168,5 @@ def test_generator_pads_every_step_to_a_bucket():
         assert positions == ids and rows == seq_lens and cu_seqlens_q == (bs + 1,) and block_table == (bs, 10)
         assert bs in padded.batch_sizes and (num_tokens in padded.num_tokens or num_tokens == bs)
         used.add((num_tokens, bs))
-    assert len(set(shapes)) == len(used) <= 9 < len(set(plain_shapes))
+    assert len(set(shapes)) == len(used) < len(set(plain_shapes))
     assert padded.cache.num_free_pages == padded.cache.num_pages
