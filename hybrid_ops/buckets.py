@@ -37,7 +37,7 @@ def batch_buckets(max_batch_size: int):
 
 def token_buckets(max_num_tokens: int):
     """Token counts: 1, 2, 4, 8, then powers of two and their halfway points (16, 24, 32, 48, 64, 96, ...), up to
-    and ending at `max_num_tokens`; a step pads by less than half its tokens."""
+    and ending at `max_num_tokens`; a step pads by less than half its bucket."""
     sizes, size = [1, 2, 4, 8], 16
     while size < max_num_tokens:
         sizes += [size, size * 3 // 2]
@@ -53,12 +53,12 @@ def bucket_for(buckets, size: int) -> int:
     raise HybridInputError(f"size {size} is larger than the largest bucket {buckets[-1]}")
 
 
-def padding_q_lens(q_lens, forward_mode, batch_sizes, num_tokens, max_q_len: int):
+def padding_q_lens(q_lens, forward_mode, batch_sizes, token_counts, max_q_len: int):
     """The query lengths of the padding requests that bring a step to buckets.
 
     q_lens: the real requests' query lengths (host ints). In `UNIFORM_MODES` each padding request has the real
     query length (1 for DECODE, the draft length for TARGET_VERIFY; 0 for IDLE) and the batch pads to
-    `bucket_for(batch_sizes, B)`. Otherwise the tokens pad to `bucket_for(num_tokens, T)`, spread evenly over the
+    `bucket_for(batch_sizes, B)`. Otherwise the tokens pad to `bucket_for(token_counts, T)`, spread evenly over the
     padding requests of the smallest batch bucket that has room for them, at most `max_q_len` each (what the
     block table's width holds).
     """
@@ -66,7 +66,7 @@ def padding_q_lens(q_lens, forward_mode, batch_sizes, num_tokens, max_q_len: int
     if ForwardMode(forward_mode) in UNIFORM_MODES:
         q_len = q_lens[0] if q_lens else int(forward_mode == ForwardMode.DECODE)
         return [q_len] * (bucket_for(batch_sizes, num_requests) - num_requests)
-    extra = bucket_for(num_tokens, sum(q_lens)) - sum(q_lens)
+    extra = bucket_for(token_counts, sum(q_lens)) - sum(q_lens)
     for batch_size in batch_sizes:
         count = batch_size - num_requests
         if count >= 0 and (extra == 0 or (count > 0 and -(-extra // count) <= max_q_len)):

@@ -71,9 +71,10 @@ class HybridGenerator:
         self._step_type, self._backends = HybridStep, (prefill_backend, decode_backend)
         self.cuda_graphs = cuda_graphs
         max_tokens = prefill_chunk + max_batch_size  # a prefill budget plus every other request's decode token
-        # Room for padding requests of at most a table's capacity each, holding the padding of any step.
-        self.num_tokens, self.batch_sizes = token_buckets(max_tokens), batch_buckets(
-            max_batch_size + -(-max_tokens // (pages_per_request * page_size)))
+        self.token_counts = token_buckets(max_tokens)
+        # Room for the padding requests of any step, each holding at most a block-table row's capacity.
+        max_padding_requests = -(-max_tokens // (pages_per_request * page_size))
+        self.batch_sizes = batch_buckets(max_batch_size + max_padding_requests)
         mode = "reduce-overhead" if cuda_graphs and param.device.type == "cuda" else None
         self.forward = torch.compile(self._forward, fullgraph=True, dynamic=True, mode=mode) if compile \
             else self._forward
@@ -158,7 +159,7 @@ class HybridGenerator:
         id 0 at position 0, and the logits rows repeated up to the padded batch size (only the first len(rows) are
         sampled). counts: the real requests' token counts; tokens, positions, rows: host lists."""
         capacity = self.cache.max_pages_per_request * self.cache.page_size
-        pad = padding_q_lens(counts, batch.forward_mode, self.batch_sizes, self.num_tokens, capacity)
+        pad = padding_q_lens(counts, batch.forward_mode, self.batch_sizes, self.token_counts, capacity)
         batch = pad_batch(batch, pad, self.cache.scratch_page, self.cache.page_size)
         extra = [0] * sum(pad)
         return batch, tokens + extra, positions + extra, rows + rows[-1:] * (batch.batch_size - len(rows))

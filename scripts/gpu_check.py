@@ -9,7 +9,8 @@
    the KV writes landing in the caller's cache.
 3. The demo model through HybridGenerator with cuda_graphs=True (every step padded to a bucket, compiled with
    mode="reduce-overhead") against the same run without graphs: CUDA graphs recorded, "skipping cudagraphs" reasons
-   (none expected), tokens/s of each, identical tokens. On the CPU (--smoke) the padding path runs without graphs.
+   (none expected), tokens/s of each, identical tokens. On the CPU the padding path runs without graphs (and with
+   --smoke, without compiling: tests/test_buckets.py covers the compiled padding path).
 4. Decode (batch 1/16/64 x context 1k/4k/32k) and prefill (512/4k new tokens, prefix 0/2k) at Hq 32, Hkv 8, D 128,
    bf16, page 16: KV bandwidth and TFLOP/s against the copy bandwidth and bf16 matmul rate measured in this run.
 """
@@ -156,7 +157,8 @@ def check_generator_graphs(device, smoke, report):
         counters.clear()
         generator = hybrid_ops.HybridGenerator(model, max_batch_size=len(prompts),
                                                max_seq_len=max(map(len, prompts)) + new_tokens, prefill_chunk=1024,
-                                               prefill_backend=backend, decode_backend=backend, cuda_graphs=graphs)
+                                               prefill_backend=backend, decode_backend=backend, cuda_graphs=graphs,
+                                               compile=device == "cuda" or not smoke)
         generator.generate(prompts, new_tokens)  # compiles and, with graphs, records them
         warm = count_cuda_graphs() if device == "cuda" else 0
         stats = hybrid_ops.GenerationStats()
