@@ -48,8 +48,8 @@ class HybridGenerator:
     kept across `generate` calls, so later runs neither allocate nor recompile.
     `cuda_graphs=True` pads every step to a bucket of requests and tokens (padding requests write only the cache's
     scratch page) and, on CUDA, compiles with `mode="reduce-overhead"`; on other devices the same padding runs
-    under a plain compile. The backends must then be CUDA-graph safe ("triton"; "auto" picks it on CUDA unless
-    FlashInfer is installed, whose plan the forward does not make outside the graph).
+    under a plain compile. The backends must then be CUDA-graph safe: "triton" ("auto" picks FlashInfer when it is
+    installed, which plans on the host, and this forward does not keep its plan out of the graph).
     """
 
     def __init__(self, model, max_batch_size: int = 8, max_seq_len: int = 1024, page_size: int = 16,
@@ -129,7 +129,7 @@ class HybridGenerator:
             num_rows = len(rows)
             if self.cuda_graphs:
                 meta, tokens, positions, rows = self._pad(meta, counts, tokens, positions, rows)
-                torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are read: a new step
+                torch.compiler.cudagraph_mark_step_begin()  # the last step's logits are read: graphs may reuse them
             logits = self.forward(torch.tensor([tokens], device=self.device),
                                   torch.tensor([positions], device=self.device),
                                   torch.tensor(rows, device=self.device), int(mode), *meta.metadata)

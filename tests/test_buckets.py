@@ -170,3 +170,6 @@ def test_generator_pads_every_step_to_a_bucket():
         used.add((num_tokens, bs))
     assert len(set(shapes)) == len(used) < len(set(plain_shapes))
     assert padded.cache.num_free_pages == padded.cache.num_pages
+    sampled = dict(do_sample=True, temperature=0.8, seed=3)
+    eager_padded = HybridGenerator(model, compile=False, cuda_graphs=True, **options)
+    assert eager_padded.generate(prompts, 8, **sampled) == plain.generate(prompts, 8, **sampled)
