@@ -43,6 +43,10 @@ def test_padding_q_lens():
     assert padding_q_lens([4, 4], ForwardMode.EXTEND, [2, 3], [8], 1) == []
     with pytest.raises(HybridInputError, match="11 padding tokens for 2 requests fit no batch bucket up to 3"):
         padding_q_lens([20, 1], ForwardMode.EXTEND, [2, 3], [32], 8)
+    batch = ForwardBatch(ForwardMode.EXTEND, *make_case([3], [2], page_size=PAGE).args[5:])
+    with pytest.raises(HybridInputError, match="a padding request of 13 tokens exceeds block_table's capacity of "
+                                               "3 pages x 4 tokens"):
+        pad_batch(batch, [13], 9, PAGE)
 
 
 def padded_case(mode, seed):
