@@ -76,8 +76,7 @@ def test_padding_changes_no_real_output_or_page(backend, mode, spec):
         assert num_real + extra in NUM_TOKENS
     options = dict(prefill_backend=backend, decode_backend=backend, speculative_attention_mode=spec,
                    sliding_window=7)
-    caches = {}
-    outs = {}
+    caches, outs = {}, {}
     for name, batch, rows in (("real", real, 0), ("padded", padded, extra)):
         k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
         q, k, v = (torch.cat([t, torch.randn(rows, *t.shape[1:])]) for t in (case.q, case.k, case.v))
