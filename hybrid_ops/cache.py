@@ -15,10 +15,13 @@ class PagedKVCache:
     A request's pages are the same in every layer; `block_table` rows are `max_pages_per_request` wide.
     The caches' sizes and the table's width are marked static: under `dynamic=True` Dynamo would otherwise unify
     a token count that happens to equal one of them (duck sizing) and recompile when they differ.
+    With `reserve_scratch=True` the caches hold one more page, `scratch_page` (id `num_pages`), which no request is
+    ever given: padding requests (`hybrid_ops.buckets`) point every block-table column at it.
     """
 
     def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, num_layers: int = 1,
-                 max_pages_per_request: int | None = None, dtype=torch.float32, device="cpu"):
+                 max_pages_per_request: int | None = None, dtype=torch.float32, device="cpu",
+                 reserve_scratch: bool = False):
         for name, value in (("num_pages", num_pages), ("page_size", page_size), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim), ("num_layers", num_layers)):
             if not (isinstance(value, int) and value > 0):
@@ -26,7 +29,8 @@ class PagedKVCache:
         self.page_size = page_size
         self.num_pages = num_pages
         self.max_pages_per_request = max_pages_per_request or num_pages
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        self.scratch_page = num_pages if reserve_scratch else None
+        shape = (num_pages + reserve_scratch, page_size, num_kv_heads, head_dim)
         self.k_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         for t in self.k_caches + self.v_caches:

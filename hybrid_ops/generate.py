@@ -3,7 +3,8 @@
 Every step packs the running requests into one sequence: prompts are prefilled in chunks, generated tokens are
 decoded one per request, and the two mix (MIXED) when new requests join while others decode. Finished requests
 free their pages and waiting ones take their place. One compiled forward (`fullgraph=True, dynamic=True`) serves
-every step and mode.
+every step and mode. With `cuda_graphs=True` every step is padded to a bucket (`hybrid_ops.buckets`) and, on CUDA,
+the forward is compiled with `mode="reduce-overhead"`: one CUDA graph per bucket and mode, not per batch.
 """
 
 import time
@@ -13,6 +14,7 @@ from itertools import accumulate
 
 import torch
 
+from .buckets import batch_buckets, pad_batch, padding_q_lens, token_buckets
 from .cache import PagedKVCache
 from .errors import HybridInputError
 from .modes import ForwardMode
@@ -44,11 +46,15 @@ class HybridGenerator:
 
     The paged cache holds `max_batch_size` requests of up to `max_seq_len` tokens; it and the compiled forward are
     kept across `generate` calls, so later runs neither allocate nor recompile.
+    `cuda_graphs=True` pads every step to a bucket of requests and tokens (padding requests write only the cache's
+    scratch page) and, on CUDA, compiles with `mode="reduce-overhead"`; on other devices the same padding runs
+    under a plain compile. The backends must then be CUDA-graph safe: "triton" ("auto" picks FlashInfer when it is
+    installed, which plans on the host, and this forward does not keep its plan out of the graph).
     """
 
     def __init__(self, model, max_batch_size: int = 8, max_seq_len: int = 1024, page_size: int = 16,
                  prefill_chunk: int = 256, compile: bool = True, prefill_backend: str = "auto",
-                 decode_backend: str = "auto"):
+                 decode_backend: str = "auto", cuda_graphs: bool = False):
         from .integrations.transformers import HybridStep
 
         config = model.config.get_text_config()
@@ -60,9 +66,18 @@ class HybridGenerator:
         param = next(model.parameters())
         self.cache = PagedKVCache(max_batch_size * pages_per_request, page_size, config.num_key_value_heads,
                                   head_dim, num_layers=config.num_hidden_layers,
-                                  max_pages_per_request=pages_per_request, dtype=param.dtype, device=param.device)
+                                  max_pages_per_request=pages_per_request, dtype=param.dtype, device=param.device,
+                                  reserve_scratch=cuda_graphs)
         self._step_type, self._backends = HybridStep, (prefill_backend, decode_backend)
-        self.forward = torch.compile(self._forward, fullgraph=True, dynamic=True) if compile else self._forward
+        self.cuda_graphs = cuda_graphs
+        max_tokens = prefill_chunk + max_batch_size  # a prefill budget plus every other request's decode token
+        self.token_counts = token_buckets(max_tokens)
+        # Room for the padding requests of any step, each holding at most a block-table row's capacity.
+        max_padding_requests = -(-max_tokens // (pages_per_request * page_size))
+        self.batch_sizes = batch_buckets(max_batch_size + max_padding_requests)
+        mode = "reduce-overhead" if cuda_graphs and param.device.type == "cuda" else None
+        self.forward = torch.compile(self._forward, fullgraph=True, dynamic=True, mode=mode) if compile \
+            else self._forward
         self.device = param.device
 
     def _forward(self, input_ids, position_ids, logits_index, forward_mode: int, cu_seqlens_q, seq_lens,
@@ -111,10 +126,14 @@ class HybridGenerator:
             # At least one row even when no request samples (a long prompt mid-chunk): Dynamo gives size 0 a graph
             # of its own, which a later run could meet for the first time.
             rows = [ends[i] - 1 for i, s in enumerate(sampled) if s] or [ends[-1] - 1]
+            num_rows = len(rows)
+            if self.cuda_graphs:
+                meta, tokens, positions, rows = self._pad(meta, counts, tokens, positions, rows)
+                torch.compiler.cudagraph_mark_step_begin()  # the last step's logits are read: graphs may reuse them
             logits = self.forward(torch.tensor([tokens], device=self.device),
                                   torch.tensor([positions], device=self.device),
                                   torch.tensor(rows, device=self.device), int(mode), *meta.metadata)
-            next_tokens = iter(_sample(logits, do_sample, temperature, top_k, generator).tolist())
+            next_tokens = iter(_sample(logits[:num_rows], do_sample, temperature, top_k, generator).tolist())
             stats.steps[mode.name] += 1
             for request, chunk in batch:
                 if chunk is not None:
@@ -134,6 +153,16 @@ class HybridGenerator:
         bar.close()
         stats.seconds += time.perf_counter() - start
         return results
+
+    def _pad(self, batch, counts, tokens, positions, rows):
+        """The step padded to buckets: padding requests over the scratch page (`buckets.pad_batch`), their tokens
+        id 0 at position 0, and the logits rows repeated up to the padded batch size (only the first len(rows) are
+        sampled). counts: the real requests' token counts; tokens, positions, rows: host lists."""
+        capacity = self.cache.max_pages_per_request * self.cache.page_size
+        pad = padding_q_lens(counts, batch.forward_mode, self.batch_sizes, self.token_counts, capacity)
+        batch = pad_batch(batch, pad, self.cache.scratch_page, self.cache.page_size)
+        extra = [0] * sum(pad)
+        return batch, tokens + extra, positions + extra, rows + rows[-1:] * (batch.batch_size - len(rows))
 
     def _schedule(self, running):
         """This step's (request, prompt chunk or None for a decode token) pairs, its mode, and which are sampled."""
@@ -190,11 +219,11 @@ def _progress_bar(total, enabled):
 def generate(model, prompts, max_new_tokens: int, **kwargs):
     """One-call generation: `HybridGenerator(model, ...)` with sizes fitted to `prompts`, then `.generate`.
 
-    Keyword arguments of `HybridGenerator` (max_batch_size, page_size, prefill_chunk, compile, backends) go to it,
-    the rest to `generate`. Reuse a `HybridGenerator` to keep its compiled forward across calls.
+    Keyword arguments of `HybridGenerator` (max_batch_size, page_size, prefill_chunk, compile, backends,
+    cuda_graphs) go to it, the rest to `generate`. Reuse a `HybridGenerator` to keep its compiled forward across calls.
     """
     init_keys = ("max_batch_size", "max_seq_len", "page_size", "prefill_chunk", "compile", "prefill_backend",
-                 "decode_backend")
+                 "decode_backend", "cuda_graphs")
     init = {k: kwargs.pop(k) for k in init_keys if k in kwargs}
     init.setdefault("max_seq_len", max(len(p) for p in prompts) + max_new_tokens)
     init.setdefault("max_batch_size", len(prompts))

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .backends import check_backend_name
+from .buckets import pad_batch
 from .errors import HybridInputError
 from .metadata import ForwardBatch
 from .modes import ForwardMode, check_speculative_attention_mode, select_path
@@ -37,6 +38,7 @@ class PhaseBackend:
         self.backend = backend
         self.forward_batch = None
         self.graph_buffers = None  # (cu_seqlens_q [max_bs + 1], seq_lens [max_bs], block_table [max_bs, max_pages])
+        self.captured_num_tokens = {}  # bs -> num_tokens of its capture
 
     def init_forward_metadata(self, forward_batch):
         self.forward_batch = forward_batch
@@ -58,21 +60,30 @@ class PhaseBackend:
         """Point the metadata at the static buffers for a capture of `bs` requests with `num_tokens` tokens."""
         batch = self._graph_batch(bs, forward_mode)
         batch.cu_seqlens_q.copy_(torch.arange(bs + 1, dtype=torch.int32) * (num_tokens // max(bs, 1)))
+        self.captured_num_tokens[bs] = num_tokens
         self.forward_batch = batch
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, forward_batch):
         """Copy a real batch's metadata into the static buffers, in place, before replaying the graph.
 
-        The batch must have the captured size: padding it with dummy requests would write their tokens into a
-        page that a real request owns.
+        A batch of B < bs requests is padded to bs (`buckets.pad_batch`) with requests of the captured query length
+        (num_tokens // bs) over the cache's scratch page: the graph's q/k/v have bs * that many rows, of which the
+        first T (the real tokens) are the outputs to keep.
         """
-        if forward_batch.batch_size != bs:
-            raise HybridInputError(f"forward_batch has {forward_batch.batch_size} requests, the graph was captured "
-                                   f"for bs = {bs}")
+        padding = bs - forward_batch.batch_size
+        if padding < 0:
+            raise HybridInputError(f"forward_batch has {forward_batch.batch_size} requests, more than the graph's "
+                                   f"bs = {bs}")
+        if padding and (self.kv_cache.scratch_page is None or bs not in self.captured_num_tokens):
+            raise HybridInputError(f"forward_batch has {forward_batch.batch_size} requests and the graph bs = {bs}: "
+                                   "padding it needs PagedKVCache(reserve_scratch=True) and a capture of that bs")
+        q_len = self.captured_num_tokens.get(bs, 0) // max(bs, 1)
+        padded = pad_batch(forward_batch, [q_len] * padding, self.kv_cache.scratch_page, self.kv_cache.page_size,
+                           self.get_cuda_graph_seq_len_fill_value())
         batch = self._graph_batch(bs, forward_batch.forward_mode)
-        batch.cu_seqlens_q.copy_(forward_batch.cu_seqlens_q)
-        batch.seq_lens.copy_(forward_batch.seq_lens)
-        batch.block_table[:, : forward_batch.block_table.shape[1]].copy_(forward_batch.block_table)
+        batch.cu_seqlens_q.copy_(padded.cu_seqlens_q)
+        batch.seq_lens.copy_(padded.seq_lens)
+        batch.block_table[:, : padded.block_table.shape[1]].copy_(padded.block_table)
         self.forward_batch = batch
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
