@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends import check_backend_name
+from .backends import check_backend_name, get_backend
 from .errors import HybridInputError
 from .metadata import ForwardBatch
 from .modes import ForwardMode, check_speculative_attention_mode, select_path
@@ -59,6 +59,7 @@ class PhaseBackend:
         batch = self._graph_batch(bs, forward_mode)
         batch.cu_seqlens_q.copy_(torch.arange(bs + 1, dtype=torch.int32) * (num_tokens // max(bs, 1)))
         self.forward_batch = batch
+        self._plan_cuda_graph(batch)
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, forward_batch):
         """Copy a real batch's metadata into the static buffers, in place, before replaying the graph.
@@ -74,6 +75,17 @@ class PhaseBackend:
         batch.seq_lens.copy_(forward_batch.seq_lens)
         batch.block_table[:, : forward_batch.block_table.shape[1]].copy_(forward_batch.block_table)
         self.forward_batch = batch
+        self._plan_cuda_graph(batch)
+
+    def _plan_cuda_graph(self, batch):
+        """Outside the graph, before capture and replay: a backend that plans (FlashInfer) plans the static metadata
+        into the buffers the graph reads (`plan_cuda_graph`); the others need nothing."""
+        k_cache = self.kv_cache.k_caches[0]
+        impl = get_backend(self.backend, k_cache.new_empty((0, 1, k_cache.shape[-1])))
+        if hasattr(impl, "plan_cuda_graph"):
+            # The path of the op the layers call: forward_decode for DECODE (and IDLE), forward_extend otherwise.
+            path = "decode" if batch.forward_mode.is_decode_or_idle() else "prefill"
+            impl.plan_cuda_graph(path, k_cache, *batch.metadata)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         # Capture runs with every request at length 1: one valid position, nothing out of range.
