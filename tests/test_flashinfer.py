@@ -104,7 +104,6 @@ class Kernels:
              window_left, *fa2_options):
         if capturing():
             raise RuntimeError("operation not permitted when stream is capturing")
-        assert all(t.device.type == "cpu" for t in (qo_indptr, kv_indptr, kv_lens))
         return [total_num_rows, batch_size, num_qo_heads, num_kv_heads, page_size, cuda_graph, head_dim_qk,
                 head_dim_vo, causal, window_left, *fa2_options]
 
@@ -150,10 +149,10 @@ def flashinfer_on_cpu(monkeypatch):
     kernels = Kernels()
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *args, pin_memory=False, **kwargs: empty(*args, **kwargs))
-    for module in (flashinfer.utils, flashinfer.decode, flashinfer.prefill):
+    for module in (flashinfer.utils, flashinfer.decode, flashinfer.prefill):  # each holds its own reference
         monkeypatch.setattr(module, "get_compute_capability", lambda device: (9, 0))  # an H200
-        monkeypatch.setattr(module, "is_sm90a_supported", lambda device: True, raising=False)
-        monkeypatch.setattr(module, "device_support_pdl", lambda device: True, raising=False)
+        monkeypatch.setattr(module, "device_support_pdl", lambda device: True)
+    monkeypatch.setattr(flashinfer.utils, "is_sm90a_supported", lambda device: True)
     for module in (flashinfer.decode, flashinfer.prefill):
         monkeypatch.setattr(module, "get_batch_prefill_module", lambda backend, *args: kernels)
     monkeypatch.setattr(flashinfer.decode.BatchDecodeWithPagedKVCacheWrapper, "_auto_prefers_cudnn",
@@ -219,7 +218,7 @@ def test_requests_without_new_tokens(flashinfer_on_cpu, mode, spec):
 def test_one_plan_per_variant(flashinfer_on_cpu, path):
     """Six layers alternating windows and soft-caps (four variants): four plans a step, each layer run with its own
     variant's window, cap and scale."""
-    backend, kernels = flashinfer_on_cpu
+    backend, _ = flashinfer_on_cpu
     layers = [dict(sliding_window=5 if i % 2 else -1, logit_cap=0.0 if i % 3 else 2.0) for i in range(6)]
     q_lens = [1, 1, 1] if path == "decode" else [4, 0, 6]
     for step in range(2):  # the second step: longer requests, new metadata tensors
@@ -228,7 +227,6 @@ def test_one_plan_per_variant(flashinfer_on_cpu, path):
             out = getattr(backend, path)(*case.args, 0.2, layer["sliding_window"], layer["logit_cap"])
             assert_close(out, reference(case, scale=0.2, **layer), torch.bfloat16)
         assert backend.plans_made == 4 * (step + 1)
-    assert len({id(run["plan_info"]) for run in kernels.runs}) == len(kernels.runs)
 
 
 def test_plan_op_before_the_layers(flashinfer_on_cpu):

@@ -114,7 +114,11 @@ class FlashInferBackend:
 
     def plan(self, path, q_dtype, num_q_heads, k_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
              logit_cap, cuda_graph=False):
-        """Plan one variant of this step; with `cuda_graph`, this batch shape takes CUDA-graph wrappers from now on."""
+        """Plan one variant of this step; with `cuda_graph`, this batch shape takes CUDA-graph wrappers from now on.
+
+        k_cache: [num_pages, page_size, Hkv, D]; cu_seqlens_q: [B + 1], seq_lens: [B], block_table: [B, max_pages],
+        int32 (our metadata). Reads T = cu_seqlens_q[-1] to the host, as FlashInfer's plan reads the metadata.
+        """
         variant = _Variant.of(path, q_dtype, num_q_heads, k_cache, scale, sliding_window, logit_cap)
         num_tokens = int(cu_seqlens_q[-1])  # planning reads the metadata to the host anyway
         if cuda_graph:
