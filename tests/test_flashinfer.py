@@ -260,7 +260,7 @@ GRAPH_STEPS = {  # (mode, speculative_attention_mode, q_lens): the same B and T 
     "decode": (ForwardMode.DECODE, "prefill", [1, 1, 1]),
     "verify-decode": (ForwardMode.TARGET_VERIFY, "decode", [3, 3, 3]),
     "verify-prefill": (ForwardMode.TARGET_VERIFY, "prefill", [3, 3, 3]),
-    "extend": (ForwardMode.EXTEND, "prefill", [5, 2, 0]),
+    "extend": (ForwardMode.EXTEND, "prefill", [70, 2, 0]),  # past 64 query rows FlashInfer plans FA3 on an H200
 }
 
 
@@ -271,8 +271,8 @@ def test_cuda_graph_replays(flashinfer_on_cpu, monkeypatch, mode, spec, q_lens):
     graph and replay the captured calls. Those read the CUDA-graph wrappers' fixed buffers, so each replay attends
     over its own step's batch (block tables padded with -1), with the plan info of the capture."""
     backend, kernels = flashinfer_on_cpu
-    windows, width = (-1, 5), 8
-    k_cache = torch.zeros(40, 4, 2, D, dtype=torch.float16)
+    windows, width = (-1, 5), 24
+    k_cache = torch.zeros(48, 4, 2, D, dtype=torch.float16)
     v_cache = torch.zeros_like(k_cache)
 
     def load(seed):
