@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends import check_backend_name
+from .backends import check_backend_name, get_backend
 from .buckets import pad_batch
 from .errors import HybridInputError
 from .metadata import ForwardBatch
@@ -59,9 +59,16 @@ class PhaseBackend:
     def init_forward_metadata_capture_cuda_graph(self, bs: int, num_tokens: int, forward_mode):
         """Point the metadata at the static buffers for a capture of `bs` requests with `num_tokens` tokens."""
         batch = self._graph_batch(bs, forward_mode)
-        batch.cu_seqlens_q.copy_(torch.arange(bs + 1, dtype=torch.int32) * (num_tokens // max(bs, 1)))
+        q_len = num_tokens // max(bs, 1)
+        batch.cu_seqlens_q.copy_(torch.arange(bs + 1, dtype=torch.int32) * q_len)
+        # Each request holds at least its own tokens (FlashInfer's multi-token decode plan checks it), over the
+        # scratch page when there is one, so the warm-up run before a capture writes no request's page.
+        batch.seq_lens.fill_(max(self.get_cuda_graph_seq_len_fill_value(), q_len))
+        if self.kv_cache.scratch_page is not None:
+            batch.block_table.fill_(self.kv_cache.scratch_page)
         self.captured_num_tokens[bs] = num_tokens
         self.forward_batch = batch
+        self._plan_cuda_graph(batch)
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, forward_batch):
         """Copy a real batch's metadata into the static buffers, in place, before replaying the graph.
@@ -85,6 +92,17 @@ class PhaseBackend:
         batch.seq_lens.copy_(padded.seq_lens)
         batch.block_table[:, : padded.block_table.shape[1]].copy_(padded.block_table)
         self.forward_batch = batch
+        self._plan_cuda_graph(batch)
+
+    def _plan_cuda_graph(self, batch):
+        """Outside the graph, before capture and replay: a backend that plans (FlashInfer) plans the static metadata
+        into the buffers the graph reads (`plan_cuda_graph`); the others need nothing."""
+        k_cache = self.kv_cache.k_caches[0]
+        impl = get_backend(self.backend, k_cache.new_empty((0, 1, k_cache.shape[-1])))
+        if hasattr(impl, "plan_cuda_graph"):
+            # The path of the op the layers call: forward_decode for DECODE (and IDLE), forward_extend otherwise.
+            path = "decode" if batch.forward_mode.is_decode_or_idle() else "prefill"
+            impl.plan_cuda_graph(path, k_cache, *batch.metadata)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         # Capture runs with every request at length 1: one valid position, nothing out of range.

@@ -4,7 +4,8 @@
     torch.ops.hybrid.decode   the same query length for every request (1 for DECODE, the draft length for verify)
     torch.ops.hybrid.attn     routes by `forward_mode` (the table is `modes.ROUTING`)
     torch.ops.hybrid.plan     the step's host-side planning for backends that plan (FlashInfer), kept out of
-                              CUDA graphs (`Tag.cudagraph_unsafe`); a no-op for the others
+                              CUDA graphs (`Tag.cudagraph_unsafe`); `cuda_graph=True` plans into the fixed
+                              buffers a CUDA graph replays; a no-op for the others
 
 Each op writes the new k, v into the paged cache (declared as mutated, `Tensor(a!)`, so torch.compile calls it on
 the caller's cache without a copy), then attends. `Library.define` + `impl` keeps the eager dispatch cost to a few
@@ -32,7 +33,7 @@ SCHEMAS = {
     # Host-side planning for the step (FlashInfer), outside CUDA graphs: k_cache gives device, layout and head dim.
     "plan": "plan(Tensor k_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, SymInt forward_mode, "
             f"*, ScalarType q_dtype, int num_q_heads, {_OPTIONS}, str prefill_backend=\"auto\", "
-            "str decode_backend=\"auto\", str speculative_attention_mode=\"prefill\") -> ()",
+            "str decode_backend=\"auto\", str speculative_attention_mode=\"prefill\", bool cuda_graph=False) -> ()",
 }
 
 lib = torch.library.Library("hybrid", "DEF")
@@ -118,20 +119,23 @@ def _attn_fake(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, f
 
 def _plan(k_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, *, q_dtype, num_q_heads, scale=None,
           sliding_window=-1, logit_cap=0.0, prefill_backend="auto", decode_backend="auto",
-          speculative_attention_mode="prefill"):
-    """Plan the step for the backend that `forward_mode` routes to; a no-op for backends that do not plan."""
+          speculative_attention_mode="prefill", cuda_graph=False):
+    """Plan the step for the backend that `forward_mode` routes to; a no-op for backends that do not plan.
+
+    With `cuda_graph`, the plan goes into the CUDA-graph buffers of this batch shape (B, T), which a graph captured
+    after it replays: call it before every replay, outside the graph."""
     path, backend, arg = _route(forward_mode, speculative_attention_mode, prefill_backend, decode_backend)
     head_dim = k_cache.shape[-1]
     impl = get_backend(backend, k_cache.new_empty((0, num_q_heads, head_dim), dtype=q_dtype), arg)
     if hasattr(impl, "plan"):
         impl.plan(path, q_dtype, num_q_heads, k_cache, cu_seqlens_q, seq_lens, block_table, _scale(scale, head_dim),
-                  sliding_window, logit_cap)
+                  sliding_window, logit_cap, cuda_graph=cuda_graph)
 
 
 @torch.library.register_fake("hybrid::plan")
 def _plan_fake(k_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, *, q_dtype, num_q_heads, scale=None,
                sliding_window=-1, logit_cap=0.0, prefill_backend="auto", decode_backend="auto",
-               speculative_attention_mode="prefill"):
+               speculative_attention_mode="prefill", cuda_graph=False):
     check_backend_name(prefill_backend, "prefill_backend")
     check_backend_name(decode_backend, "decode_backend")
     check_speculative_attention_mode(speculative_attention_mode)

@@ -3,10 +3,11 @@
     python scripts/gpu_check.py            # on a CUDA machine; writes bench/results/gpu.{md,json}
     python scripts/gpu_check.py --smoke    # tiny sizes, on the CPU too (Triton through its interpreter)
 
-1. Every backend (torch, triton, flashinfer when importable) and mode against the float64 reference.
-2. torch.compile(mode="reduce-overhead") of a module calling torch.ops.hybrid.attn with EXTEND, DECODE and
-   TARGET_VERIFY alternating: CUDA-graph trees must replay it (no "skipping cudagraphs"), with correct outputs and
-   the KV writes landing in the caller's cache.
+1. Every backend (torch, triton, flashinfer when importable) and mode against the float64 reference, with a sliding
+   window and soft-cap; prefill queries up to 100 tokens (FlashInfer's FA3 kernels on an H100/H200 past 64).
+2. torch.compile(mode="reduce-overhead") of a module calling torch.ops.hybrid.plan(cuda_graph=True) then
+   torch.ops.hybrid.attn with EXTEND, DECODE and TARGET_VERIFY alternating: CUDA-graph trees must replay it (no
+   "skipping cudagraphs"), with correct outputs and the KV writes landing in the caller's cache.
 3. The demo model through HybridGenerator with cuda_graphs=True (every step padded to a bucket, compiled with
    mode="reduce-overhead") against the same run without graphs: CUDA graphs recorded, "skipping cudagraphs" reasons
    (none expected), tokens/s of each, identical tokens. On the CPU the padding path runs without graphs (and with
@@ -56,20 +57,21 @@ def available_backends(device):
 
 
 def check_correctness(device, report):
+    # fp32 on the CPU only, where FlashInfer (fp16/bf16, CUDA) does not run.
     dtypes = [torch.bfloat16, torch.float16] + ([torch.float32] if device == "cpu" else [])
+    # On the GPU a prefill query of more than 64 tokens: FlashInfer runs its FA3 kernels there on an H100/H200.
+    long_query = 100 if device == "cuda" else 19
     for backend in available_backends(device):
         for dtype in dtypes:
-            if backend == "flashinfer" and dtype == torch.float32:
-                continue
             for mode in ForwardMode:
                 for spec in ("prefill", "decode"):
                     decode_path = hybrid_ops.select_path(mode, spec) == "decode"
                     q_lens = [] if mode == ForwardMode.IDLE else (
-                        [1 if mode == ForwardMode.DECODE else 3] * 3 if decode_path else [7, 1, 0, 19])
+                        [1 if mode == ForwardMode.DECODE else 3] * 3 if decode_path else [7, 1, 0, long_query])
                     case = make_case(q_lens, [30, 0, 65, 12][: len(q_lens)], num_q_heads=8, num_kv_heads=2,
                                      head_dim=128, page_size=16, dtype=dtype, device=device, seed=int(mode))
                     k_ref, v_ref = expected_cache(case)
-                    options = dict(sliding_window=24, logit_cap=0.0 if backend == "flashinfer" else 20.0)
+                    options = dict(sliding_window=24, logit_cap=20.0)
                     out = torch.ops.hybrid.attn(*case.args, int(mode), **options, prefill_backend=backend,
                                                 decode_backend=backend, speculative_attention_mode=spec)
                     assert_close(out.cpu(), reference(case, **options), dtype)
@@ -89,16 +91,17 @@ def check_cuda_graphs(report):
         counters.clear()
 
         def step(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode: int):
+            # Outside the captured partitions (graph_partition): FlashInfer plans into its CUDA-graph buffers.
             torch.ops.hybrid.plan(k_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, q_dtype=q.dtype,
                                   num_q_heads=q.shape[1], prefill_backend=backend, decode_backend=backend,
-                                  speculative_attention_mode="decode")
+                                  speculative_attention_mode="decode", cuda_graph=True)
             return torch.ops.hybrid.attn(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table,
                                          forward_mode, prefill_backend=backend, decode_backend=backend,
                                          speculative_attention_mode="decode") * 1.0
 
         compiled = torch.compile(step, mode="reduce-overhead", dynamic=False,
                                  options={"graph_partition": True})
-        shapes = {ForwardMode.EXTEND: [9, 30], ForwardMode.DECODE: [1, 1], ForwardMode.TARGET_VERIFY: [4, 4]}
+        shapes = {ForwardMode.EXTEND: [9, 70], ForwardMode.DECODE: [1, 1], ForwardMode.TARGET_VERIFY: [4, 4]}
         # One persistent cache, as a model has: each step's case is copied into its first pages.
         k_cache = torch.zeros(64, 16, 2, 128, dtype=torch.bfloat16, device="cuda")
         v_cache = torch.zeros_like(k_cache)

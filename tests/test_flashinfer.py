@@ -1,17 +1,28 @@
-"""The FlashInfer backend's CPU-side logic: metadata conversion, plan bookkeeping, planning outside CUDA graphs.
+"""The FlashInfer backend run through FlashInfer's own Python code, on the CPU.
 
-FlashInfer's kernels need CUDA: scripts/gpu_check.py runs them against the reference on a GPU.
+`flashinfer_on_cpu` imports the real `flashinfer` and replaces only what needs a GPU: pinned host memory, the
+compute-capability queries (answered as an H200), cuDNN auto-routing and the compiled kernel modules. Argument
+binding, dtype checks, host copies and every plan/run consistency check (query length per request, `window_left`,
+`qo_indptr[-1]` against q) are FlashInfer's. The kernel-module stand-in (`Kernels`) checks that planning happens
+outside CUDA-graph capture, and runs attention in float64 exactly as the arguments it is handed define it
+(`paged_attention`), so outputs compared with the reference check what the backend passed: index arrays, window,
+soft-cap, scale, causal alignment and, for a CUDA-graph replay, which buffers the captured call reads. FlashInfer's
+kernels themselves are checked on a GPU by scripts/gpu_check.py.
 """
 
-import sys
-import types
+import contextlib
+import dataclasses
 
 import pytest
 import torch
-from reference import make_case
+from reference import assert_close, expected_cache, make_case, reference
 
 import hybrid_ops
+from hybrid_ops import AttentionLayer, ForwardMode, HybridAttnBackend, PagedKVCache, PhaseBackend
 from hybrid_ops.backends.flashinfer import FlashInferBackend, to_flashinfer_metadata
+
+HALF = (torch.float16, torch.bfloat16)
+D = 64  # the smallest head dim FlashInfer's wrappers take
 
 
 def flashinfer_reference(q_lens, seq_lens, tables, page_size):
@@ -26,16 +37,19 @@ def flashinfer_reference(q_lens, seq_lens, tables, page_size):
     return qo, kv_indptr, kv_indices, last
 
 
-@pytest.mark.parametrize("q_lens, seq_lens, page_size, num_kv_heads", [
-    ([3, 1, 4], [3, 17, 9], 4, 2),
-    ([2, 2], [16, 32], 16, 1),  # exact multiples of the page size, Hkv = 1
-    ([1, 0, 5], [1, 0, 5], 4, 2),  # a zero-length request
-    ([7], [7], 1, 8),
+@pytest.mark.parametrize("q_lens, seq_lens, page_size, padding", [
+    ([3, 1, 4], [3, 17, 9], 4, "stale"),  # unused table entries name other pages
+    ([3, 1, 4], [3, 17, 9], 4, -1),  # ... or hold -1
+    ([2, 2], [16, 32], 16, -1),  # exact multiples of the page size
+    ([1, 0, 5], [1, 0, 5], 4, -1),  # a zero-length request
+    ([7], [7], 1, "stale"),
 ])
-def test_metadata_conversion(q_lens, seq_lens, page_size, num_kv_heads):
+def test_metadata_conversion(q_lens, seq_lens, page_size, padding):
     gen = torch.Generator().manual_seed(0)
     max_pages = max(-(-s // page_size) for s in seq_lens) + 2
     tables = [torch.randperm(100, generator=gen)[:max_pages].tolist() for _ in seq_lens]
+    if padding == -1:
+        tables = [t[: -(-s // page_size)] + [-1] * (max_pages + s // -page_size) for t, s in zip(tables, seq_lens)]
     batch = hybrid_ops.build_metadata(q_lens, seq_lens, tables, max_pages=max_pages)
     qo, kv_indptr, kv_indices, last = to_flashinfer_metadata(*batch.metadata, page_size)
     want = flashinfer_reference(q_lens, seq_lens, tables, page_size)
@@ -45,69 +59,314 @@ def test_metadata_conversion(q_lens, seq_lens, page_size, num_kv_heads):
     assert kv_indices.shape == (len(seq_lens) * max_pages + 1,)  # static: no host sync to size it
 
 
-class _Wrapper:
-    def __init__(self, log, kind, workspace, layout, **kwargs):
-        self.log, self.kind = log, kind
-        assert layout == "NHD" and workspace.dtype == torch.uint8
+def paged_attention(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, last_page_len, out, causal, window_left,
+                    logit_cap, scale):
+    """FlashInfer's paged attention as its arguments define it, in float64, into `out`.
 
-    def plan(self, *args, **kwargs):
-        self.log.append(("plan", self.kind, args, kwargs))
+    Request i's queries q[qo_indptr[i]:qo_indptr[i + 1]] attend its kv_len = (pages - 1) * page_size +
+    last_page_len[i] positions on pages kv_indices[kv_indptr[i]:kv_indptr[i + 1]]. Query j of n sits at position
+    kv_len - n + j; causal rows see positions up to their own, `window_left` w >= 0 keeps the last w + 1 of those.
+    """
+    page_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
+    for i in range(last_page_len.shape[0]):
+        q0, q1, p0, p1 = *qo_indptr[i : i + 2].tolist(), *kv_indptr[i : i + 2].tolist()
+        pages = kv_indices[p0:p1].long()
+        assert ((pages >= 0) & (pages < k_cache.shape[0])).all(), f"request {i} reads pages {pages.tolist()}"
+        kv_len = (p1 - p0 - 1) * page_size + int(last_page_len[i]) if p1 > p0 else 0
+        n = q1 - q0
+        if n == 0:
+            continue
+        keys = k_cache[pages].flatten(0, 1)[:kv_len].double().repeat_interleave(group, 1)
+        values = v_cache[pages].flatten(0, 1)[:kv_len].double().repeat_interleave(group, 1)
+        s = torch.einsum("nhd,lhd->hnl", q[q0:q1].double(), keys) * scale
+        if logit_cap > 0:
+            s = logit_cap * torch.tanh(s / logit_cap)
+        position = torch.arange(kv_len - n, kv_len)[:, None]
+        key = torch.arange(kv_len)[None, :]
+        seen = key <= position if causal else torch.ones(n, kv_len, dtype=torch.bool)
+        if window_left >= 0:
+            seen &= key >= position - window_left
+        out[q0:q1] = torch.einsum("hnl,lhd->nhd", s.masked_fill(~seen, float("-inf")).softmax(-1), values).to(out.dtype)
 
-    def run(self, q, kv_caches):
-        self.log.append(("run", self.kind))
-        return torch.zeros_like(q)
+
+class Kernels:
+    """FlashInfer's compiled batch-prefill module (its tensor-core decode runs it too), replaced.
+
+    `plan` refuses to run under CUDA-graph capture (its host-to-device copies) and returns its integer arguments as
+    the plan info; `paged_run` records its arguments and computes `paged_attention` from them.
+    """
+
+    def __init__(self):
+        self.runs = []
+
+    def plan(self, float_workspace, int_workspace, pinned_workspace, qo_indptr, kv_indptr, kv_lens, total_num_rows,
+             batch_size, num_qo_heads, num_kv_heads, page_size, cuda_graph, head_dim_qk, head_dim_vo, causal,
+             window_left, *fa2_options):
+        if capturing():
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return [total_num_rows, batch_size, num_qo_heads, num_kv_heads, page_size, cuda_graph, head_dim_qk,
+                head_dim_vo, causal, window_left, *fa2_options]
+
+    def paged_run(self, float_workspace_buffer, int_workspace_buffer, plan_info_vec, q, paged_k_cache, paged_v_cache,
+                  qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, o, maybe_lse, mask_mode,
+                  layout, window_left, enable_pdl, maybe_custom_mask, maybe_mask_indptr, maybe_alibi_slopes,
+                  maybe_prefix_len_ptr, maybe_token_pos_in_items_ptr, maybe_max_item_len_ptr, logits_soft_cap,
+                  sm_scale, scale_q, scale_k, scale_v, rope_scale, rope_theta, token_pos_in_items_len,
+                  workspace_size, *backend_options):
+        from flashinfer.utils import MaskMode, TensorLayout
+
+        assert layout == TensorLayout.NHD.value and maybe_custom_mask is None
+        call = dict(q=q, k_cache=paged_k_cache, v_cache=paged_v_cache, qo_indptr=qo_indptr, kv_indptr=paged_kv_indptr,
+                    kv_indices=paged_kv_indices, last_page_len=paged_kv_last_page_len, out=o,
+                    causal=mask_mode == MaskMode.CAUSAL.value, window_left=window_left, logit_cap=logits_soft_cap,
+                    scale=sm_scale)
+        self.runs.append(dict(call, plan_info=list(plan_info_vec)))
+        paged_attention(**call)
+
+
+def capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+@contextlib.contextmanager
+def cuda_graph_capture(monkeypatch):
+    """The current stream reports a CUDA-graph capture in progress."""
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        m.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        yield
 
 
 @pytest.fixture
-def fake_flashinfer(monkeypatch):
-    """A stand-in `flashinfer` module whose wrappers record their calls."""
-    log = []
-    module = types.SimpleNamespace(
-        BatchDecodeWithPagedKVCacheWrapper=lambda *a, **k: _Wrapper(log, "decode", *a, **k),
-        BatchPrefillWithPagedKVCacheWrapper=lambda *a, **k: _Wrapper(log, "prefill", *a, **k))
-    monkeypatch.setitem(sys.modules, "flashinfer", module)
-    monkeypatch.setattr("hybrid_ops.backends.flashinfer.WORKSPACE_BYTES", 1024)
-    return log
+def flashinfer_on_cpu(monkeypatch):
+    """(a fresh registered FlashInferBackend, the Kernels stand-in), with FlashInfer's Python code running on CPU
+    tensors."""
+    flashinfer = pytest.importorskip("flashinfer")
+    import flashinfer.decode
+    import flashinfer.prefill
+    import flashinfer.utils
 
-
-def test_plan_once_per_step(fake_flashinfer):
+    kernels = Kernels()
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *args, pin_memory=False, **kwargs: empty(*args, **kwargs))
+    for module in (flashinfer.utils, flashinfer.decode, flashinfer.prefill):  # each holds its own reference
+        monkeypatch.setattr(module, "get_compute_capability", lambda device: (9, 0))  # an H200
+        monkeypatch.setattr(module, "device_support_pdl", lambda device: True)
+    monkeypatch.setattr(flashinfer.utils, "is_sm90a_supported", lambda device: True)
+    for module in (flashinfer.decode, flashinfer.prefill):
+        monkeypatch.setattr(module, "get_batch_prefill_module", lambda backend, *args: kernels)
+    monkeypatch.setattr(flashinfer.decode.BatchDecodeWithPagedKVCacheWrapper, "_auto_prefers_cudnn",
+                        lambda self, *args, **kwargs: False)
+    # Our backend takes CUDA tensors only; CPU tensors stand in for them here.
+    monkeypatch.setattr(FlashInferBackend, "supports",
+                        lambda self, q: q.dtype in HALF and q.shape[-1] in self.head_dims)
+    previous = hybrid_ops.get_backend("flashinfer", torch.zeros(0, 1, D, dtype=torch.float16))
     backend = FlashInferBackend()
-    case = make_case([1, 1, 1], [4, 9, 2], page_size=4)
-    scale = 0.25
-    for _layer in range(3):  # one step, three layers: one plan
-        backend.decode(*case.args, scale, 5, 2.0)
-    plans = [e for e in fake_flashinfer if e[0] == "plan"]
-    assert len(plans) == 1 and sum(e[0] == "run" for e in fake_flashinfer) == 3
-    _, kind, args, kwargs = plans[0]
-    assert kind == "decode" and kwargs["window_left"] == 4 and kwargs["logits_soft_cap"] == 2.0
-    assert kwargs["sm_scale"] == scale and args[3:7] == (4, 2, 16, 4)  # Hq, Hkv, D, page size
-    case.seq_lens += 1  # the next step updates the metadata in place: a new version, a new plan
-    case.cu_seqlens_q.copy_(case.cu_seqlens_q)
-    backend.decode(*case.args, scale, 5, 2.0)
-    assert backend.plans_made == 2
-    backend.prefill(*case.args, scale, -1, 0.0)  # prefill has its own wrapper
-    prefill_plan = [e for e in fake_flashinfer if e[0] == "plan"][-1]
-    assert prefill_plan[1] == "prefill" and prefill_plan[3]["causal"] is True
-    assert prefill_plan[3]["window_left"] == -1 and prefill_plan[3]["logits_soft_cap"] is None
-    assert backend.plans_made == 3
-    other = make_case([1, 1, 1], [4, 9, 2], page_size=4)  # new tensors: a new plan, the wrapper reused
-    backend.decode(*other.args, scale, 5, 2.0)
-    assert backend.plans_made == 4 and len({id(p.wrapper) for p in backend._plans.values()}) == 2
-    with torch.inference_mode():  # inference tensors have no version: identity alone, and an explicit plan re-plans
-        step = make_case([1, 1, 1], [4, 9, 2], page_size=4)
-        for _layer in range(2):
-            backend.decode(*step.args, scale, 5, 2.0)
-        assert backend.plans_made == 5
-        backend.plan("decode", step.q.dtype, step.q.shape[1], step.k_cache, *step.args[5:], scale, 5, 2.0)
-        assert backend.plans_made == 6
+    hybrid_ops.register_backend(backend)
+    yield backend, kernels
+    hybrid_ops.register_backend(previous)
 
 
-def test_plan_op_is_kept_and_marked_cudagraph_unsafe():
+def attn_options(backend="flashinfer", spec="prefill", sliding_window=-1, logit_cap=0.0):
+    return dict(sliding_window=sliding_window, logit_cap=logit_cap, prefill_backend=backend, decode_backend=backend,
+                speculative_attention_mode=spec)
+
+
+def step_case(mode, spec, dtype=torch.float16, seed=0, prefixes=(9, 0, 6, 13)):
+    """A batch for `mode`: none for IDLE; 1 or 3 tokens per request on the decode path; ragged on the prefill path
+    (with a request of no new tokens)."""
+    if mode == ForwardMode.IDLE:
+        q_lens = []
+    elif hybrid_ops.select_path(mode, spec) == "decode":
+        q_lens = [1 if mode == ForwardMode.DECODE else 3] * 3
+    else:
+        q_lens = [7, 1, 0, 5]
+    return make_case(q_lens, list(prefixes[: len(q_lens)]), head_dim=D, dtype=dtype, seed=seed)
+
+
+@pytest.mark.parametrize("spec", ["prefill", "decode"])
+@pytest.mark.parametrize("mode", list(ForwardMode))
+def test_every_mode(flashinfer_on_cpu, mode, spec):
+    backend, kernels = flashinfer_on_cpu
+    dtype = HALF[int(mode) % 2]
+    case = step_case(mode, spec, dtype, seed=int(mode))
+    k_want, v_want = expected_cache(case)
+    options = attn_options(spec=spec, sliding_window=6, logit_cap=2.0)
+    out = torch.ops.hybrid.attn(*case.args, int(mode), **options)
+    assert_close(out, reference(case, sliding_window=6, logit_cap=2.0), dtype)
+    assert torch.equal(case.k_cache, k_want) and torch.equal(case.v_cache, v_want)
+    planned = mode != ForwardMode.IDLE
+    assert (backend.plans_made, len(kernels.runs)) == (planned, planned)
+    if hybrid_ops.select_path(mode, spec) == "decode" and planned:  # rows of a multi-token decode are causal
+        assert kernels.runs[0]["causal"] == (mode != ForwardMode.DECODE)
+
+
+@pytest.mark.parametrize("mode, spec", [(ForwardMode.EXTEND, "prefill"), (ForwardMode.TARGET_VERIFY, "decode")])
+def test_requests_without_new_tokens(flashinfer_on_cpu, mode, spec):
+    """T = 0 with B > 0: an empty output, no plan, the cache untouched."""
+    backend, kernels = flashinfer_on_cpu
+    case = make_case([0, 0], [5, 3], head_dim=D, dtype=torch.float16)
+    k_before = case.k_cache.clone()
+    torch.ops.hybrid.plan(case.k_cache, *case.args[5:], int(mode), q_dtype=case.q.dtype, num_q_heads=4,
+                          **attn_options(spec=spec))
+    out = torch.ops.hybrid.attn(*case.args, int(mode), **attn_options(spec=spec))
+    assert out.shape == (0, 4, D) and torch.equal(case.k_cache, k_before)
+    assert backend.plans_made == 0 and not kernels.runs
+
+
+@pytest.mark.parametrize("path", ["prefill", "decode"])
+def test_one_plan_per_variant(flashinfer_on_cpu, path):
+    """Six layers alternating windows and soft-caps (four variants): four plans a step, each layer run with its own
+    variant's window, cap and scale."""
+    backend, _ = flashinfer_on_cpu
+    layers = [dict(sliding_window=5 if i % 2 else -1, logit_cap=0.0 if i % 3 else 2.0) for i in range(6)]
+    q_lens = [1, 1, 1] if path == "decode" else [4, 0, 6]
+    for step in range(2):  # the second step: longer requests, new metadata tensors
+        case = make_case(q_lens, [6 + 5 * step, 9, 2 + step], head_dim=D, dtype=torch.bfloat16, seed=step)
+        for layer in layers:
+            out = getattr(backend, path)(*case.args, 0.2, layer["sliding_window"], layer["logit_cap"])
+            assert_close(out, reference(case, scale=0.2, **layer), torch.bfloat16)
+        assert backend.plans_made == 4 * (step + 1)
+
+
+def test_plan_op_before_the_layers(flashinfer_on_cpu):
+    """`hybrid::plan` per variant ahead of the layers: the layers plan nothing. Metadata made under inference_mode
+    has no version, so a step that rewrites it in place must call `hybrid::plan` again (and does here)."""
+    backend, _ = flashinfer_on_cpu
+    windows = (-1, 4)
+    with torch.inference_mode():
+        step = make_case([1, 1], [6, 11], head_dim=D, dtype=torch.float16)
+        for seed in range(3):
+            new = make_case([1, 1], [6, 11], head_dim=D, dtype=torch.float16, seed=seed)  # other pages and values
+            for tensor, value in zip(step.args, new.args):
+                tensor.copy_(value)
+            for window in windows:
+                torch.ops.hybrid.plan(step.k_cache, *step.args[5:], int(ForwardMode.DECODE), q_dtype=step.q.dtype,
+                                      num_q_heads=4, **attn_options(sliding_window=window))
+            for window in windows * 2:
+                out = torch.ops.hybrid.attn(*step.args, int(ForwardMode.DECODE), **attn_options(sliding_window=window))
+                assert_close(out, reference(new, sliding_window=window), torch.float16)
+            assert backend.plans_made == 2 * (seed + 1)
+
+
+def replay(graph):
+    """Re-run captured kernel calls on the tensors they were captured with, as a CUDA-graph replay does."""
+    for call in graph:
+        paged_attention(**{name: value for name, value in call.items() if name != "plan_info"})
+
+
+BUFFERS = ("qo_indptr", "kv_indptr", "kv_indices", "last_page_len")
+GRAPH_STEPS = {  # (mode, speculative_attention_mode, q_lens): the same B and T at every step
+    "decode": (ForwardMode.DECODE, "prefill", [1, 1, 1]),
+    "verify-decode": (ForwardMode.TARGET_VERIFY, "decode", [3, 3, 3]),
+    "verify-prefill": (ForwardMode.TARGET_VERIFY, "prefill", [3, 3, 3]),
+    "extend": (ForwardMode.EXTEND, "prefill", [70, 2, 0]),  # past 64 query rows FlashInfer plans FA3 on an H200
+}
+
+
+@pytest.mark.parametrize("mode, spec, q_lens", GRAPH_STEPS.values(), ids=list(GRAPH_STEPS))
+def test_cuda_graph_replays(flashinfer_on_cpu, monkeypatch, mode, spec, q_lens):
+    """reduce-overhead's sequence, step by step: `hybrid::plan(cuda_graph=True)` per variant, an eager warm-up, a
+    capture in which the layers get copies of the metadata and must not plan, then steps that plan outside the
+    graph and replay the captured calls. Those read the CUDA-graph wrappers' fixed buffers, so each replay attends
+    over its own step's batch (block tables padded with -1), with the plan info of the capture."""
+    backend, kernels = flashinfer_on_cpu
+    windows, width = (-1, 5), 24
+    k_cache = torch.zeros(48, 4, 2, D, dtype=torch.float16)
+    v_cache = torch.zeros_like(k_cache)
+
+    def load(seed):
+        """Step `seed`'s batch in the persistent cache (with the new tokens stored), its table padded with -1."""
+        case = make_case(q_lens, [3 + 4 * seed, 9, 5 + seed], head_dim=D, dtype=torch.float16, seed=seed)
+        k_new, v_new = expected_cache(case)
+        k_cache[: k_new.shape[0]], v_cache[: v_new.shape[0]] = k_new, v_new
+        table = torch.full((len(q_lens), width), -1, dtype=torch.int32)
+        for i, pages in enumerate(case.pages):
+            table[i, : len(pages)] = torch.tensor(pages)
+        return case, (case.cu_seqlens_q, case.seq_lens, table)
+
+    def plan(metadata, window):
+        torch.ops.hybrid.plan(k_cache, *metadata, int(mode), q_dtype=torch.float16, num_q_heads=4, cuda_graph=True,
+                              **attn_options(spec=spec, sliding_window=window))
+
+    def attn(case, metadata, window):
+        return torch.ops.hybrid.attn(case.q, case.k, case.v, k_cache, v_cache, *metadata, int(mode),
+                                     **attn_options(spec=spec, sliding_window=window))
+
+    case, metadata = load(0)
+    for window in windows:
+        plan(metadata, window)
+    for window in windows:  # the warm-up
+        assert_close(attn(case, metadata, window), reference(case, sliding_window=window), torch.float16)
+    captured = len(kernels.runs)
+    with cuda_graph_capture(monkeypatch):
+        with pytest.raises(RuntimeError, match="capturing"):
+            plan(metadata, windows[0])
+        copies = tuple(t.clone() for t in metadata)  # as CUDA-graph trees hand them to the captured partition
+        outs = [attn(case, copies, window) for window in windows]
+        with pytest.raises(hybrid_ops.HybridInputError, match="no CUDA-graph plan"):
+            attn(case, copies, 3)
+    graph = kernels.runs[captured:]
+    assert backend.plans_made == 2 and len(graph) == 2
+    for seed in (1, 2):
+        case, metadata = load(seed)
+        for window in windows:
+            plan(metadata, window)
+        graph[0]["q"].copy_(case.q)
+        replay(graph)
+        for out, window in zip(outs, windows):
+            assert_close(out, reference(case, sliding_window=window), torch.float16)
+        assert backend.plans_made == 2 + 2 * seed
+        for call, window in zip(graph, windows):  # an eager call now runs the same plan on the same buffers
+            attn(case, metadata, window)
+            run = kernels.runs[-1]
+            assert run["plan_info"] == call["plan_info"] and run["plan_info"][5]  # planned for CUDA graphs
+            assert all(run[name].data_ptr() == call[name].data_ptr() for name in BUFFERS)
+
+
+def test_phase_backend_capture_and_replay(flashinfer_on_cpu, monkeypatch):
+    """sglang's graph runner through HybridAttnBackend: the capture hook names the batch shape, the eager warm-up
+    plans each layer variant into its CUDA-graph wrapper, the captured layers only run, and the replay hook
+    re-plans every variant before the captured calls run again."""
+    backend, kernels = flashinfer_on_cpu
+    layers = [AttentionLayer(0), AttentionLayer(1, sliding_window=5, logit_cap=2.0)]
+    cache = PagedKVCache(40, 4, 2, D, num_layers=2, max_pages_per_request=8, dtype=torch.float16)
+    hybrid = HybridAttnBackend(PhaseBackend(cache, "flashinfer"), PhaseBackend(cache, "flashinfer"))
+    hybrid.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+    hybrid.init_forward_metadata_capture_cuda_graph(3, 3, ForwardMode.DECODE)
+    static = hybrid.decode_backend.forward_batch
+    q, k, v = (torch.randn(3, h, D, dtype=torch.float16) for h in (4, 2, 2))
+    for layer in layers:  # the warm-up
+        hybrid.forward_decode(q, k, v, layer, static)
+    captured = len(kernels.runs)
+    with cuda_graph_capture(monkeypatch):
+        outs = [hybrid.forward_decode(q, k, v, layer, static) for layer in layers]
+    graph = kernels.runs[captured:]
+    assert backend.plans_made == 2 and len(graph) == 2
+    for seed in (1, 2):
+        case = make_case([1, 1, 1], [4 + seed, 9, 2 * seed], head_dim=D, dtype=torch.float16, seed=seed)
+        k_new, v_new = expected_cache(case)
+        for k_layer, v_layer in zip(cache.k_caches, cache.v_caches):
+            k_layer[: k_new.shape[0]], v_layer[: v_new.shape[0]] = k_new, v_new
+        real = hybrid_ops.build_metadata([1, 1, 1], case.seq_lens.tolist(), case.pages, max_pages=8,
+                                         forward_mode=ForwardMode.DECODE)
+        hybrid.init_forward_metadata_replay_cuda_graph(3, real)
+        assert backend.plans_made == 2 + 2 * seed
+        q.copy_(case.q)
+        replay(graph)
+        for out, layer in zip(outs, layers):
+            assert_close(out, reference(case, sliding_window=layer.sliding_window, logit_cap=layer.logit_cap),
+                         torch.float16)
+
+
+def test_compiled_plan_then_attn(flashinfer_on_cpu):
     """Inductor keeps hybrid::plan (no outputs) ahead of the attention, and its own partition predicate puts it
-    outside the CUDA-graph partitions while hybrid::attn stays inside."""
+    outside the CUDA-graph partitions while hybrid::attn stays inside; the compiled step plans once, for CUDA
+    graphs, and the attention runs that plan."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
     from torch._inductor.utils import is_cudagraph_unsafe_fx_node
 
+    backend, kernels = flashinfer_on_cpu
     seen = {}
 
     class Capture(CustomGraphPass):
@@ -121,25 +380,47 @@ def test_plan_op_is_kept_and_marked_cudagraph_unsafe():
         def uuid(self):
             return None
 
-    case = make_case([3, 2], [4, 0])
-
     def forward(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode: int):
         torch.ops.hybrid.plan(k_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, q_dtype=q.dtype,
-                              num_q_heads=q.shape[1])
+                              num_q_heads=q.shape[1], cuda_graph=True, **attn_options(logit_cap=2.0))
         return torch.ops.hybrid.attn(q.sin(), k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table,
-                                     forward_mode).cos()
+                                     forward_mode, **attn_options(logit_cap=2.0)).cos()
 
+    case = make_case([3, 2], [4, 0], head_dim=D, dtype=torch.float16)
+    want = reference(dataclasses.replace(case, q=case.q.sin()), logit_cap=2.0).cos()
     torch._dynamo.reset()
     with torch._inductor.config.patch(graph_partition=True, post_grad_custom_post_pass=Capture(),
                                       force_disable_caches=True):
-        torch.compile(forward, fullgraph=True, dynamic=True)(*case.args, 1)
+        out = torch.compile(forward, fullgraph=True, dynamic=True)(*case.args, int(ForwardMode.EXTEND))
     assert seen == {"hybrid.plan.default": [True], "hybrid.attn.default": [False]}, seen
+    assert_close(out, want, torch.float16)
+    assert backend.plans_made == 1 and kernels.runs[-1]["plan_info"][5]
 
 
-def test_clear_errors():
-    case = make_case([2], [3])
-    backend = hybrid_ops.get_backend.__globals__["_BACKENDS"]["flashinfer"]
+def test_multi_token_decode_graphs_stay_on_fa2(flashinfer_on_cpu):
+    """On an SM90, `backend="auto"` would route an fp16 CUDA-graph decode of 16 x 4 tokens over KV lengths all 1024
+    (D 128, page 16, 32/8 heads) to XQA, then refuse the next plan, whose lengths differ. Ours names fa2."""
+    backend, _ = flashinfer_on_cpu
+    k_cache = torch.empty(16 * 65, 16, 8, 128, dtype=torch.float16)
+    cu_seqlens_q = torch.arange(17, dtype=torch.int32) * 4
+    block_table = torch.arange(16 * 65, dtype=torch.int32).view(16, 65)
+    for seq_lens in ([1024] * 16, list(range(1024, 1040))):
+        backend.plan("decode", torch.float16, 32, k_cache, cu_seqlens_q, torch.tensor(seq_lens, dtype=torch.int32),
+                     block_table, 0.1, -1, 0.0, cuda_graph=True)
+    assert backend.plans_made == 2
+
+
+def test_clear_errors(flashinfer_on_cpu):
+    case = make_case([2, 1], [3, 0], head_dim=D, dtype=torch.float16)
+    with pytest.raises(hybrid_ops.HybridInputError, match="same query length for every request"):
+        torch.ops.hybrid.plan(case.k_cache, *case.args[5:], int(ForwardMode.TARGET_VERIFY), q_dtype=case.q.dtype,
+                              num_q_heads=4, **attn_options(spec="decode"))
+
+
+def test_needs_cuda():
+    case = make_case([2], [3], head_dim=D, dtype=torch.float16)
+    backend = FlashInferBackend()
     want = "needs flashinfer" if not backend.is_available() else "does not support q on cpu"
     with pytest.raises(hybrid_ops.HybridInputError, match=want):
         torch.ops.hybrid.prefill(*case.args, backend="flashinfer")
-    torch.ops.hybrid.plan(case.k_cache, *case.args[5:], 1, q_dtype=torch.float32, num_q_heads=4)  # no-op: torch
+    torch.ops.hybrid.plan(case.k_cache, *case.args[5:], 1, q_dtype=torch.float16, num_q_heads=4)  # no-op: torch

@@ -1,7 +1,8 @@
 """The backend registry: one place maps a backend name to the object that runs it.
 
 A backend has `name`, `requirement` (what `is_available` needs, for the error message), `is_available() -> bool`,
-`supports(q) -> bool` (device, dtype, head dim), optionally `plan(...)` (see `torch.ops.hybrid.plan`),
+`supports(q) -> bool` (device, dtype, head dim), optionally `plan(...)` (see `torch.ops.hybrid.plan`) and
+`plan_cuda_graph(path, k_cache, cu_seqlens_q, seq_lens, block_table)` (`PhaseBackend`'s capture and replay hooks),
 `checks_values` (True if it reads the metadata to the host and checks it itself; otherwise the ops do so in
 validation mode), and `prefill` / `decode`, each called as
     fn(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale: float, sliding_window: int,

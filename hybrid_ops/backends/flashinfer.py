@@ -1,18 +1,28 @@
 """The FlashInfer backend: paged prefill and decode through FlashInfer's wrappers, CUDA only.
 
 Our metadata becomes FlashInfer's at this edge, on the device and without a host sync (`to_flashinfer_metadata`).
-FlashInfer splits the work when it *plans*, once per step: the plan is kept while the metadata tensors are the same
-objects at the same version, so the layers of one step share it. `torch.ops.hybrid.plan` always plans: call it before
-the layers to plan outside a captured CUDA graph (the op is tagged `cudagraph_unsafe`, so inductor's graph
-partitioning keeps it out of the captured partitions), and whenever metadata made under `inference_mode` is rewritten
-in place (inference tensors have no version counter). Our cache layout (separate k and v caches,
-[num_pages, page_size, Hkv, D]) is FlashInfer's "NHD" layout.
+FlashInfer splits the work when it *plans* (host-side, it reads the metadata to the host): once per step for each
+variant (path, dtypes, head counts, page size, scale, sliding window, soft-cap), each variant with its wrapper, so
+every layer of a variant shares the step's plan (Gemma2-style alternating windows plan twice per step, not per layer).
+A layer reuses the plan made for the same metadata tensors at the same version, and plans otherwise; an empty batch
+(B = 0 or T = 0) returns an empty output without planning. `torch.ops.hybrid.plan` always plans: call it when
+metadata made under `inference_mode` is rewritten in place (inference tensors have no version counter).
+
+CUDA graphs. A replay reads the index buffers and the work split of the plan made before capture, and a plan cannot
+run inside a capture (host copies). So a batch shape (path, B, T) that a graph replays is planned into wrappers made
+with `use_cuda_graph=True`, one per variant, with index buffers allocated with the wrapper and never moved; planning
+the same shape again refreshes those buffers in place and keeps the split's layout. A shape takes these wrappers once
+`plan(..., cuda_graph=True)` or `plan_cuda_graph` has named it; it must be planned outside the graph before every
+replay. While a graph is being captured the layers use their shape's CUDA-graph plan and never plan (the metadata
+they receive may be copies: CUDA-graph trees copy inputs that are not static). Our cache layout (separate k and v
+caches, [num_pages, page_size, Hkv, D]) is FlashInfer's "NHD" layout.
 """
 
 from dataclasses import dataclass
 
 import torch
 
+from ..errors import HybridInputError
 from .deps import importable
 
 WORKSPACE_BYTES = 128 << 20
@@ -23,7 +33,8 @@ def to_flashinfer_metadata(cu_seqlens_q, seq_lens, block_table, page_size):
 
     qo_indptr = cu_seqlens_q; kv_indptr: [B + 1] page offsets; kv_last_page_len: [B], 1..page_size (0 for an empty
     request). kv_indices has the static size B * max_pages + 1: request i's pages sit at
-    kv_indices[kv_indptr[i]:kv_indptr[i + 1]], and everything past kv_indptr[B] is scratch.
+    kv_indices[kv_indptr[i]:kv_indptr[i + 1]], and everything past kv_indptr[B] is scratch. Table entries past a
+    request's ceil(seq_len / page_size) pages (-1 or stale ids) only ever land in the scratch slot.
     """
     batch, max_pages = block_table.shape
     device = block_table.device
@@ -40,20 +51,46 @@ def to_flashinfer_metadata(cu_seqlens_q, seq_lens, block_table, page_size):
     return cu_seqlens_q, kv_indptr, kv_indices, kv_last_page_len
 
 
+@dataclass(frozen=True)
+class _Variant:
+    """All a plan depends on besides the metadata: the layers of one variant share one wrapper and one plan."""
+
+    path: str
+    device: torch.device
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    scale: float
+    sliding_window: int
+    logit_cap: float
+
+    @classmethod
+    def of(cls, path, q_dtype, num_q_heads, k_cache, scale, sliding_window, logit_cap):
+        _, page_size, num_kv_heads, head_dim = k_cache.shape
+        return cls(path, k_cache.device, q_dtype, k_cache.dtype, num_q_heads, num_kv_heads, head_dim, page_size,
+                   scale, sliding_window, logit_cap)
+
+
 @dataclass
 class _Plan:
+    wrapper: object
     metadata: tuple  # the metadata tensors it was made for, held so that their ids cannot be reused
     versions: tuple  # their versions then (None for inference tensors)
-    sizes: tuple  # dtypes, head counts, page size and attention options
-    wrapper: object
 
-    def matches(self, metadata, sizes) -> bool:
-        return (sizes == self.sizes and all(a is b for a, b in zip(metadata, self.metadata))
-                and _versions(metadata) == self.versions)
+    def matches(self, metadata) -> bool:
+        return all(a is b for a, b in zip(metadata, self.metadata)) and _versions(metadata) == self.versions
 
 
 def _versions(tensors):
     return tuple(None if t.is_inference() else t._version for t in tensors)
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (nothing may plan then)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class FlashInferBackend:
@@ -63,8 +100,10 @@ class FlashInferBackend:
     head_dims = (64, 128, 256)
 
     def __init__(self):
-        self._plans = {}  # (path, device) -> _Plan
-        self._workspaces = {}  # device -> workspace buffer
+        self._workspaces = {}  # device -> float workspace, shared by every wrapper there (their runs are serial)
+        self._plans = {}  # _Variant -> _Plan of its wrapper
+        self._graph_plans = {}  # (_Variant, B, T) -> _Plan of its CUDA-graph wrapper
+        self._graph_shapes = set()  # (path, device, B, T) planned into CUDA-graph wrappers
         self.plans_made = 0
 
     def is_available(self) -> bool:
@@ -73,50 +112,113 @@ class FlashInferBackend:
     def supports(self, q) -> bool:
         return q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in self.head_dims
 
-    def _new_wrapper(self, path, device):
+    def plan(self, path, q_dtype, num_q_heads, k_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
+             logit_cap, cuda_graph=False):
+        """Plan one variant of this step; with `cuda_graph`, this batch shape takes CUDA-graph wrappers from now on.
+
+        k_cache: [num_pages, page_size, Hkv, D]; cu_seqlens_q: [B + 1], seq_lens: [B], block_table: [B, max_pages],
+        int32 (our metadata). Reads T = cu_seqlens_q[-1] to the host, as FlashInfer's plan reads the metadata.
+        """
+        variant = _Variant.of(path, q_dtype, num_q_heads, k_cache, scale, sliding_window, logit_cap)
+        num_tokens = int(cu_seqlens_q[-1])  # planning reads the metadata to the host anyway
+        if cuda_graph:
+            self._graph_shapes.add((path, variant.device, seq_lens.shape[0], num_tokens))
+        self._plan(variant, (cu_seqlens_q, seq_lens, block_table), num_tokens)
+
+    def plan_cuda_graph(self, path, k_cache, cu_seqlens_q, seq_lens, block_table):
+        """Give this batch shape CUDA-graph wrappers from now on, and re-plan every variant planned for it so far.
+
+        For the capture and replay hooks: call it outside the graph, on the static metadata, before the capture
+        (variants not planned yet get their wrappers at their first, eager, layer call) and before every replay.
+        """
+        metadata = (cu_seqlens_q, seq_lens, block_table)
+        shape = (path, k_cache.device, seq_lens.shape[0], int(cu_seqlens_q[-1]))
+        self._graph_shapes.add(shape)
+        for variant, batch, num_tokens in list(self._graph_plans):
+            if (variant.path, variant.device, batch, num_tokens) == shape:
+                self._plan(variant, metadata, num_tokens)
+
+    def _plan(self, variant, metadata, num_tokens):
+        """Plan `variant` for this metadata of `num_tokens` tokens; returns the wrapper, None for an empty batch."""
+        cu_seqlens_q, seq_lens, block_table = metadata
+        batch = seq_lens.shape[0]
+        if batch == 0 or num_tokens == 0:
+            return None  # FlashInfer cannot plan an empty batch; the layers return empty outputs
+        if variant.path == "decode" and num_tokens % batch:
+            raise HybridInputError(f"decode needs the same query length for every request: cu_seqlens_q[-1] = "
+                                   f"{num_tokens} tokens for {batch} requests")
+        graph = (variant.path, variant.device, batch, num_tokens) in self._graph_shapes
+        plans, key = (self._graph_plans, (variant, batch, num_tokens)) if graph else (self._plans, variant)
+        plan = plans.get(key)
+        if plan is not None:
+            wrapper = plan.wrapper
+        else:
+            wrapper = self._new_wrapper(variant, (batch, num_tokens, block_table.shape[1]) if graph else None)
+        qo_indptr, kv_indptr, kv_indices, last_page_len = to_flashinfer_metadata(cu_seqlens_q, seq_lens, block_table,
+                                                                                 variant.page_size)
+        sizes = (variant.num_q_heads, variant.num_kv_heads, variant.head_dim, variant.page_size)
+        options = dict(window_left=variant.sliding_window - 1 if variant.sliding_window > 0 else -1,
+                       logits_soft_cap=variant.logit_cap or None, sm_scale=variant.scale,
+                       q_data_type=variant.q_dtype, kv_data_type=variant.kv_dtype)
+        if variant.path == "decode":
+            wrapper.plan(kv_indptr, kv_indices, last_page_len, *sizes, q_len_per_req=num_tokens // batch, **options)
+        else:
+            wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, *sizes, causal=True, **options)
+        plans[key] = _Plan(wrapper, metadata, _versions(metadata))
+        self.plans_made += 1
+        return wrapper
+
+    def _new_wrapper(self, variant, graph_shape=None):
+        """A wrapper for `variant`; for a CUDA-graph shape (B, T, block-table width), with index buffers of its own
+        that never move (FlashInfer's plan copies each step's metadata into them)."""
         import flashinfer
 
+        device = variant.device
         workspace = self._workspaces.get(device)
         if workspace is None:
             workspace = self._workspaces[device] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        if path == "decode":
-            return flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
-        return flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        # fa2 named for decode: "auto" may route a multi-token decode plan to XQA (SM90) or cuDNN (SM100) by the
+        # step's KV lengths, and a CUDA-graph wrapper then refuses the next plan that routes differently.
+        decode = dict(use_tensor_cores=True, backend="fa2")
+        if graph_shape is None:
+            if variant.path == "decode":
+                return flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", **decode)
+            return flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        batch, num_tokens, max_pages = graph_shape
 
-    def plan(self, path, q_dtype, num_q_heads, k_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-             logit_cap, force=True):
-        """Plan `path` for this step's metadata; without `force`, keep the plan made for exactly these tensors."""
-        page_size, num_kv_heads, head_dim = k_cache.shape[1:]
-        metadata = (cu_seqlens_q, seq_lens, block_table)
-        sizes = (q_dtype, k_cache.dtype, num_q_heads, num_kv_heads, head_dim, page_size, scale, sliding_window,
-                 logit_cap)
-        slot = (path, k_cache.device)
-        plan = self._plans.get(slot)
-        if not force and plan is not None and plan.matches(metadata, sizes):
-            return plan.wrapper
-        wrapper = plan.wrapper if plan is not None else self._new_wrapper(path, k_cache.device)
-        qo_indptr, kv_indptr, kv_indices, last_page_len = to_flashinfer_metadata(cu_seqlens_q, seq_lens, block_table,
-                                                                                 page_size)
-        options = dict(window_left=sliding_window - 1 if sliding_window > 0 else -1,
-                       logits_soft_cap=logit_cap or None, sm_scale=scale, q_data_type=q_dtype,
-                       kv_data_type=k_cache.dtype)
-        if path == "decode":
-            wrapper.plan(kv_indptr, kv_indices, last_page_len, num_q_heads, num_kv_heads, head_dim, page_size,
-                         **options)
-        else:
-            wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, num_q_heads, num_kv_heads, head_dim,
-                         page_size, causal=True, **options)
-        self._plans[slot] = _Plan(metadata, _versions(metadata), sizes, wrapper)
-        self.plans_made += 1
-        return wrapper
+        def buffer(size):
+            return torch.zeros(size, dtype=torch.int32, device=device)
+
+        indptr, indices, last_page_len = buffer(batch + 1), buffer(batch * max_pages + 1), buffer(batch)
+        if variant.path == "decode":
+            return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                workspace, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
+                paged_kv_last_page_len_buffer=last_page_len, **decode)
+        return flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=buffer(batch + 1), paged_kv_indptr_buf=indptr,
+            paged_kv_indices_buf=indices, paged_kv_last_page_len_buf=last_page_len, max_total_num_rows=num_tokens)
 
     def _run(self, path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
              logit_cap):
         from ..kernels.kv_store import store_kv  # masked and sync-free
 
         store_kv(k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table)
-        wrapper = self.plan(path, q.dtype, q.shape[1], k_cache, cu_seqlens_q, seq_lens, block_table, scale,
-                            sliding_window, logit_cap, force=False)
+        num_tokens = q.shape[0]
+        if num_tokens == 0:  # B = 0 or no new tokens: nothing to attend, nothing to plan
+            return q.new_empty(q.shape)
+        variant = _Variant.of(path, q.dtype, q.shape[1], k_cache, scale, sliding_window, logit_cap)
+        metadata = (cu_seqlens_q, seq_lens, block_table)
+        graph = self._graph_plans.get((variant, seq_lens.shape[0], num_tokens))
+        if _capturing():
+            if graph is None:
+                raise HybridInputError(
+                    f"flashinfer: no CUDA-graph plan for this {path} batch ({seq_lens.shape[0]} requests, "
+                    f"{num_tokens} tokens) and layer variant; plan it before the capture: "
+                    "torch.ops.hybrid.plan(..., cuda_graph=True), or an eager run after the capture hook")
+            wrapper = graph.wrapper
+        else:
+            plan = next((p for p in (graph, self._plans.get(variant)) if p is not None and p.matches(metadata)), None)
+            wrapper = plan.wrapper if plan is not None else self._plan(variant, metadata, num_tokens)
         return wrapper.run(q.contiguous(), (k_cache, v_cache))
 
     def prefill(self, *args):
