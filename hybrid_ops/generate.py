@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
+import torch.distributed as dist
 
 from .cache import PagedKVCache
 from .errors import HybridInputError
@@ -44,12 +45,15 @@ class HybridGenerator:
 
     The paged cache holds `max_batch_size` requests of up to `max_seq_len` tokens; it and the compiled forward are
     kept across `generate` calls, so later runs neither allocate nor recompile.
+
+    A model sharded with `tp_plan` runs on every rank of its group with the same prompts: the cache holds the rank's
+    own KV heads, the scheduling depends only on the tokens, and rank 0's sampled tokens are broadcast to the others.
     """
 
     def __init__(self, model, max_batch_size: int = 8, max_seq_len: int = 1024, page_size: int = 16,
                  prefill_chunk: int = 256, compile: bool = True, prefill_backend: str = "auto",
                  decode_backend: str = "auto"):
-        from .integrations.transformers import HybridStep
+        from .integrations.transformers import HybridStep, kv_heads_per_rank, tensor_parallel_group
 
         config = model.config.get_text_config()
         model.set_attn_implementation("hybrid")
@@ -58,12 +62,13 @@ class HybridGenerator:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         pages_per_request = -(-max_seq_len // page_size)
         param = next(model.parameters())
-        self.cache = PagedKVCache(max_batch_size * pages_per_request, page_size, config.num_key_value_heads,
+        self.cache = PagedKVCache(max_batch_size * pages_per_request, page_size, kv_heads_per_rank(model, head_dim),
                                   head_dim, num_layers=config.num_hidden_layers,
                                   max_pages_per_request=pages_per_request, dtype=param.dtype, device=param.device)
         self._step_type, self._backends = HybridStep, (prefill_backend, decode_backend)
         self.forward = torch.compile(self._forward, fullgraph=True, dynamic=True) if compile else self._forward
         self.device = param.device
+        self._group = tensor_parallel_group(model)
 
     def _forward(self, input_ids, position_ids, logits_index, forward_mode: int, cu_seqlens_q, seq_lens,
                  block_table):
@@ -114,7 +119,10 @@ class HybridGenerator:
             logits = self.forward(torch.tensor([tokens], device=self.device),
                                   torch.tensor([positions], device=self.device),
                                   torch.tensor(rows, device=self.device), int(mode), *meta.metadata)
-            next_tokens = iter(_sample(logits, do_sample, temperature, top_k, generator).tolist())
+            next_ids = _sample(logits, do_sample, temperature, top_k, generator)
+            if self._group is not None:
+                dist.broadcast(next_ids, group=self._group, group_src=0)
+            next_tokens = iter(next_ids.tolist())
             stats.steps[mode.name] += 1
             for request, chunk in batch:
                 if chunk is not None:
