@@ -6,6 +6,7 @@ free their pages and waiting ones take their place. One compiled forward (`fullg
 every step and mode.
 """
 
+import hashlib
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -90,6 +91,9 @@ class HybridGenerator:
                                        f"{self.max_seq_len - max_new_tokens} tokens, got {len(prompt)}")
         if max_new_tokens < 1:
             raise HybridInputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if self._group is not None:
+            _check_same_on_every_rank((prompts, max_new_tokens, do_sample, temperature, top_k, eos_token_id),
+                                      self._group, self.device)
         stats = stats if stats is not None else GenerationStats()
         generator = torch.Generator(device=self.device)
         if seed is not None:
@@ -166,6 +170,17 @@ class HybridGenerator:
         else:
             mode = ForwardMode.MIXED
         return batch, mode, sampled
+
+
+def _check_same_on_every_rank(args, group, device):
+    """Raises on every rank alike unless `args` are equal on all ranks of `group`: ranks given different prompts
+    would take different steps and pair up mismatched collectives."""
+    digest = int.from_bytes(hashlib.sha256(repr(args).encode()).digest()[:7], "little")
+    highest = torch.tensor([digest, -digest], device=device)
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
+    if highest.tolist() != [digest, -digest]:
+        raise HybridInputError("prompts, max_new_tokens and the sampling options must be the same on every rank of "
+                               "the tensor-parallel group")
 
 
 def _sample(logits, do_sample, temperature, top_k, generator):

@@ -88,7 +88,8 @@ def tensor_parallel_group(model):
     """The process group a `tp_plan` model is sharded over, or None for a model on one rank."""
     if (getattr(model, "tp_size", None) or 1) == 1:
         return None
-    return model._device_mesh["tp"].get_group()
+    mesh = model._device_mesh
+    return mesh.get_group() if mesh.ndim == 1 else mesh.get_group("tp")
 
 
 def kv_heads_per_rank(model, head_dim: int) -> int:
