@@ -1,8 +1,8 @@
 """Tensor-parallel generation: a model sharded over the ranks by transformers' `tp_plan`, its attention through the
 hybrid ops. Needs `accelerate`.
 
-    python -m torch.distributed.run --nproc-per-node 2 examples/tensor_parallel.py             # CPU, gloo
-    torchrun --nproc-per-node 2 examples/tensor_parallel.py PATH/TO/MODEL --compile            # GPUs, NCCL
+    python -m torch.distributed.run --standalone --nproc-per-node 2 examples/tensor_parallel.py    # CPU, gloo
+    torchrun --standalone --nproc-per-node 2 examples/tensor_parallel.py PATH/TO/MODEL --compile   # GPUs, NCCL
 
 Each rank holds num_key_value_heads / world_size of the KV heads, and its cache holds only those. Every rank runs the
 same steps and ends with the same tokens; rank 0 then checks them against one process running the whole model

@@ -47,8 +47,8 @@ class HybridGenerator:
     The paged cache holds `max_batch_size` requests of up to `max_seq_len` tokens; it and the compiled forward are
     kept across `generate` calls, so later runs neither allocate nor recompile.
 
-    A model sharded with `tp_plan` runs on every rank of its group with the same prompts: the cache holds the rank's
-    own KV heads, the scheduling depends only on the tokens, and rank 0's sampled tokens are broadcast to the others.
+    A model sharded with `tp_plan` runs on every rank of its group with the same prompts (checked): the cache holds the
+    rank's own KV heads, the scheduling depends only on the tokens, and rank 0's sampled tokens are broadcast.
     """
 
     def __init__(self, model, max_batch_size: int = 8, max_seq_len: int = 1024, page_size: int = 16,

@@ -17,9 +17,9 @@ SHARDED = ["llama", "mistral_window"]
 
 
 def torchrun(*args):
-    """Runs `args` on 2 ranks; returns the finished process."""
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *map(str, args)],
-                          capture_output=True, text=True, timeout=900, cwd=TESTS.parent)
+    """Runs `args` on 2 ranks (a free port: `--standalone`); returns the finished process."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=TESTS.parent)
 
 
 @pytest.fixture(scope="module")

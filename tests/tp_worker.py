@@ -1,6 +1,6 @@
 """One rank of test_distributed.py's tensor-parallel run, started by torchrun (gloo on the CPU).
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/tp_worker.py SPEC.json OUT_DIR
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/tp_worker.py SPEC.json OUT_DIR
 
 SPEC: {"models": {name: checkpoint dir}, "prompts": [[ids]], "new_tokens": n}. Each rank loads every model with
 tp_plan="auto", generates greedily (eager, then compiled) and by sampling seeded with its own rank, and writes

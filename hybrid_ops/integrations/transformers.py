@@ -95,7 +95,7 @@ def tensor_parallel_group(model):
 def kv_heads_per_rank(model, head_dim: int) -> int:
     """The KV heads this rank's attention layers hold: all of them, or this rank's slice under a `tp_plan`.
 
-    Read from the attention layers' `k_proj` (its local shard when sharded). transformers' colwise plan splits
+    Read from the decoder's attention layers' `k_proj` (its local shard when sharded). transformers' colwise plan splits
     `k_proj`'s output features evenly, not its heads, so KV heads that do not divide by the tensor-parallel size would
     leave a rank with part of a head: refused with a HybridInputError, on every rank alike (transformers' own
     forward fails on such a model too).
@@ -107,8 +107,9 @@ def kv_heads_per_rank(model, head_dim: int) -> int:
     if total % tp_size:
         raise HybridInputError(f"num_key_value_heads ({total}) must divide by the tensor-parallel size ({tp_size}): "
                                f"each rank must hold whole KV heads")
-    k_proj = next((m.k_proj for m in model.modules() if isinstance(getattr(m, "k_proj", None), torch.nn.Linear)),
-                  None)
+    # The decoder's attention layers: those with a layer_idx (a vision tower's have none).
+    k_proj = next((m.k_proj for m in model.modules()
+                   if hasattr(m, "layer_idx") and isinstance(getattr(m, "k_proj", None), torch.nn.Linear)), None)
     if k_proj is None:
         raise HybridInputError("a tensor-parallel model needs attention layers with a k_proj to size the cache from")
     weight = k_proj.weight.to_local() if isinstance(k_proj.weight, DTensor) else k_proj.weight
