@@ -18,7 +18,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 from generate import demo_model, demo_prompts
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DistributedConfig
 
 import hybrid_ops
 
@@ -48,7 +48,7 @@ def main():
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     path = checkpoint(args.model)
-    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")
+    model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_plan="auto"))
     prompts = demo_prompts(model.config.vocab_size)[: args.prompts]
     generator = hybrid_ops.HybridGenerator(model, max_batch_size=len(prompts),
                                            max_seq_len=max(map(len, prompts)) + args.max_new_tokens,

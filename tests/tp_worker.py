@@ -3,7 +3,7 @@
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/tp_worker.py SPEC.json OUT_DIR
 
 SPEC: {"models": {name: checkpoint dir}, "prompts": [[ids]], "new_tokens": n}. Each rank loads every model with
-tp_plan="auto", generates greedily (eager, then compiled) and by sampling seeded with its own rank, and writes
+DistributedConfig(tp_plan="auto"), generates greedily (eager, then compiled) and by sampling seeded with its own rank, and writes
 OUT_DIR/rank{rank}.json: {"name/eager" | "name/compiled" | "name/sampled": tokens, "name/kv_heads": the cache's
 heads, "name/different_prompts": the error of ranks given different prompts}, or {"name/error": message} when
 HybridGenerator refuses the model.
@@ -14,7 +14,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DistributedConfig
 
 from hybrid_ops import HybridGenerator, HybridInputError
 
@@ -43,7 +43,7 @@ def main(spec_path, out_dir):
     dist.init_process_group("gloo")
     rank, results = dist.get_rank(), {}
     for name, path in spec["models"].items():
-        model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")
+        model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_plan="auto"))
         try:
             outs = run(model, spec["prompts"], spec["new_tokens"], rank)
         except HybridInputError as e:
