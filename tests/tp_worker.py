@@ -4,9 +4,9 @@
 
 SPEC: {"models": {name: checkpoint dir}, "prompts": [[ids]], "new_tokens": n}. Each rank loads every model with
 DistributedConfig(tp_plan="auto"), generates greedily (eager, then compiled) and by sampling seeded with its own
-rank, and writes OUT_DIR/rank{rank}.json: {"name/eager" | "name/compiled" | "name/sampled": tokens, "name/kv_heads": the cache's
-heads, "name/different_prompts": the error of ranks given different prompts}, or {"name/error": message} when
-HybridGenerator refuses the model.
+rank, and writes OUT_DIR/rank{rank}.json: {"name/eager" | "name/compiled" | "name/sampled": tokens,
+"name/kv_heads": the cache's heads, "name/different_prompts": the error of ranks given different prompts}, or
+{"name/error": message} when HybridGenerator refuses the model.
 """
 
 import json
