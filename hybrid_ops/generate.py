@@ -7,12 +7,14 @@ every step and mode. With `cuda_graphs=True` every step is padded to a bucket (`
 the forward is compiled with `mode="reduce-overhead"`: one CUDA graph per bucket and mode, not per batch.
 """
 
+import hashlib
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
+import torch.distributed as dist
 
 from .buckets import batch_buckets, pad_batch, padding_q_lens, token_buckets
 from .cache import PagedKVCache
@@ -50,12 +52,15 @@ class HybridGenerator:
     scratch page) and, on CUDA, compiles with `mode="reduce-overhead"`; on other devices the same padding runs
     under a plain compile. The backends must then be CUDA-graph safe: "triton" ("auto" picks FlashInfer when it is
     installed, which plans on the host, and this forward does not keep its plan out of the graph).
+
+    A model sharded with `tp_plan` runs on every rank of its group with the same prompts (checked): the cache holds the
+    rank's own KV heads, the scheduling depends only on the tokens, and rank 0's sampled tokens are broadcast.
     """
 
     def __init__(self, model, max_batch_size: int = 8, max_seq_len: int = 1024, page_size: int = 16,
                  prefill_chunk: int = 256, compile: bool = True, prefill_backend: str = "auto",
                  decode_backend: str = "auto", cuda_graphs: bool = False):
-        from .integrations.transformers import HybridStep
+        from .integrations.transformers import HybridStep, kv_heads_per_rank, tensor_parallel_group
 
         config = model.config.get_text_config()
         model.set_attn_implementation("hybrid")
@@ -64,7 +69,7 @@ class HybridGenerator:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         pages_per_request = -(-max_seq_len // page_size)
         param = next(model.parameters())
-        self.cache = PagedKVCache(max_batch_size * pages_per_request, page_size, config.num_key_value_heads,
+        self.cache = PagedKVCache(max_batch_size * pages_per_request, page_size, kv_heads_per_rank(model, head_dim),
                                   head_dim, num_layers=config.num_hidden_layers,
                                   max_pages_per_request=pages_per_request, dtype=param.dtype, device=param.device,
                                   reserve_scratch=cuda_graphs)
@@ -79,6 +84,7 @@ class HybridGenerator:
         self.forward = torch.compile(self._forward, fullgraph=True, dynamic=True, mode=mode) if compile \
             else self._forward
         self.device = param.device
+        self._group = tensor_parallel_group(model)
 
     def _forward(self, input_ids, position_ids, logits_index, forward_mode: int, cu_seqlens_q, seq_lens,
                  block_table):
@@ -100,6 +106,9 @@ class HybridGenerator:
                                        f"{self.max_seq_len - max_new_tokens} tokens, got {len(prompt)}")
         if max_new_tokens < 1:
             raise HybridInputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if self._group is not None:
+            _check_same_on_every_rank((prompts, max_new_tokens, do_sample, temperature, top_k, eos_token_id),
+                                      self._group, self.device)
         stats = stats if stats is not None else GenerationStats()
         generator = torch.Generator(device=self.device)
         if seed is not None:
@@ -133,7 +142,10 @@ class HybridGenerator:
             logits = self.forward(torch.tensor([tokens], device=self.device),
                                   torch.tensor([positions], device=self.device),
                                   torch.tensor(rows, device=self.device), int(mode), *meta.metadata)
-            next_tokens = iter(_sample(logits[:num_rows], do_sample, temperature, top_k, generator).tolist())
+            next_ids = _sample(logits[:num_rows], do_sample, temperature, top_k, generator)
+            if self._group is not None:
+                dist.broadcast(next_ids, group=self._group, group_src=0)
+            next_tokens = iter(next_ids.tolist())
             stats.steps[mode.name] += 1
             for request, chunk in batch:
                 if chunk is not None:
@@ -187,6 +199,17 @@ class HybridGenerator:
         else:
             mode = ForwardMode.MIXED
         return batch, mode, sampled
+
+
+def _check_same_on_every_rank(args, group, device):
+    """Raises on every rank alike unless `args` are equal on all ranks of `group`: ranks given different prompts
+    would take different steps and pair up mismatched collectives."""
+    digest = int.from_bytes(hashlib.sha256(repr(args).encode()).digest()[:7], "little")
+    highest = torch.tensor([digest, -digest], device=device)
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
+    if highest.tolist() != [digest, -digest]:
+        raise HybridInputError("prompts, max_new_tokens and the sampling options must be the same on every rank of "
+                               "the tensor-parallel group")
 
 
 def _sample(logits, do_sample, temperature, top_k, generator):

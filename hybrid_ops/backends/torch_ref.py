@@ -114,7 +114,9 @@ class Workspace:
         key = (role, cache.dtype, cache.device)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.shape[0] < num_pages or buffer.shape[1:] != cache.shape[1:]:
-            buffer = self._buffers[key] = cache.new_empty((num_pages, *cache.shape[1:]))
+            # A normal tensor even when made under inference_mode: an inference tensor cannot be written outside it.
+            with torch.inference_mode(False):
+                buffer = self._buffers[key] = cache.new_empty((num_pages, *cache.shape[1:]))
         return buffer[:num_pages]
 
     def gather(self, role, cache, index):

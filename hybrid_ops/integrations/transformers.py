@@ -6,11 +6,15 @@ the batch is packed into one sequence (`input_ids: [1, T]`, `position_ids: [1, T
 transformers builds neither a cache nor a mask (no cache keyword is passed, which also sidesteps its rename from
 `past_key_values=` to `cache=`). A call without it, such as plain `model.generate()`, attends densely over the
 cache and mask that transformers passes, so a model switched to "hybrid" still works everywhere.
+
+A model loaded with `tp_plan="auto"` holds a slice of the attention heads on each rank: `kv_heads_per_rank` sizes a
+cache for that slice and `tensor_parallel_group` names the ranks that must take the same steps.
 """
 
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
@@ -78,6 +82,38 @@ def dense_attention(query, key, value, attention_mask, scaling, sliding_window, 
         scores = scores + attention_mask
     probs = scores.softmax(dim=-1).nan_to_num(0.0).to(value.dtype)  # fully padded rows -> 0
     return torch.matmul(probs, value).transpose(1, 2).contiguous()
+
+
+def tensor_parallel_group(model):
+    """The process group a `tp_plan` model is sharded over, or None for a model on one rank."""
+    if (getattr(model, "tp_size", None) or 1) == 1:
+        return None
+    mesh = model._device_mesh
+    return mesh.get_group() if mesh.ndim == 1 else mesh.get_group("tp")
+
+
+def kv_heads_per_rank(model, head_dim: int) -> int:
+    """The KV heads this rank's attention layers hold: all of them, or this rank's slice under a `tp_plan`.
+
+    Read from the decoder's attention layers' `k_proj` (its local shard when sharded). transformers' colwise plan splits
+    `k_proj`'s output features evenly, not its heads, so KV heads that do not divide by the tensor-parallel size would
+    leave a rank with part of a head: refused with a HybridInputError, on every rank alike (transformers' own
+    forward fails on such a model too).
+    """
+    total = model.config.get_text_config().num_key_value_heads
+    tp_size = getattr(model, "tp_size", None) or 1
+    if tp_size == 1:
+        return total
+    if total % tp_size:
+        raise HybridInputError(f"num_key_value_heads ({total}) must divide by the tensor-parallel size ({tp_size}): "
+                               f"each rank must hold whole KV heads")
+    # The decoder's attention layers: those with a layer_idx (a vision tower's have none).
+    k_proj = next((m.k_proj for m in model.modules()
+                   if hasattr(m, "layer_idx") and isinstance(getattr(m, "k_proj", None), torch.nn.Linear)), None)
+    if k_proj is None:
+        raise HybridInputError("a tensor-parallel model needs attention layers with a k_proj to size the cache from")
+    weight = k_proj.weight.to_local() if isinstance(k_proj.weight, DTensor) else k_proj.weight
+    return weight.shape[0] // head_dim
 
 
 AttentionInterface.register("hybrid", hybrid_attention)
