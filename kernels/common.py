@@ -47,7 +47,8 @@ def attend_pages(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * scale  # [R, BLOCK_N], fp32
+        # fp32 inputs in IEEE precision (a GPU would otherwise round them to TF32); 16-bit inputs are exact anyway.
+        s = tl.dot(q, tl.trans(k), input_precision="tf32x3") * scale  # [R, BLOCK_N], fp32
         if SOFT_CAP:
             # logit_cap * tanh(s / logit_cap), with tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits at +-inf
             s = logit_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / logit_cap) + 1.0))
@@ -59,6 +60,6 @@ def attend_pages(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="tf32x3")
         m_i = m_new
     return acc, l_i, m_i
