@@ -3,8 +3,9 @@
 Grid: (cdiv(T, BLOCK_M) + B, Hkv). Program (p, kv_head) takes query tile p of the batch: the tiles of request i
 are numbered from tile_cu[i] (a device cumsum of cdiv(q_len, BLOCK_M), no host sync); programs past the last tile
 exit. A program holds BLOCK_M tokens x the `group` query heads (padded to BLOCK_G) that share `kv_head` as its
-rows, so each K/V block is loaded once for the whole group. Token j of a request with prefix P sits at position P + j and sees positions
-[max(0, P + j - W + 1), P + j] (W = sliding window, else from 0); the loop covers the union over the tile's rows.
+rows, so each K/V block is loaded once for the whole group. Token j of a request with prefix P sits at position
+P + j and sees positions [max(0, P + j - W + 1), P + j] (W = sliding window, else from 0); the loop covers the
+union over the tile's rows, so a tile's keys end at its last token: prefix + (tile + 1) * BLOCK_M.
 """
 
 import torch

@@ -12,7 +12,7 @@ import hybrid_ops
 from hybrid_ops import ForwardMode
 
 BACKENDS = ["torch", "triton"]  # triton through the interpreter (conftest.py)
-FILLS = [-1, 0, 2**31 - 1, -(2**31)]
+FILLS = [-1, 2**31 - 1]  # 0 is the padding test_unused_entries_never_read compares with
 
 
 def pad_table(case, fill):
