@@ -42,12 +42,12 @@ def excess(out, ref):
     return ((out.double() - ref).abs() / (atol + rtol * ref.abs())).max().item()
 
 
-def check(op, case, options, target):
-    """op on the case with `target`'s tiles against the reference; the tolerance must also reject a 1% error of
-    the softmax scale on this very case."""
+def check(op, case, options, target, backend="triton"):
+    """op on the case (Triton with `target`'s tiles) against the reference; the tolerance must also reject a 1%
+    error of the softmax scale on this very case."""
     k_ref, v_ref = expected_cache(case)
     with launch_target(target):
-        out = op(*case.args, backend="triton", **options)
+        out = op(*case.args, backend=backend, **options)
     ref = reference(case, **options)
     assert out.dtype == case.q.dtype and excess(out, ref) <= 1, f"error {excess(out, ref):.3g}x the tolerance"
     assert torch.equal(case.k_cache, k_ref) and torch.equal(case.v_cache, v_ref)
@@ -80,13 +80,27 @@ def test_decode(sms, q_len, dtype):
         check(torch.ops.hybrid.decode, case, options, target)
 
 
+PREFILL_BATCH = [20, 3, 12], [150, 0, 35]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
 def test_prefill(dtype):
     """Ragged requests over cached prefixes, each spanning several query tiles and KV blocks."""
-    q_lens, prefixes = [20, 3, 12], [150, 0, 35]
+    q_lens, prefixes = PREFILL_BATCH
     case = make_case(q_lens, prefixes, num_q_heads=8, num_kv_heads=1, head_dim=64, page_size=16, dtype=dtype,
                      seed=3)
     tiles = prefill_tiles(dtype, 64, 8, MANY_SMS)
     assert q_lens[0] > tiles.block_rows and prefixes[0] > 2 * tiles.block_n
     for options in OPTIONS.values():
         check(torch.ops.hybrid.prefill, case, options, MANY_SMS)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+def test_torch_backend_same_cases(dtype):
+    """The reference backend on the same batches, at the same tolerances."""
+    for q_lens, prefixes, op in (([1, 1], [290, 200], torch.ops.hybrid.decode),
+                                 ([4], [290], torch.ops.hybrid.decode), (*PREFILL_BATCH, torch.ops.hybrid.prefill)):
+        case = make_case(q_lens, prefixes, num_q_heads=16 if q_lens == [4] else 8,
+                         num_kv_heads=1, head_dim=64, page_size=16, dtype=dtype, seed=3)
+        for options in OPTIONS.values():
+            check(op, case, options, None, backend="torch")
