@@ -2,9 +2,10 @@
 
 Grid: (cdiv(T, BLOCK_M) + B, Hkv). Program (p, kv_head) takes query tile p of the batch: the tiles of request i
 are numbered from tile_cu[i] (a device cumsum of cdiv(q_len, BLOCK_M), no host sync); programs past the last tile
-exit. A program holds BLOCK_M tokens x the GROUP query heads that share `kv_head` as its rows, so each K/V block
-is loaded once for the whole group. Token j of a request with prefix P sits at position P + j and sees positions
-[max(0, P + j - W + 1), P + j] (W = sliding window, else from 0); the loop covers the union over the tile's rows.
+exit. A program holds BLOCK_M tokens x the `group` query heads (padded to BLOCK_G) that share `kv_head` as its
+rows, so each K/V block is loaded once for the whole group. Token j of a request with prefix P sits at position
+P + j and sees positions [max(0, P + j - W + 1), P + j] (W = sliding window, else from 0); the loop covers the
+union over the tile's rows, so a tile's keys end at its last token: prefix + (tile + 1) * BLOCK_M.
 """
 
 import torch
@@ -12,16 +13,17 @@ import triton
 import triton.language as tl
 
 from .common import attend_pages, find_segment
+from .config import Target, block_d, prefill_tiles
 from .kv_store import log2_ceil
 
 
 @triton.jit
 def _prefill_kernel(
     Q, KCache, VCache, Out, CuSeqlensQ, SeqLens, BlockTable, TileCu,  # pointers
-    num_tokens, num_requests, num_pages, num_table_pages, scale, logit_cap, sliding_window,  # sizes, options
+    num_tokens, num_requests, group, num_pages, num_table_pages, scale, logit_cap, sliding_window,  # sizes, options
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh,  # q [T, Hq, D] any strides; out [T, Hq, D]
     stride_cp, stride_cr, stride_ch, stride_bt,  # caches [num_pages, page_size, Hkv, D]; block_table rows
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, LOG_B: tl.constexpr,
     SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -38,9 +40,9 @@ def _prefill_kernel(
 
     rows = tl.arange(0, BLOCK_M * BLOCK_G)
     token = tile * BLOCK_M + rows // BLOCK_G
-    head = kv_head * GROUP + rows % BLOCK_G
+    head = kv_head * group + rows % BLOCK_G
     # Rows stay inside q even when cu_seqlens_q is inconsistent (validation off).
-    row_ok = (token < q_len) & (rows % BLOCK_G < GROUP) & (q_start + token < num_tokens) & (q_start + token >= 0)
+    row_ok = (token < q_len) & (rows % BLOCK_G < group) & (q_start + token < num_tokens) & (q_start + token >= 0)
     d = tl.arange(0, BLOCK_D)
     q_mask = row_ok[:, None] & (d[None, :] < HEAD_DIM)
     q = tl.load(Q + (q_start + token)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh
@@ -67,18 +69,8 @@ def _prefill_kernel(
              out.to(Out.dtype.element_ty), mask=q_mask)
 
 
-def prefill_config(head_dim: int, group: int, interpret: bool):
-    """(BLOCK_M tokens, BLOCK_N keys, num_warps, num_stages). Rows per program = BLOCK_M * next_pow2(group).
-
-    The interpreter runs a program's tile in numpy: large tiles are far faster there and change nothing else.
-    """
-    rows, block_n = (128, 128) if interpret else ((128, 64) if head_dim <= 128 else (64, 32))
-    block_m = max(rows // triton.next_power_of_2(group), 1)
-    return block_m, block_n, (8 if head_dim > 64 else 4), (1 if interpret else 2)
-
-
-def prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap, upcast,
-            interpret):
+def prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
+            target: Target):
     """Attention of q: [T, Hq, D] over the paged caches (new tokens already stored); returns [T, Hq, D]."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_requests, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
@@ -86,19 +78,20 @@ def prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sli
     if num_tokens == 0 or num_requests == 0:
         return out
     group = num_q_heads // num_kv_heads
-    block_m, block_n, num_warps, num_stages = prefill_config(head_dim, group, interpret)
+    tiles = prefill_tiles(q.dtype, head_dim, group, target)
+    block_m = tiles.block_rows
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).clamp(min=0)
     tile_cu = torch.zeros(num_requests + 1, dtype=torch.int32, device=q.device)
     torch.cumsum((q_lens + block_m - 1) // block_m, 0, out=tile_cu[1:])
     grid = (triton.cdiv(num_tokens, block_m) + num_requests, num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, tile_cu,
-        num_tokens, num_requests, k_cache.shape[0], block_table.shape[1], scale, logit_cap, sliding_window,
+        num_tokens, num_requests, group, k_cache.shape[0], block_table.shape[1], scale, logit_cap, sliding_window,
         *q.stride(), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
-        GROUP=group, BLOCK_G=triton.next_power_of_2(group), HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=k_cache.shape[1],
-        LOG_B=log2_ceil(num_requests), SOFT_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0, UPCAST=upcast,
-        num_warps=num_warps, num_stages=num_stages,
+        BLOCK_G=triton.next_power_of_2(group), HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
+        BLOCK_M=block_m, BLOCK_N=tiles.block_n, PAGE_SIZE=k_cache.shape[1], LOG_B=log2_ceil(num_requests),
+        SOFT_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0, UPCAST=target.interpret and q.dtype == torch.bfloat16,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out

@@ -31,7 +31,7 @@ if "--smoke" in sys.argv and not os.environ.get("TRITON_INTERPRET"):
 sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
-from reference import assert_close, expected_cache, make_case, reference  # noqa: E402
+from reference import TOLERANCE, assert_close, expected_cache, make_case, reference  # noqa: E402
 
 import hybrid_ops  # noqa: E402
 from hybrid_ops import ForwardMode  # noqa: E402
@@ -79,6 +79,33 @@ def check_correctness(device, report):
                                                                                        v_ref.cpu())
             report.append(f"correct: {backend} {dtype} every mode, both speculative settings")
             print(report[-1], flush=True)
+
+
+def check_triton_fp32(device, report):
+    """fp32 through the Triton kernels at the reference's fp32 tolerance: their dots use tf32x3 (three TF32 products,
+    about fp32's precision), not plain TF32. Decode, verify and prefill over several KV blocks and splits."""
+    for head_dim in (64, 128, 256):
+        for path, q_lens in (("decode", [1, 1]), ("decode", [4, 4]), ("prefill", [37, 5])):
+            case = make_case(q_lens, [300, 41], num_q_heads=8, num_kv_heads=2, head_dim=head_dim, page_size=16,
+                             device=device, seed=head_dim)
+            out = getattr(torch.ops.hybrid, path)(*case.args, backend="triton", sliding_window=200, logit_cap=20.0)
+            assert_close(out.cpu(), reference(case, sliding_window=200, logit_cap=20.0), torch.float32)
+    report.append("triton fp32: decode, verify 4, prefill at D 64/128/256 within the fp32 tolerance "
+                  f"{TOLERANCE[torch.float32]:g}")
+    print(report[-1], flush=True)
+
+
+def check_triton_many_rows(device, report):
+    """The decode shapes whose single row tile once overflowed shared memory: MQA decode (Hq 32 / Hkv 1) at D 256
+    fp32, verify 4 x GQA 8 at D 256 fp32, verify 16 x GQA 16 at D 256 bf16."""
+    shapes = [(1, 32, 1, torch.float32), (4, 16, 2, torch.float32), (16, 32, 2, torch.bfloat16)]
+    for q_len, hq, hkv, dtype in shapes:
+        case = make_case([q_len] * 2, [200, 33], num_q_heads=hq, num_kv_heads=hkv, head_dim=256, page_size=16,
+                         dtype=dtype, device=device, seed=q_len)
+        out = torch.ops.hybrid.decode(*case.args, backend="triton")
+        assert_close(out.cpu(), reference(case), dtype)
+        report.append(f"triton decode q_len {q_len}, Hq {hq} / Hkv {hkv}, D 256, {dtype}: correct")
+        print(report[-1], flush=True)
 
 
 def check_cuda_graphs(report):
@@ -235,6 +262,8 @@ def main():
     report, rows = [f"{device}: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch "
                     f"{torch.__version__}"], []
     check_correctness(device, report)
+    check_triton_fp32(device, report)
+    check_triton_many_rows(device, report)
     if device == "cuda":
         check_cuda_graphs(report)
     check_generator_graphs(device, args.smoke, report)

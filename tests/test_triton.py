@@ -10,6 +10,7 @@ from reference import assert_close, expected_cache, make_case, reference
 
 import hybrid_ops
 from hybrid_ops.kernels import decode as decode_kernels
+from hybrid_ops.kernels.config import INTERPRETER
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -35,15 +36,16 @@ def test_decode_splits(num_splits, window):
     torch.ops.hybrid.decode(*case.args, backend="torch")  # stores the new tokens
     scale = case.q.shape[-1] ** -0.5
     out = decode_kernels.decode(case.q, case.k_cache, case.v_cache, case.seq_lens, case.block_table, scale, window,
-                                0.0, False, True, num_splits=num_splits)
+                                0.0, INTERPRETER, num_splits=num_splits)
     assert_close(out, reference(case, sliding_window=window), torch.float32)
 
 
 def test_num_splits_from_static_sizes():
     sms = 132
-    assert decode_kernels.num_kv_splits(1, 8, 32768, 64, sms) == 33  # a batch of 1 still fills the GPU
-    assert decode_kernels.num_kv_splits(64, 8, 4096, 64, sms) == 1
-    assert decode_kernels.num_kv_splits(4, 8, 64, 64, sms) == 1  # never more splits than KV blocks
+    assert decode_kernels.num_kv_splits(1 * 8, 32768, 64, sms) == 33  # a batch of 1 still fills the GPU
+    assert decode_kernels.num_kv_splits(64 * 8, 4096, 64, sms) == 1
+    assert decode_kernels.num_kv_splits(4 * 8, 64, 64, sms) == 1  # never more splits than KV blocks
+    assert decode_kernels.num_kv_splits(1 * 8 * 4, 32768, 64, sms) == 9  # row tiles count as programs
 
 
 def test_matches_torch_backend():

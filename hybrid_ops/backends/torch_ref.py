@@ -59,9 +59,16 @@ class StepPlan:
             torch.equal(a, b) for a, b in zip((cu_seqlens_q, seq_lens, block_table), self.metadata))
 
     def gather_index(self):
-        """[B * max_pages] page ids: every request's pages, padded to the longest (batched decode)."""
+        """[B * max_pages] page ids: every request's pages, padded to the longest (batched decode) with page 0.
+
+        Table entries past a request's pages may hold anything (-1 is a common padding): they are replaced on the
+        device, no host sync; the rows they stand for are masked (`mask`).
+        """
         if self._gather_index is None:
-            self._gather_index = self.metadata[2][:, : self.max_pages].flatten()
+            table, seq_lens = self.metadata[2][:, : self.max_pages], self.metadata[1]
+            unused = torch.arange(self.max_pages, device=self.device) >= (seq_lens[:, None] + self.page_size - 1
+                                                                          ) // self.page_size
+            self._gather_index = table.masked_fill(unused, 0).flatten()
         return self._gather_index
 
     def request(self, i):

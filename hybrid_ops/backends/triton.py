@@ -5,12 +5,23 @@ Sync-free and CUDA-graph safe: metadata stays on the device, out-of-range block 
 the first use), which is how the tests run it.
 """
 
+import functools
 import os
 
 import torch
 
 from ..validation import FLOAT_DTYPES, deterministic_enabled
 from .deps import importable
+
+
+@functools.lru_cache(maxsize=None)
+def _device_target(device: torch.device):
+    """The launch target for tensors on `device`: the interpreter on the CPU, else the GPU's SM count."""
+    from ..kernels.config import INTERPRETER, Target
+
+    if device.type == "cpu":
+        return INTERPRETER
+    return Target(num_sms=torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def _interpreting() -> bool:
@@ -22,17 +33,21 @@ class TritonBackend:
     requirement = "triton (pip install 'hybrid_ops[triton]')"
     checks_values = False
 
+    def __init__(self):
+        self.target = None  # a kernels.config.Target that overrides the device's
+
     def is_available(self) -> bool:
         return importable("triton")
 
     def supports(self, q) -> bool:
+        # Head dims below 16 are padded to 16 in the kernels (a 16-bit tl.dot needs K >= 16).
         on_device = q.device.type == "cuda" or (q.device.type == "cpu" and _interpreting())
         return on_device and q.dtype in FLOAT_DTYPES and q.shape[-1] <= 256
 
-    def _options(self, q):
-        # The interpreter computes bf16 dots wrongly; there (only) the kernels upcast to fp32 first.
-        interpret = q.device.type == "cpu"
-        return interpret and q.dtype == torch.bfloat16, interpret
+    def launch_target(self, q):
+        """Where the kernels run (`kernels.config.Target`): `self.target` when set (the tests run the GPU's tiles
+        in the interpreter), else q's device."""
+        return self.target if self.target is not None else _device_target(q.device)
 
     def prefill(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
                 logit_cap):
@@ -40,7 +55,7 @@ class TritonBackend:
 
         kv_store.store_kv(k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table)
         return prefill.prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                               logit_cap, *self._options(q))
+                               logit_cap, self.launch_target(q))
 
     def decode(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
                logit_cap):
@@ -48,4 +63,4 @@ class TritonBackend:
 
         kv_store.store_kv(k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table)
         return decode.decode(q, k_cache, v_cache, seq_lens, block_table, scale, sliding_window, logit_cap,
-                             *self._options(q), batch_invariant=deterministic_enabled())
+                             self.launch_target(q), batch_invariant=deterministic_enabled())

@@ -1,0 +1,79 @@
+"""Launch configurations: where the kernels run, and their tiles, warps and stages per shape.
+
+The GPU tables were chosen by compiling every supported shape for sm_80 (A100) and sm_90 (H200) and reading
+shared memory, registers and spills (`scripts/triton_resources.py`, checked by `tests/test_triton_compile.py`,
+table in `bench/results/triton_resources.md`): shared memory within both targets' per-block limit for every shape,
+no spills for fp16/bf16 at head dims up to 128 on sm_90.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the kernels run.
+
+    num_sms: decode splits each request's KV range so that the programs fill this many SMs twice over.
+    gpu_tiles: the GPU tables below; False takes the interpreter's large tiles (numpy runs a whole tile per step,
+        so large tiles are far faster there and change nothing else).
+    interpret: Triton's interpreter on the CPU, which computes bf16 dots wrongly: there bf16 is loaded as fp32.
+    """
+
+    num_sms: int
+    gpu_tiles: bool = True
+    interpret: bool = False
+
+
+INTERPRETER = Target(num_sms=4, gpu_tiles=False, interpret=True)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    block_rows: int  # decode: query rows (tokens x heads of a kv group) per program; prefill: tokens per program
+    block_n: int  # keys per step of the online softmax
+    num_warps: int
+    num_stages: int
+
+
+def block_d(head_dim: int) -> int:
+    """The head dim padded to a power of two, at least 16: a 16-bit `tl.dot` needs K >= 16 (the pad is masked)."""
+    return max(triton.next_power_of_2(head_dim), 16)
+
+
+# (fp32, head dim up to) -> (row cap, BLOCK_N, warps): decode rows per program are min(next_pow2(rows), cap), >= 16.
+DECODE_TILES = {(False, 128): (32, 64, 4), (False, 256): (16, 32, 4),
+                (True, 128): (16, 32, 4), (True, 256): (16, 32, 8)}
+# (fp32, head dim up to) -> (query rows, BLOCK_N, warps): prefill rows = tokens x next_pow2(group).
+PREFILL_TILES = {(False, 64): (128, 64, 4), (False, 128): (64, 64, 4), (False, 256): (64, 32, 8),
+                 (True, 128): (32, 32, 4), (True, 256): (32, 32, 8)}
+GPU_STAGES = 2
+
+
+def _lookup(table, dtype, head_dim):
+    fp32 = dtype == torch.float32
+    return next(value for (is_fp32, max_d), value in sorted(table.items()) if is_fp32 == fp32 and head_dim <= max_d)
+
+
+def decode_tiles(dtype: torch.dtype, head_dim: int, rows: int, target: Target) -> Tiles:
+    """Tiles of the split-KV decode kernel for `rows` = q_len x group query rows per (request, kv head).
+
+    Rows beyond the cap go to more programs (a grid axis over row tiles): an uncapped tile of 32+ fp32 rows at
+    D 256 needs more shared memory than an A100 block has. At least 16 rows: `tl.dot` needs M >= 16.
+    """
+    if not target.gpu_tiles:
+        return Tiles(max(triton.next_power_of_2(rows), 16), 128, 4, 1)
+    cap, block_n, num_warps = _lookup(DECODE_TILES, dtype, head_dim)
+    return Tiles(min(max(triton.next_power_of_2(rows), 16), cap), block_n, num_warps, GPU_STAGES)
+
+
+def prefill_tiles(dtype: torch.dtype, head_dim: int, group: int, target: Target) -> Tiles:
+    """Tiles of the prefill kernel; `block_rows` tokens x next_pow2(group) heads per program."""
+    if target.gpu_tiles:
+        rows, block_n, num_warps = _lookup(PREFILL_TILES, dtype, head_dim)
+        num_stages = GPU_STAGES
+    else:
+        rows, block_n, num_warps, num_stages = 128, 128, 8 if head_dim > 64 else 4, 1
+    return Tiles(max(rows // triton.next_power_of_2(group), 1), block_n, num_warps, num_stages)

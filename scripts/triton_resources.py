@@ -1,0 +1,273 @@
+"""Compile every Triton kernel the backend launches on a GPU, for sm_80 (A100) and sm_90 (H200), without a GPU.
+
+    python scripts/triton_resources.py                                   # check; print the table
+    python scripts/triton_resources.py --write bench/results/triton_resources.md
+
+Runs the Triton backend's own launch path (`TritonBackend.prefill` / `decode` with a GPU `Target`: the SM count,
+tiles and stages a GPU gets) on CPU tensors with `JITFunction.run` replaced by a recorder, then specialises each
+recorded launch as `JITFunction.run` does (constexprs, ints equal to 1, divisibility by 16 and 16-byte alignment)
+and compiles it with the ptxas of the triton wheel, in a fresh cache so that ptxas reports every kernel. Identical
+specialisations are compiled once. Checks, per target: a cubin; shared memory within the per-block limit; no
+register spills for fp16/bf16 at head dims up to 128 on sm_90. Exits 1 listing what failed.
+
+Uses triton's private APIs (`create_function_from_signature`, `JITFunction._pack_args`): pinned to triton 3.9.0 in
+the test extra. Must run without TRITON_INTERPRET (an interpreted kernel cannot be compiled).
+"""
+
+import argparse
+import contextlib
+import io
+import os
+import re
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    sys.exit("run without TRITON_INTERPRET: interpreted kernels cannot be compiled")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton import knobs  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+from hybrid_ops.backends.triton import TritonBackend  # noqa: E402
+from hybrid_ops.kernels.config import Target  # noqa: E402
+
+SHARED_LIMIT = {80: 166_912, 90: 232_448}  # per-block opt-in shared memory, bytes
+SM_COUNT = {80: 108, 90: 132}  # A100, H200
+NO_SPILL_CAPABILITY = 90
+NO_SPILL_MAX_HEAD_DIM = 128
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One backend call: `kind` "decode" (q_len tokens per request) or "prefill" (q_len new tokens per request)."""
+
+    kind: str
+    dtype: torch.dtype
+    head_dim: int
+    num_q_heads: int
+    num_kv_heads: int
+    q_len: int = 1
+    page_size: int = 16
+    options: tuple = ()  # (sliding_window, logit_cap) when set
+    batch: int = 2
+
+    def __str__(self):
+        mode = ("decode" if self.q_len == 1 else f"verify {self.q_len}") if self.kind == "decode" else "prefill"
+        text = (f"{mode} {DTYPE_NAMES[self.dtype]} D{self.head_dim} Hq{self.num_q_heads}/Hkv{self.num_kv_heads} "
+                f"page {self.page_size}")
+        return text + (f" batch {self.batch}" if self.batch != 2 else "") + (" window+cap" if self.options else "")
+
+
+def cases():
+    """Each axis the backend supports; the product where resources depend on it (dtype x head dim x rows).
+
+    Decode rows per (request, kv head) = q_len x group: 1 (MHA), 32 (MQA Hq 32 / Hkv 1), 256 (verify 16 x GQA 16);
+    prefill rows = tokens x next_pow2(group) at group 1, 8, 32. fp16 compiles as bf16 does (checked at D 64, 128).
+    """
+    out = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for head_dim in (64, 128, 256):
+            for q_len, hq, hkv in ((1, 8, 8), (1, 32, 1), (16, 32, 2)):
+                out.append(Case("decode", dtype, head_dim, hq, hkv, q_len))
+            for hq, hkv in ((8, 8), (64, 8), (32, 1)):
+                out.append(Case("prefill", dtype, head_dim, hq, hkv, 40))
+    for q_len, hq, hkv in ((1, 32, 8), (4, 64, 8), (8, 32, 8), (1, 32, 2)):  # GQA 4, verify 4 x GQA 8, ...
+        out.append(Case("decode", torch.bfloat16, 128, hq, hkv, q_len))
+    out.append(Case("decode", torch.float32, 256, 64, 8, 4))  # verify 4 x GQA 8 at fp32 D 256
+    for head_dim in (64, 128):
+        out.append(Case("decode", torch.float16, head_dim, 32, 8, 4))
+        out.append(Case("prefill", torch.float16, head_dim, 32, 8, 40))
+    for page_size in (1, 64):
+        out.append(Case("decode", torch.bfloat16, 128, 32, 8, 1, page_size))
+        out.append(Case("prefill", torch.bfloat16, 128, 32, 8, 40, page_size))
+    for dtype in (torch.bfloat16, torch.float32):
+        out.append(Case("decode", dtype, 128, 32, 8, 1, options=(256, 30.0)))
+        out.append(Case("prefill", dtype, 128, 32, 8, 40, options=(256, 30.0)))
+    out.append(Case("decode", torch.bfloat16, 128, 32, 8, 1, batch=64))  # one split per request
+    for kind, q_len in (("decode", 1), ("prefill", 40)):  # head dim 8: padded to 16 for tl.dot
+        out.append(Case(kind, torch.bfloat16, 8, 8, 2, q_len))
+    return out
+
+
+@dataclass
+class Launch:
+    kernel: JITFunction
+    args: tuple
+    kwargs: dict
+    case: Case
+
+
+def record_launches(case_list, num_sms):
+    """Every kernel launch of the backend's prefill/decode for each case, on CPU tensors, none executed."""
+    launches, current = [], []
+
+    def record(kernel, *args, grid, warmup, **kwargs):
+        launches.append(Launch(kernel, args, kwargs, current[0]))
+
+    backend = TritonBackend()
+    backend.target = Target(num_sms=num_sms)
+    saved = JITFunction.run
+    JITFunction.run = record
+    try:
+        for case in case_list:
+            current[:] = [case]
+            call_backend(backend, case)
+    finally:
+        JITFunction.run = saved
+    return launches
+
+
+def call_backend(backend, case):
+    """One backend call on CPU tensors: `batch` requests of a 300-token prefix (a multiple of no page size)."""
+    gen = torch.Generator().manual_seed(0)
+    prefix, num_tokens = 300, case.batch * case.q_len
+    pages_per_request = -(-(prefix + case.q_len) // case.page_size)
+    k_cache = torch.zeros(case.batch * pages_per_request, case.page_size, case.num_kv_heads, case.head_dim,
+                          dtype=case.dtype)
+    q = torch.randn(num_tokens, case.num_q_heads, case.head_dim, generator=gen).to(case.dtype)
+    k = torch.randn(num_tokens, case.num_kv_heads, case.head_dim, generator=gen).to(case.dtype)
+    cu_seqlens_q = torch.arange(case.batch + 1, dtype=torch.int32) * case.q_len
+    seq_lens = torch.full((case.batch,), prefix + case.q_len, dtype=torch.int32)
+    block_table = torch.arange(case.batch * pages_per_request, dtype=torch.int32).view(case.batch, -1)
+    window, cap = case.options or (-1, 0.0)
+    getattr(backend, case.kind)(q, k, k.clone(), k_cache, k_cache.clone(), cu_seqlens_q, seq_lens, block_table,
+                                case.head_dim ** -0.5, window, cap)
+
+
+def specialise(launch, capability):
+    """(cache key, ASTSource, options) of a launch for sm_<capability>, as `JITFunction.run` makes them."""
+    target = GPUTarget("cuda", capability, 32)
+    backend = make_backend(target)
+    kwargs = dict(launch.kwargs, debug=launch.kernel.debug or knobs.runtime.debug,
+                  instrumentation_mode=knobs.compilation.instrumentation_mode,
+                  fpsan_homomorphic_casts=knobs.compilation.fpsan_homomorphic_casts)
+    binder = create_function_from_signature(launch.kernel.signature, launch.kernel.params, backend)
+    bound_args, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = launch.kernel._pack_args(backend, kwargs, bound_args, specialization,
+                                                                     options)
+    key = (launch.kernel.fn.__name__, capability, str(signature), str(constexprs), str(attrs), str(options))
+    return key, ASTSource(launch.kernel, signature, constexprs, attrs), target, options
+
+
+_LAUNCHES = []  # the forked workers' view of the launches to compile
+
+
+def _compile(job):
+    """(shared bytes, registers, spill store bytes, spill load bytes, error) of launch `index` for a target."""
+    index, capability = job
+    _, source, target, options = specialise(_LAUNCHES[index], capability)
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log):
+            compiled = triton.compile(source, target=target, options=options.__dict__)
+    except Exception as e:  # a compile error is a finding, reported with the others
+        return None, None, None, None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if not compiled.asm.get("cubin"):
+        return None, None, None, None, "no cubin"
+    registers = re.search(r"Used (\d+) registers", log.getvalue())
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log.getvalue())
+    if not (registers and spills):
+        return compiled.metadata.shared, None, None, None, "no ptxas report"
+    return (compiled.metadata.shared, int(registers.group(1)), int(spills.group(1)), int(spills.group(2)), None)
+
+
+@dataclass
+class Row:
+    kernel: str
+    capability: int
+    constexprs: str
+    cases: list
+    shared: int = None
+    registers: int = None
+    spill_stores: int = None
+    spill_loads: int = None
+    error: str = None
+
+    def problems(self):
+        if self.error:
+            return [self.error]
+        found = []
+        if self.shared > SHARED_LIMIT[self.capability]:
+            found.append(f"shared memory {self.shared} B > {SHARED_LIMIT[self.capability]} B")
+        no_spill = any(c.dtype != torch.float32 and c.head_dim <= NO_SPILL_MAX_HEAD_DIM for c in self.cases)
+        if self.capability == NO_SPILL_CAPABILITY and no_spill and (self.spill_stores or self.spill_loads):
+            found.append(f"spills {self.spill_stores}/{self.spill_loads} B (stores/loads)")
+        return found
+
+
+def compile_all(case_list, workers=2):
+    """Compile every distinct specialisation the cases launch, for sm_80 and sm_90: a `Row` each."""
+    rows, jobs = {}, []
+    for capability in SHARED_LIMIT:
+        for launch in record_launches(case_list, SM_COUNT[capability]):
+            key, source, _, options = specialise(launch, capability)
+            if key not in rows:
+                names = [p.name for p in launch.kernel.params]
+                meta = ", ".join(f"{names[path[0]]}={value}" for path, value in source.constants.items())
+                rows[key] = Row(launch.kernel.fn.__name__, capability,
+                                f"{meta}, warps={options.num_warps}, stages={options.num_stages}", [])
+                _LAUNCHES.append(launch)
+                jobs.append((len(_LAUNCHES) - 1, capability))
+            if launch.case not in rows[key].cases:
+                rows[key].cases.append(launch.case)
+    ordered = list(rows.values())
+    with tempfile.TemporaryDirectory() as cache:
+        knobs.cache.dir = cache  # fresh: ptxas reports only what it compiles
+        knobs.nvidia.dump_ptxas_log = True
+        with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as pool:
+            results = list(pool.map(_compile, jobs))
+        for row, result in zip(ordered, results):
+            row.shared, row.registers, row.spill_stores, row.spill_loads, row.error = result
+    return ordered
+
+
+def table(rows):
+    lines = [
+        "# Triton kernels compiled for the GPU (no GPU needed)",
+        "",
+        "Written by `python scripts/triton_resources.py --write bench/results/triton_resources.md` "
+        f"(triton {triton.__version__}, its own ptxas); checked by `tests/test_triton_compile.py`.",
+        "Every launch the backend makes for the cases listed, specialised as Triton does on a GPU, compiled for "
+        f"sm_80 ({SM_COUNT[80]} SMs, shared limit {SHARED_LIMIT[80]:,} B) and sm_90 ({SM_COUNT[90]} SMs, "
+        f"{SHARED_LIMIT[90]:,} B). Spills: bytes of spill stores / loads.",
+        "",
+        "| kernel | target | shared B | registers | spills | specialisation | cases |",
+        "|---|---|---:|---:|---:|---|---|",
+    ]
+    for row in sorted(rows, key=lambda r: (r.kernel, r.capability, str(r.cases[0]))):
+        spills = "" if row.spill_stores is None else f"{row.spill_stores}/{row.spill_loads}"
+        lines.append(f"| {row.kernel} | sm_{row.capability} | {row.shared if row.shared is not None else ''} | "
+                     f"{row.registers if row.registers is not None else ''} | {spills} | {row.constexprs} | "
+                     f"{'; '.join(str(c) for c in row.cases)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--write", type=Path, help="write the resource table (markdown) here")
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args()
+    rows = compile_all(cases(), args.workers)
+    text = table(rows)
+    print(text)
+    if args.write:
+        args.write.write_text(text)
+    failures = [f"{row.kernel} sm_{row.capability} [{'; '.join(map(str, row.cases))}]: {problem}"
+                for row in rows for problem in row.problems()]
+    print(f"{len(rows)} specialisations compiled, {len(failures)} failing")
+    for failure in failures:
+        print("FAIL", failure)
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
