@@ -78,6 +78,9 @@ VALUE_INPUTS = {
     "block_id_high": ("prefill", replace(block_table=set_value((0, 0), 10_000)), "block_table[0, 0] = 10000"),
     "block_id_negative": ("decode", replace(block_table=set_value((1, 0), -1)), "block_table[1, 0] = -1"),
     "table_too_short": ("prefill", replace(seq_lens=set_value(1, 400)), "exceeds block_table's capacity"),
+    # valid_case("prefill")'s table has 4 columns of 4-token pages: 17 tokens are one past its capacity.
+    "table_one_short": ("prefill", replace(seq_lens=set_value(1, 17)),
+                        "seq_lens[1] = 17 exceeds block_table's capacity of 4 pages x 4 = 16 tokens"),
     "decode_ragged_lengths": ("decode", replace(cu_seqlens_q=lambda t: torch.tensor([0, 1, 1, 3], dtype=t.dtype)),
                               "same query length for every request"),
 }
