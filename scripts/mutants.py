@@ -88,6 +88,10 @@ MUTANTS = [
       "torch.arange(bs + 1, dtype=torch.int32) * (num_tokens // max(bs, 1))",
       "torch.arange(bs + 1, dtype=torch.int32)",
       "tests/test_hybrid_backend.py -k 'capture_metadata or replay_metadata'"),
+    M("replay_assumes_table_as_wide_as_buffers", "hybrid_ops/hybrid_backend.py",
+      "batch.block_table[:, : forward_batch.block_table.shape[1]].copy_(forward_batch.block_table)",
+      "batch.block_table.copy_(forward_batch.block_table)",
+      "tests/test_hybrid_backend.py -k 'capture_metadata or replay_metadata'"),
     M("replay_keeps_captured_seq_lens", "hybrid_ops/hybrid_backend.py",
       "batch.seq_lens.copy_(forward_batch.seq_lens)",
       "batch.seq_lens.fill_(1)",
@@ -145,6 +149,11 @@ MUTANTS = [
 ]
 
 
+def package_dirs(root: Path) -> dict:
+    """pyproject.toml's `package-dir`: package name -> the directory it is installed from."""
+    return tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"].get("package-dir", {})
+
+
 def copy_repository(dest: Path) -> None:
     """The tracked and untracked-but-not-ignored files, plus links that place each `package-dir` entry of
     pyproject.toml where Python looks for it (kernels/ as hybrid_ops/kernels), so nothing imports from ROOT."""
@@ -155,19 +164,18 @@ def copy_repository(dest: Path) -> None:
         if source.is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, dest / name)
-    package_dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    for package, directory in package_dirs.items():
+    for package, directory in package_dirs(dest).items():
         link = dest / package.replace(".", "/")
         if not link.exists():
             link.symlink_to(os.path.relpath(dest / directory, link.parent), target_is_directory=True)
 
 
-def module_name(file: str, package_dirs) -> str | None:
+def module_name(file: str, dirs: dict) -> str | None:
     """The module that `file` (a path in the repository) is imported as, or None for a non-module."""
     if not file.endswith(".py"):
         return None
     stem = file[: -len(".py")].removesuffix("/__init__")
-    for package, directory in package_dirs.items():
+    for package, directory in dirs.items():
         if stem == directory or stem.startswith(directory + "/"):
             return package + stem[len(directory):].replace("/", ".")
     return stem.replace("/", ".")
@@ -175,8 +183,7 @@ def module_name(file: str, package_dirs) -> str | None:
 
 def check_imports_from(copy: Path, env, files) -> None:
     """Every mutated module must import from the copy (an editable install of ROOT would otherwise win)."""
-    package_dirs = tomllib.loads((copy / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    modules = sorted({m for m in (module_name(f, package_dirs) for f in files) if m})
+    modules = sorted({m for m in (module_name(f, package_dirs(copy)) for f in files) if m})
     code = "import importlib\n" + "".join(f"print(importlib.import_module({m!r}).__file__)\n" for m in modules)
     result = subprocess.run([sys.executable, "-c", code], cwd=copy, env=env, capture_output=True, text=True)
     if result.returncode != 0:
@@ -200,12 +207,13 @@ def run_tests(copy: Path, env, tests: str, extra) -> tuple[int, str, float]:
 
 
 def verdict(returncode: int) -> str:
-    # 1: a test failed; 2: collection failed; negative: the process died (an interpreter abort counts too).
     if returncode == 0:
         return "NOT CAUGHT"
-    if returncode in (1, 2) or returncode < 0:
-        return "caught"
-    return "ERROR" if returncode != 5 else "ERROR (no tests selected)"
+    if returncode == 5:
+        return "ERROR (no tests selected)"
+    if returncode in (3, 4):  # pytest's internal and usage errors
+        return "ERROR"
+    return "caught"  # 1: a test failed; 2: collection failed; < 0: timed out, or died (an interpreter abort)
 
 
 def main() -> int:
@@ -226,8 +234,9 @@ def main() -> int:
         copy = Path(tmp).resolve()
         copy_repository(copy)
         # No bytecode: a mutant of the same size written within the same second would reuse a stale .pyc.
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(copy), os.environ.get("PYTHONPATH", "")]),
-               "PYTHONDONTWRITEBYTECODE": "1", "HF_HUB_OFFLINE": "1"}
+        python_path = [str(copy)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(python_path), "PYTHONDONTWRITEBYTECODE": "1",
+               "HF_HUB_OFFLINE": "1"}
         check_imports_from(copy, env, [m.file for m in mutants])
         # The unmutated copy must pass every selection, or a "caught" would mean nothing.
         for tests in dict.fromkeys(m.tests for m in mutants):
@@ -253,7 +262,7 @@ def main() -> int:
             failed |= rows[-1][3] != "caught"
             print(f"{rows[-1][3]:12} {m.name} ({seconds:.1f} s)", flush=True)
 
-    print(f"\n| mutant | tests run | result | s |\n|---|---|---|---:|")
+    print("\n| mutant | tests run | result | s |\n|---|---|---|---:|")
     for name, tests, summary, result, seconds in rows:
         print(f"| {name} | `{tests}`: {summary} | {result} | {seconds:.1f} |")
     caught = sum(r[3] == "caught" for r in rows)
