@@ -114,7 +114,8 @@ def test_bad_inputs():
 
 def gemma2_with_large_logits(attn, softcap=3.0):
     """Gemma2 whose scaling (query_pre_attn_scalar**-0.5 = 1/8) is half of 1/sqrt(head_dim), and whose q/k
-    projections are scaled up so that attention logits pass the soft-cap of 3 (a random model's are about 0.1)."""
+    projections are scaled up: scaled attention logits reach about 6 in every layer, past the soft-cap of 3 (a
+    random model's stay near 0.1)."""
     config = Gemma2Config(**{**SMALL, "num_hidden_layers": 3}, head_dim=16, sliding_window=5,
                           attn_logit_softcapping=softcap, final_logit_softcapping=None, query_pre_attn_scalar=64)
     torch.manual_seed(0)
