@@ -33,8 +33,11 @@ class Case:
 
 def make_case(q_lens, prefix_lens, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4, dtype=torch.float32,
               extra_pages=3, strided=False, seed=None, device="cpu") -> Case:
-    """A batch whose requests own shuffled, non-contiguous pages; all other pages hold POISON."""
-    rng = random.Random(seed)
+    """A batch whose requests own shuffled, non-contiguous pages; all other pages hold POISON.
+
+    seed: None draws one from `random`, which conftest.py seeds from the test's id.
+    """
+    rng = random.Random(random.getrandbits(32) if seed is None else seed)
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
     seq_lens = [p + n for p, n in zip(prefix_lens, q_lens)]
     pages_per_req = [math.ceil(s / page_size) for s in seq_lens]

@@ -76,3 +76,32 @@ def test_generation_over_the_cache():
     for rid in live:
         cache.free(rid)
     assert cache.num_free_pages == 40
+
+
+def test_truncate_off_a_page_boundary_keeps_the_partly_filled_page():
+    """Rejected draft tokens cut a request mid-page: that page stays the request's (a request added next gets
+    other pages), its kept rows are still read, and the next token lands in it."""
+    cache = PagedKVCache(num_pages=6, page_size=4, num_kv_heads=2, head_dim=8, max_pages_per_request=4)
+    keys, values = torch.zeros(0, 2, 8), torch.zeros(0, 2, 8)
+    cache.add("a")
+    for n, mode in ((7, ForwardMode.EXTEND), (3, ForwardMode.TARGET_VERIFY)):
+        batch = cache.step(["a"], [n], mode)
+        q, k, v = torch.randn(n, 4, 8), torch.randn(n, 2, 8), torch.randn(n, 2, 8)
+        torch.ops.hybrid.attn(q, k, v, *cache.layer(0), *batch.metadata, int(mode))
+        keys, values = torch.cat([keys, k]), torch.cat([values, v])
+    cache.truncate("a", 6)  # page 0 full, page 1 holds 2 of its 4 rows, page 2 freed
+    keys, values = keys[:6], values[:6]
+    assert cache.seq_len("a") == 6 and cache.num_free_pages == 6 - 2
+    a_pages = batch.block_table[0, :2].tolist()
+
+    cache.add("b")
+    batch = cache.step(["b"], [8])
+    assert not set(batch.block_table[0, :2].tolist()) & set(a_pages)
+    torch.ops.hybrid.attn(torch.randn(8, 4, 8), torch.randn(8, 2, 8), torch.randn(8, 2, 8), *cache.layer(0),
+                          *batch.metadata, int(ForwardMode.EXTEND))
+
+    batch = cache.step(["a"], [1], ForwardMode.DECODE)
+    assert batch.block_table[0, :2].tolist() == a_pages
+    q, k, v = torch.randn(1, 4, 8), torch.randn(1, 2, 8), torch.randn(1, 2, 8)
+    out = torch.ops.hybrid.attn(q, k, v, *cache.layer(0), *batch.metadata, int(ForwardMode.DECODE))
+    assert_close(out, dense_attention(q, torch.cat([keys, k]), torch.cat([values, v]), 6), torch.float32)

@@ -78,6 +78,9 @@ VALUE_INPUTS = {
     "block_id_high": ("prefill", replace(block_table=set_value((0, 0), 10_000)), "block_table[0, 0] = 10000"),
     "block_id_negative": ("decode", replace(block_table=set_value((1, 0), -1)), "block_table[1, 0] = -1"),
     "table_too_short": ("prefill", replace(seq_lens=set_value(1, 400)), "exceeds block_table's capacity"),
+    # valid_case("prefill")'s table has 4 columns of 4-token pages: 17 tokens are one past its capacity.
+    "table_one_short": ("prefill", replace(seq_lens=set_value(1, 17)),
+                        "seq_lens[1] = 17 exceeds block_table's capacity of 4 pages x 4 = 16 tokens"),
     "decode_ragged_lengths": ("decode", replace(cu_seqlens_q=lambda t: torch.tensor([0, 1, 1, 3], dtype=t.dtype)),
                               "same query length for every request"),
 }
@@ -194,3 +197,38 @@ def test_paged_cache_errors():
     with pytest.raises(HybridInputError, match="freed already"):
         cache.free("a")
     assert cache.num_free_pages == 4 - 0  # b holds no page yet
+
+
+@pytest.fixture
+def validation_on():
+    hybrid_ops.set_validation(True)
+    yield
+    hybrid_ops.set_validation(False)
+
+
+@pytest.fixture
+def backend_named(request, monkeypatch):
+    """The backend under test by name. FlashInfer's kernels need CUDA: on the CPU it is made to accept CPU tensors,
+    and reaching its prefill or decode fails the test (validation must reject the call before that)."""
+    from hybrid_ops.backends.flashinfer import FlashInferBackend
+
+    name = request.param
+    if name == "flashinfer":
+        def reached(self, *args):
+            raise AssertionError("metadata with bad values reached the FlashInfer backend")
+
+        for method, fn in (("is_available", lambda self: True), ("supports", lambda self, q: True),
+                           ("prefill", reached), ("decode", reached)):
+            monkeypatch.setattr(FlashInferBackend, method, fn)
+    return name
+
+
+@pytest.mark.parametrize("backend_named", ["triton", "flashinfer"], indirect=True)
+@pytest.mark.parametrize("name", VALUE_INPUTS)
+def test_bad_values_in_validation_mode_for_backends_that_mask(name, backend_named, validation_on):
+    """Triton and FlashInfer never read the metadata to the host (they mask instead); in validation mode the ops
+    check its values for them, before the cache is written."""
+    op, mutation, words = VALUE_INPUTS[name]
+    case = valid_case(op)
+    assert not hybrid_ops.get_backend(backend_named, case.q).checks_values
+    check_rejected(op, lambda args, kwargs: mutation(args, {**kwargs, "backend": backend_named}), words)

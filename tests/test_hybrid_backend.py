@@ -4,6 +4,7 @@ import pytest
 import torch
 from reference import assert_close, make_case, reference
 
+import hybrid_ops
 from hybrid_ops import AttentionLayer, ForwardMode, HybridAttnBackend, PagedKVCache, PhaseBackend, build_metadata
 
 P, D = "prefill", "decode"
@@ -87,3 +88,66 @@ def test_phase_backends_run_the_ops():
     hybrid.init_forward_metadata_replay_cuda_graph(2, real)
     out = hybrid.forward_decode(decode.q, decode.k, decode.v, AttentionLayer(0), real)
     assert_close(out, reference(decode), torch.float32)
+
+
+# (forward mode, speculative_attention_mode, tokens per request) for the CUDA-graph tests: verify has 3 per
+# request, so a batch of 2 has 6 tokens and any swap of the two sizes shows.
+GRAPH_CASES = [(ForwardMode.DECODE, "prefill", 1), (ForwardMode.TARGET_VERIFY, "prefill", 3),
+               (ForwardMode.TARGET_VERIFY, "decode", 3)]
+
+
+def graph_ready(cache, spec):
+    """A HybridAttnBackend of two torch PhaseBackends, CUDA-graph state set up for 8 requests and 32 tokens."""
+    hybrid = HybridAttnBackend(PhaseBackend(cache, "torch"), PhaseBackend(cache, "torch"), spec, speculative=True)
+    hybrid.init_cuda_graph_state(max_bs=8, max_num_tokens=32)
+    return hybrid
+
+
+def routed(hybrid, mode, spec):
+    return hybrid.decode_backend if hybrid_ops.select_path(mode, spec) == "decode" else hybrid.prefill_backend
+
+
+@pytest.mark.parametrize("mode, spec, per_request", GRAPH_CASES)
+def test_capture_metadata(mode, spec, per_request):
+    """Capture for 2 requests of `per_request` tokens: the routed backend points its metadata at its static
+    buffers, sized for 2 requests, with their token boundaries."""
+    cache = PagedKVCache(num_pages=12, page_size=4, num_kv_heads=2, head_dim=16, max_pages_per_request=5)
+    hybrid = graph_ready(cache, spec)
+    hybrid.init_forward_metadata_capture_cuda_graph(2, 2 * per_request, mode)
+    phase = routed(hybrid, mode, spec)
+    batch = phase.forward_batch
+    assert batch.forward_mode == mode
+    assert batch.cu_seqlens_q.tolist() == [0, per_request, 2 * per_request]
+    assert batch.seq_lens.tolist() == [hybrid.get_cuda_graph_seq_len_fill_value()] * 2
+    assert batch.block_table.shape == (2, 5)
+    for tensor, buffer in zip(batch.metadata, phase.graph_buffers):
+        assert tensor.data_ptr() == buffer.data_ptr()  # views of the static buffers a graph would read
+    other = hybrid.prefill_backend if phase is hybrid.decode_backend else hybrid.decode_backend
+    assert other.forward_batch is None
+
+
+@pytest.mark.parametrize("mode, spec, per_request", GRAPH_CASES)
+def test_replay_metadata_and_output(mode, spec, per_request):
+    """Replay copies a real batch (a block table narrower than the buffers') into the static buffers; attention
+    over them matches the reference."""
+    case = make_case([per_request] * 2, [7, 2], page_size=4, seed=per_request)
+    width = case.block_table.shape[1]
+    cache = PagedKVCache(num_pages=case.k_cache.shape[0], page_size=4, num_kv_heads=2, head_dim=16,
+                         max_pages_per_request=width + 2)
+    cache.k_caches[0].copy_(case.k_cache)
+    cache.v_caches[0].copy_(case.v_cache)
+    hybrid = graph_ready(cache, spec)
+    hybrid.init_forward_metadata_capture_cuda_graph(2, 2 * per_request, mode)
+    real = build_metadata(case.q_lens, case.seq_lens.tolist(), case.pages, forward_mode=mode)
+    hybrid.init_forward_metadata_replay_cuda_graph(2, real)
+    phase = routed(hybrid, mode, spec)
+    batch = phase.forward_batch
+    assert batch.cu_seqlens_q.tolist() == real.cu_seqlens_q.tolist()
+    assert batch.seq_lens.tolist() == real.seq_lens.tolist()
+    assert batch.block_table[:, : real.block_table.shape[1]].tolist() == real.block_table.tolist()
+    for tensor, buffer in zip(batch.metadata, phase.graph_buffers):
+        assert tensor.data_ptr() == buffer.data_ptr()
+    layer = AttentionLayer(0, scale=0.2, logit_cap=2.0)
+    forward = hybrid.forward_decode if mode == ForwardMode.DECODE else hybrid.forward_extend
+    assert_close(forward(case.q, case.k, case.v, layer, real), reference(case, scale=0.2, logit_cap=2.0),
+                 torch.float32)

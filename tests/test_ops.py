@@ -1,5 +1,7 @@
 """torch.ops.hybrid.{prefill, decode, attn} against the float64 reference, and their contract with opcheck."""
 
+import zlib
+
 import pytest
 import torch
 from reference import assert_close, expected_cache, make_case, reference
@@ -48,7 +50,7 @@ def check_call(op, case, options, dtype, **kwargs):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", PREFILL_CASES)
 def test_prefill_shapes(backend, dtype, name):
-    case = make_case(**PREFILL_CASES[name], dtype=dtype, seed=hash(name) % 1000)
+    case = make_case(**PREFILL_CASES[name], dtype=dtype, seed=zlib.crc32(name.encode()))
     check_call(torch.ops.hybrid.prefill, case, {}, dtype, backend=backend)
 
 

@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
 
 import hybrid_ops
-from hybrid_ops import HybridGenerator, HybridInputError
+from hybrid_ops import ForwardMode, HybridGenerator, HybridInputError
 from hybrid_ops.integrations.transformers import HybridStep
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -110,3 +110,59 @@ def test_bad_inputs():
     step = HybridStep(1, *batch.metadata, cache.k_caches, cache.v_caches)
     with pytest.raises(HybridInputError, match="input_ids must be \\[1, T\\]"):
         model(torch.ones(2, 3, dtype=torch.long), use_cache=False, hybrid_step=step)
+
+
+def gemma2_with_large_logits(attn, softcap=3.0):
+    """Gemma2 whose scaling (query_pre_attn_scalar**-0.5 = 1/8) is half of 1/sqrt(head_dim), and whose q/k
+    projections are scaled up: scaled attention logits reach about 6 in every layer, past the soft-cap of 3 (a
+    random model's stay near 0.1)."""
+    config = Gemma2Config(**{**SMALL, "num_hidden_layers": 3}, head_dim=16, sliding_window=5,
+                          attn_logit_softcapping=softcap, final_logit_softcapping=None, query_pre_attn_scalar=64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(12.0)
+            layer.self_attn.k_proj.weight.mul_(12.0)
+    return model
+
+
+def test_logits_match_eager_attention_with_scale_window_and_soft_cap():
+    """Logits of every row of a chunked prefill and a MIXED step against transformers' eager attention: every
+    layer's scale, window and soft-cap must reach the op (greedy tokens alone would hide a dropped one)."""
+    prompts = [PROMPTS[3][:14], PROMPTS[1][:9]]
+    follow = 11  # the token request 1 decodes in the second step
+    eager = gemma2_with_large_logits("eager")
+    with torch.no_grad():
+        want = [eager(torch.tensor([p])).logits[0] for p in (prompts[0], prompts[1] + [follow])]
+        uncapped = gemma2_with_large_logits("eager", softcap=None)(torch.tensor([prompts[0]])).logits[0]
+    # The soft-cap matters here: without it the logits move 500 times the tolerance below (a dropped cap or
+    # scale in any one layer moved them about 200 times).
+    assert (uncapped - want[0]).abs().max() > 0.1
+    generator = HybridGenerator(gemma2_with_large_logits("eager"), max_batch_size=2, max_seq_len=24, page_size=4,
+                                compile=False)
+    cache = generator.cache
+    cache.add(0)
+    cache.add(1)
+    # Step 1 (EXTEND): 8 tokens of request 0, all 9 of request 1. Step 2 (MIXED): the rest of request 0, and
+    # request 1 decodes one token over its 9 cached ones.
+    steps = [(ForwardMode.EXTEND, [prompts[0][:8], prompts[1]], [0, 0]),
+             (ForwardMode.MIXED, [prompts[0][8:], [follow]], [8, 9])]
+    got = [[], []]
+    for mode, chunks, starts in steps:
+        batch = cache.step([0, 1], [len(c) for c in chunks], mode)
+        tokens = [t for c in chunks for t in c]
+        positions = [s + j for c, s in zip(chunks, starts) for j in range(len(c))]
+        with torch.inference_mode():
+            logits = generator.forward(torch.tensor([tokens]), torch.tensor([positions]),
+                                       torch.arange(len(tokens)), int(mode), *batch.metadata)
+        got[0].append(logits[: len(chunks[0])])
+        got[1].append(logits[len(chunks[0]):])
+    got = [torch.cat(rows) for rows in got]
+    assert got[1].shape[0] == 10  # request 1's prompt from step 1 and its decoded token from step 2
+    for mine, ref in zip(got, want):
+        torch.testing.assert_close(mine, ref, rtol=0, atol=2e-4)
+    # The same model outside a hybrid step (transformers' own forward, dense attention over its mask).
+    dense = gemma2_with_large_logits("hybrid")
+    with torch.no_grad():
+        torch.testing.assert_close(dense(torch.tensor([prompts[0]])).logits[0], want[0], rtol=0, atol=2e-4)

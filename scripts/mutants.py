@@ -1,0 +1,286 @@
+"""Mutation check: small deliberate bugs, each applied alone to a temporary copy of the repository, where the
+tests selected for it must fail.
+
+    python scripts/mutants.py                  # every mutant; exit 1 if one survives or its anchor is stale
+    python scripts/mutants.py -k truncate      # the mutants whose name contains "truncate"
+    python scripts/mutants.py --list           # the table, without running anything
+    python scripts/mutants.py -k capture --tests tests/test_hybrid_backend.py \
+        -- --deselect tests/test_hybrid_backend.py::test_capture_metadata
+                                               # other tests than the table's; arguments after -- go to pytest
+                                               # (here: does anything else in the file catch it?)
+
+Each row of MUTANTS names a file, a text that must occur in it exactly once, the text that replaces it, and the
+tests (pytest arguments) that must catch the change. Edit the table when the code moves: a missing anchor is
+reported as stale and fails the check. Needs Python >= 3.11 (tomllib) and git.
+"""
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from collections import namedtuple
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+Mutant = namedtuple("Mutant", "name file original mutated tests")
+M = Mutant
+MUTANTS = [
+    # -- Triton kernels (tests/test_triton*.py) ----------------------------------------------------------------
+    M("decode_reduce_averages_splits", "kernels/decode.py",
+      "weight = tl.exp(lse - lse_max)",
+      "weight = tl.where(lse > float('-inf'), 1.0, 0.0)",
+      "tests/test_triton.py"),
+    M("prefill_key_bound_ignores_tile", "kernels/prefill.py",
+      "kv_hi = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_M)",
+      "kv_hi = tl.minimum(seq_len, prefix + BLOCK_M)",
+      "tests/test_triton.py"),
+    M("online_softmax_never_rescales", "kernels/common.py",
+      "acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)",
+      "acc = acc + tl.dot(p.to(v.dtype), v)",
+      "tests/test_triton.py"),
+    # -- validation ---------------------------------------------------------------------------------------------
+    M("validation_skipped_for_masking_backends", "hybrid_ops/ops.py",
+      "if validation_enabled() and not impl.checks_values:",
+      "if validation_enabled() and impl.checks_values:",
+      "tests/test_errors.py -k bad_values"),
+    M("validation_capacity_off_by_a_page", "hybrid_ops/validation.py",
+      "if length > capacity:",
+      "if length > capacity + page_size:",
+      "tests/test_errors.py -k bad_values"),
+    # -- transformers integration -------------------------------------------------------------------------------
+    M("transformers_drops_scaling", "hybrid_ops/integrations/transformers.py",
+      "scale=scaling,",
+      "scale=None,",
+      "tests/test_transformers.py -k logits"),
+    M("transformers_drops_scale_and_cap", "hybrid_ops/integrations/transformers.py",
+      "scale=scaling, sliding_window=sliding_window or -1, logit_cap=softcap or 0.0,",
+      "scale=None, sliding_window=sliding_window or -1, logit_cap=0.0,",
+      "tests/test_transformers.py -k logits"),
+    M("transformers_drops_cap_in_one_layer", "hybrid_ops/integrations/transformers.py",
+      "logit_cap=softcap or 0.0,",
+      "logit_cap=(softcap or 0.0) if layer != 2 else 0.0,",
+      "tests/test_transformers.py -k logits"),
+    M("transformers_drops_scale_in_one_layer", "hybrid_ops/integrations/transformers.py",
+      "scale=scaling,",
+      "scale=scaling if layer != 2 else None,",
+      "tests/test_transformers.py -k logits"),
+    M("transformers_drops_window", "hybrid_ops/integrations/transformers.py",
+      "sliding_window=sliding_window or -1,",
+      "sliding_window=-1,",
+      "tests/test_transformers.py -k logits"),
+    M("dense_attention_drops_cap", "hybrid_ops/integrations/transformers.py",
+      "    if softcap:\n        scores = softcap",
+      "    if False:\n        scores = softcap",
+      "tests/test_transformers.py -k logits"),
+    # -- HybridAttnBackend / PhaseBackend CUDA-graph metadata ---------------------------------------------------
+    M("capture_swaps_bs_and_num_tokens", "hybrid_ops/hybrid_backend.py",
+      ".init_forward_metadata_capture_cuda_graph(bs, num_tokens, forward_mode)",
+      ".init_forward_metadata_capture_cuda_graph(num_tokens, bs, forward_mode)",
+      "tests/test_hybrid_backend.py -k 'capture_metadata or replay_metadata'"),
+    M("capture_cu_seqlens_one_token_each", "hybrid_ops/hybrid_backend.py",
+      "torch.arange(bs + 1, dtype=torch.int32) * (num_tokens // max(bs, 1))",
+      "torch.arange(bs + 1, dtype=torch.int32)",
+      "tests/test_hybrid_backend.py -k 'capture_metadata or replay_metadata'"),
+    M("replay_assumes_table_as_wide_as_buffers", "hybrid_ops/hybrid_backend.py",
+      "batch.block_table[:, : forward_batch.block_table.shape[1]].copy_(forward_batch.block_table)",
+      "batch.block_table.copy_(forward_batch.block_table)",
+      "tests/test_hybrid_backend.py -k 'capture_metadata or replay_metadata'"),
+    M("replay_keeps_captured_seq_lens", "hybrid_ops/hybrid_backend.py",
+      "batch.seq_lens.copy_(forward_batch.seq_lens)",
+      "batch.seq_lens.fill_(1)",
+      "tests/test_hybrid_backend.py -k 'capture_metadata or replay_metadata'"),
+    M("replay_leaves_static_buffers_stale", "hybrid_ops/hybrid_backend.py",
+      "copy_(forward_batch.block_table)\n        self.forward_batch = batch",
+      "copy_(forward_batch.block_table)\n        self.forward_batch = forward_batch",
+      "tests/test_hybrid_backend.py -k 'capture_metadata or replay_metadata'"),
+    M("phase_backend_drops_scale", "hybrid_ops/hybrid_backend.py",
+      "scale=layer.scale,",
+      "scale=None,",
+      "tests/test_hybrid_backend.py -k 'capture_metadata or replay_metadata'"),
+    M("phase_backend_drops_logit_cap", "hybrid_ops/hybrid_backend.py",
+      "logit_cap=layer.logit_cap,",
+      "logit_cap=0.0,",
+      "tests/test_hybrid_backend.py -k 'capture_metadata or replay_metadata'"),
+    # -- sampling -----------------------------------------------------------------------------------------------
+    M("sampling_ignores_top_k", "hybrid_ops/generate.py",
+      "if top_k > 0:",
+      "if False:",
+      "tests/test_sampling.py"),
+    M("sampling_ignores_temperature", "hybrid_ops/generate.py",
+      "logits = logits.float() / temperature",
+      "logits = logits.float()",
+      "tests/test_sampling.py"),
+    M("generate_drops_top_k", "hybrid_ops/generate.py",
+      "iter(_sample(logits, do_sample, temperature, top_k, generator)",
+      "iter(_sample(logits, do_sample, temperature, 0, generator)",
+      "tests/test_sampling.py"),
+    # -- cache truncation ---------------------------------------------------------------------------------------
+    M("truncate_frees_partly_filled_page", "hybrid_ops/cache.py",
+      "keep = -(-length // self.page_size)",
+      "keep = length // self.page_size",
+      "tests/test_cache.py -k truncate"),
+    # -- masks (torch backend) ----------------------------------------------------------------------------------
+    M("mask_sdpa_causal_with_prefix", "hybrid_ops/backends/torch_ref.py",
+      "is_causal = len(lens) == 1 and num_queries == length and not windowed and not matmul",
+      "is_causal = len(lens) == 1 and not windowed and not matmul",
+      "tests/test_ops.py -k 'torch or routing'"),
+    M("mask_batched_decode_sees_padding", "hybrid_ops/backends/torch_ref.py",
+      "(num_queries == 1 and min(lens) == length and not windowed)",
+      "(num_queries == 1 and not windowed)",
+      "tests/test_ops.py -k 'torch or routing'"),
+    # -- sliding window -----------------------------------------------------------------------------------------
+    M("window_one_key_too_many", "hybrid_ops/backends/torch_ref.py",
+      "visible &= key_pos > query_pos[:, :, None] - sliding_window",
+      "visible &= key_pos >= query_pos[:, :, None] - sliding_window",
+      "tests/test_ops.py -k 'torch or routing'"),
+    # -- routing ------------------------------------------------------------------------------------------------
+    M("routing_verify_to_decode", "hybrid_ops/modes.py",
+      "ForwardMode.TARGET_VERIFY: (\"prefill\", \"decode\"),",
+      "ForwardMode.TARGET_VERIFY: (\"decode\", \"decode\"),",
+      "tests/test_ops.py -k 'torch or routing'"),
+    M("routing_decode_path_uses_prefill_backend", "hybrid_ops/ops.py",
+      "return \"decode\", decode_backend, \"decode_backend\"",
+      "return \"decode\", prefill_backend, \"decode_backend\"",
+      "tests/test_ops.py -k 'torch or routing'"),
+    # -- cache slots of the new tokens (torch backend) ----------------------------------------------------------
+    M("slot_ignores_request_start", "hybrid_ops/metadata.py",
+      "position = (seq_lens[request] - q_len + token - q_start)",
+      "position = (seq_lens[request] - q_len + token)",
+      "tests/test_ops.py -k 'torch or routing'"),
+    M("slot_row_off_by_one", "hybrid_ops/metadata.py",
+      "return page * page_size + position.remainder(page_size)",
+      "return page * page_size + (position + 1).remainder(page_size)",
+      "tests/test_ops.py -k 'torch or routing'"),
+]
+
+
+def package_dirs(root: Path) -> dict:
+    """pyproject.toml's `package-dir`: package name -> the directory it is installed from."""
+    return tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"].get("package-dir", {})
+
+
+def copy_repository(dest: Path) -> None:
+    """The tracked and untracked-but-not-ignored files, plus links that place each `package-dir` entry of
+    pyproject.toml where Python looks for it (kernels/ as hybrid_ops/kernels), so nothing imports from ROOT."""
+    listing = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                             check=True, capture_output=True, text=True).stdout
+    for name in filter(None, listing.split("\0")):
+        source = ROOT / name
+        if source.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / name)
+    for package, directory in package_dirs(dest).items():
+        link = dest / package.replace(".", "/")
+        if not link.exists():
+            link.symlink_to(os.path.relpath(dest / directory, link.parent), target_is_directory=True)
+
+
+def module_name(file: str, dirs: dict) -> str | None:
+    """The module that `file` (a path in the repository) is imported as, or None for a non-module."""
+    if not file.endswith(".py"):
+        return None
+    stem = file[: -len(".py")].removesuffix("/__init__")
+    for package, directory in dirs.items():
+        if stem == directory or stem.startswith(directory + "/"):
+            return package + stem[len(directory):].replace("/", ".")
+    return stem.replace("/", ".")
+
+
+def check_imports_from(copy: Path, env, files) -> None:
+    """Every mutated module must import from the copy (an editable install of ROOT would otherwise win)."""
+    modules = sorted({m for m in (module_name(f, package_dirs(copy)) for f in files) if m})
+    code = "import importlib\n" + "".join(f"print(importlib.import_module({m!r}).__file__)\n" for m in modules)
+    result = subprocess.run([sys.executable, "-c", code], cwd=copy, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.exit(f"importing the copy's modules failed:\n{result.stderr}")
+    for module, path in zip(modules, result.stdout.split()):
+        if not Path(path).absolute().is_relative_to(copy):
+            sys.exit(f"{module} imports from {path}, not from the copy {copy}")
+
+
+def run_tests(copy: Path, env, tests: str, extra) -> tuple[int, str, float]:
+    """(pytest's exit status, its summary counts, seconds) for one selection, stopping at the first failure."""
+    command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *shlex.split(tests), *extra]
+    start = time.perf_counter()
+    try:
+        result = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        return -1, "timed out", time.perf_counter() - start
+    counts = re.findall(r"(\d+) (passed|failed|errors?|deselected)", result.stdout)
+    summary = ", ".join(f"{n} {word}" for n, word in counts if word != "deselected") or "no summary"
+    return result.returncode, summary, time.perf_counter() - start
+
+
+def verdict(returncode: int) -> str:
+    if returncode == 0:
+        return "NOT CAUGHT"
+    if returncode == 5:
+        return "ERROR (no tests selected)"
+    if returncode in (3, 4):  # pytest's internal and usage errors
+        return "ERROR"
+    return "caught"  # 1: a test failed; 2: collection failed; < 0: timed out, or died (an interpreter abort)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-k", dest="name", default="", help="only mutants whose name contains this")
+    parser.add_argument("--list", action="store_true", help="print the table and exit")
+    parser.add_argument("--tests", help="run these tests (pytest arguments) for every mutant instead of the table's")
+    parser.add_argument("pytest_args", nargs="*", help="after --: extra pytest arguments for every mutant")
+    args = parser.parse_args()
+    mutants = [m if args.tests is None else m._replace(tests=args.tests) for m in MUTANTS if args.name in m.name]
+    if args.list or not mutants:
+        for m in MUTANTS:
+            print(f"{m.name:42} {m.file:42} {m.tests}")
+        return 0 if mutants else 1
+
+    rows, failed = [], False
+    with tempfile.TemporaryDirectory(prefix="hybrid_ops_mutants_") as tmp:
+        copy = Path(tmp).resolve()
+        copy_repository(copy)
+        # No bytecode: a mutant of the same size written within the same second would reuse a stale .pyc.
+        python_path = [str(copy)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(python_path), "PYTHONDONTWRITEBYTECODE": "1",
+               "HF_HUB_OFFLINE": "1"}
+        check_imports_from(copy, env, [m.file for m in mutants])
+        # The unmutated copy must pass every selection, or a "caught" would mean nothing.
+        for tests in dict.fromkeys(m.tests for m in mutants):
+            returncode, summary, seconds = run_tests(copy, env, tests, args.pytest_args)
+            print(f"baseline  {tests:64} {summary:24} {seconds:5.1f} s", flush=True)
+            if returncode not in (0, 5):  # 5: --deselect may empty a selection
+                sys.exit(f"the unmutated copy fails `pytest {tests}`: fix the tests or the code first")
+        for m in mutants:
+            path = copy / m.file
+            original = path.read_text()
+            if original.count(m.original) != 1:
+                rows.append((m.name, m.tests, "-", "stale anchor", 0.0))
+                failed = True
+                print(f"{'stale anchor':12} {m.name}: {m.file} has its text {original.count(m.original)} times",
+                      flush=True)
+                continue
+            path.write_text(original.replace(m.original, m.mutated))
+            try:
+                returncode, summary, seconds = run_tests(copy, env, m.tests, args.pytest_args)
+            finally:
+                path.write_text(original)
+            rows.append((m.name, m.tests, summary, verdict(returncode), seconds))
+            failed |= rows[-1][3] != "caught"
+            print(f"{rows[-1][3]:12} {m.name} ({seconds:.1f} s)", flush=True)
+
+    print("\n| mutant | tests run | result | s |\n|---|---|---|---:|")
+    for name, tests, summary, result, seconds in rows:
+        print(f"| {name} | `{tests}`: {summary} | {result} | {seconds:.1f} |")
+    caught = sum(r[3] == "caught" for r in rows)
+    print(f"\n{caught} of {len(rows)} mutants caught")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
