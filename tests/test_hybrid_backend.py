@@ -118,8 +118,11 @@ def test_capture_metadata(mode, spec, per_request):
     batch = phase.forward_batch
     assert batch.forward_mode == mode
     assert batch.cu_seqlens_q.tolist() == [0, per_request, 2 * per_request]
-    assert batch.seq_lens.tolist() == [hybrid.get_cuda_graph_seq_len_fill_value()] * 2
+    # Each request holds at least its own tokens, so the captured metadata passes validation.
+    assert batch.seq_lens.tolist() == [max(hybrid.get_cuda_graph_seq_len_fill_value(), per_request)] * 2
     assert batch.block_table.shape == (2, 5)
+    hybrid_ops.validation.check_metadata_values(*batch.metadata, 2 * per_request, cache.num_pages, cache.page_size,
+                                                phase is hybrid.decode_backend)
     for tensor, buffer in zip(batch.metadata, phase.graph_buffers):
         assert tensor.data_ptr() == buffer.data_ptr()  # views of the static buffers a graph would read
     other = hybrid.prefill_backend if phase is hybrid.decode_backend else hybrid.decode_backend
