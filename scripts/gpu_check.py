@@ -51,7 +51,7 @@ def timed(fn, device):
 
 def available_backends(device):
     names = ["torch", "triton"]
-    if device == "cuda" and hybrid_ops.get_backend.__globals__["_BACKENDS"]["flashinfer"].is_available():
+    if device == "cuda" and "flashinfer" in hybrid_ops.backend_names(available=True):
         names.append("flashinfer")
     return names
 

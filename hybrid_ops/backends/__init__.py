@@ -33,8 +33,9 @@ def register_backend(backend, prefer: bool = False) -> None:
     _auto_cache.clear()
 
 
-def backend_names():
-    return sorted(_BACKENDS)
+def backend_names(available: bool = False):
+    """The registered backends' names; with `available=True`, only those whose requirement is installed."""
+    return sorted(name for name, b in _BACKENDS.items() if not available or b.is_available())
 
 
 def check_backend_name(name: str, arg: str = "backend") -> None:
