@@ -92,9 +92,12 @@ struct Problem {
   float scale, logit_cap;
   int64_t window;
 
-  const T* row(const T* cache, int64_t request, int64_t pos, int64_t head) const {
-    const int64_t page = md.table[request * md.table_stride + pos / page_size];
-    return cache + ((page * page_size + pos % page_size) * num_kv_heads + head) * head_dim;
+  int64_t row_stride;  // num_kv_heads * head_dim
+
+  // Row `in_page` of the request's page `page` (its page_index-th), for one kv head.
+  const T* row(const T* cache, int64_t request, int64_t page, int64_t in_page, int64_t head) const {
+    const int64_t id = md.table[request * md.table_stride + page];
+    return cache + (id * page_size + in_page) * row_stride + head * head_dim;
   }
 };
 
@@ -106,18 +109,30 @@ struct Scratch {
         kt(padded_dim * BLOCK_N), packed_k(BLOCK_N * padded_dim, 0.f), packed_v(BLOCK_N * padded_dim, 0.f) {}
 };
 
-// scores[r, j] = q[r] . k_j for RB rows: one load of each K chunk serves the RB rows (few rows: decode, verify).
+// scores[r, j] = q[r] . k_j for RB rows (few rows: decode, verify), KB keys at a time: one load of each K chunk
+// serves the RB rows, and RB x KB independent accumulators keep the FMA units busy.
+template <int RB, int KB, typename R>
+void scores_dot_keys(const float* q, int64_t dim, const R* const* k, int64_t j, float* scores) {
+  Vec acc[RB][KB];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < KB; ++c) acc[r][c] = Vec(0.f);
+  for (int64_t d = 0; d < dim; d += VEC) {
+    Vec kv[KB];
+    for (int c = 0; c < KB; ++c) kv[c] = load_row(k[j + c] + d);
+    for (int r = 0; r < RB; ++r) {
+      const Vec qv = Vec::loadu(q + r * dim + d);
+      for (int c = 0; c < KB; ++c) acc[r][c] = at::vec::fmadd(qv, kv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < KB; ++c) scores[r * BLOCK_N + j + c] = hsum(acc[r][c]);
+}
+
 template <int RB, typename R>
 void scores_dot(const float* q, int64_t dim, const R* const* k, int64_t n, float* scores) {
-  for (int64_t j = 0; j < n; ++j) {
-    Vec acc[RB];
-    for (int r = 0; r < RB; ++r) acc[r] = Vec(0.f);
-    for (int64_t d = 0; d < dim; d += VEC) {
-      const Vec kv = load_row(k[j] + d);
-      for (int r = 0; r < RB; ++r) acc[r] = at::vec::fmadd(Vec::loadu(q + r * dim + d), kv, acc[r]);
-    }
-    for (int r = 0; r < RB; ++r) scores[r * BLOCK_N + j] = hsum(acc[r]);
-  }
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) scores_dot_keys<RB, 4>(q, dim, k, j, scores);
+  for (; j < n; ++j) scores_dot_keys<RB, 1>(q, dim, k, j, scores);
 }
 
 // scores[r, :] = q[r] . kt for RB rows over a transposed tile kt [D, BLOCK_N]: RB x 2 vector accumulators, a
@@ -207,16 +222,21 @@ void attend_tile(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, con
     }
     a_min = std::min(a_min, a);
     b_max = std::max(b_max, b);
-    float mx = NEG_INF;
-    for (int64_t j = a; j < b; ++j) {
-      if (pb.logit_cap > 0) sc[j] = pb.logit_cap * std::tanh(sc[j] / pb.logit_cap);
-      mx = std::max(mx, sc[j]);
+    if (pb.logit_cap > 0) {
+      for (int64_t j = a; j < b; ++j) sc[j] = pb.logit_cap * std::tanh(sc[j] / pb.logit_cap);
     }
+    float mx = NEG_INF;
+    int64_t j = a;
+    if (b - a >= VEC) {
+      Vec mv(NEG_INF);
+      for (; j + VEC <= b; j += VEC) mv = at::vec::maximum(mv, Vec::loadu(sc + j));
+      mx = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, mv);
+    }
+    for (; j < b; ++j) mx = std::max(mx, sc[j]);
     const float m_new = std::max(s.m[r], mx);
     const float alpha = std::exp(s.m[r] - m_new);  // 0 while no key was seen (m = -inf)
     Vec sum_v(0.f);
-    int64_t j = a;
-    for (; j + VEC <= b; j += VEC) {
+    for (j = a; j + VEC <= b; j += VEC) {
       const Vec e = (Vec::loadu(sc + j) - Vec(m_new)).exp_u20();
       sum_v = sum_v + e;
       e.store(sc + j);
@@ -246,6 +266,32 @@ void attend_tile(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, con
   });
 }
 
+// Pointers to the rows of keys j0 .. j0 + n - 1 of the unit's request and kv head. Walks the pages instead of
+// dividing per key; table entries past the request's last key are never read.
+template <typename T>
+void tile_rows(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, const T** k_rows, const T** v_rows) {
+  int64_t page = j0 / pb.page_size, in_page = j0 % pb.page_size;
+  for (int64_t j = 0; j < n; ++j, ++in_page) {
+    if (in_page == pb.page_size) {
+      ++page;
+      in_page = 0;
+    }
+    if (j == 0 || in_page == 0) {
+      k_rows[j] = pb.row(pb.k_cache, u.request, page, in_page, u.head);
+      v_rows[j] = pb.row(pb.v_cache, u.request, page, in_page, u.head);
+    } else {
+      k_rows[j] = k_rows[j - 1] + pb.row_stride;
+      v_rows[j] = v_rows[j - 1] + pb.row_stride;
+    }
+  }
+}
+
+template <typename T>
+void prefetch_rows(const T* const* rows, int64_t n, int64_t row_bytes) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(rows[j]) + b, 0, 2);
+}
+
 // Rows in place when the head dim is whole vectors; else copied (fp32, zero-padded) into the scratch tile.
 template <typename T>
 void run_unit(const Problem<T>& pb, const Unit& u, Scratch& s) {
@@ -262,15 +308,22 @@ void run_unit(const Problem<T>& pb, const Unit& u, Scratch& s) {
   std::fill(s.l.begin(), s.l.begin() + rows, 0.f);
 
   const bool in_place = pb.head_dim == dim;
-  const T* k_rows[BLOCK_N];
-  const T* v_rows[BLOCK_N];
+  const int64_t row_bytes = pb.head_dim * static_cast<int64_t>(sizeof(T));
+  const T* k_tiles[2][BLOCK_N];
+  const T* v_tiles[2][BLOCK_N];
   const float* k_packed[BLOCK_N];
   const float* v_packed[BLOCK_N];
-  for (int64_t j0 = u.lo; j0 < u.hi; j0 += BLOCK_N) {
-    const int64_t n = std::min(BLOCK_N, u.hi - j0);
-    for (int64_t j = 0; j < n; ++j) {
-      k_rows[j] = pb.row(pb.k_cache, u.request, j0 + j, u.head);
-      v_rows[j] = pb.row(pb.v_cache, u.request, j0 + j, u.head);
+  tile_rows(pb, u, u.lo, std::min(BLOCK_N, u.hi - u.lo), k_tiles[0], v_tiles[0]);
+  for (int64_t j0 = u.lo, t = 0; j0 < u.hi; j0 += BLOCK_N, t ^= 1) {
+    const int64_t n = std::min(BLOCK_N, u.hi - j0), next = j0 + BLOCK_N;
+    const T** k_rows = k_tiles[t];
+    const T** v_rows = v_tiles[t];
+    // The next tile's rows lie a kv-head row apart (not one stream): prefetch them while this tile computes.
+    if (next < u.hi) {
+      const int64_t n_next = std::min(BLOCK_N, u.hi - next);
+      tile_rows(pb, u, next, n_next, k_tiles[t ^ 1], v_tiles[t ^ 1]);
+      prefetch_rows(k_tiles[t ^ 1], n_next, row_bytes);
+      prefetch_rows(v_tiles[t ^ 1], n_next, row_bytes);
     }
     if (in_place) {
       attend_tile(pb, u, j0, n, k_rows, v_rows, rows, s);
@@ -399,7 +452,8 @@ at::Tensor forward_typed(const at::Tensor& q, const at::Tensor& k, const at::Ten
   Problem<T> pb{q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), out.data_ptr<T>(),
                 partial_out.data_ptr<float>(), partial_lse.data_ptr<float>(), md,
                 {q.stride(0), q.stride(1), q.stride(2)}, page_size, num_kv_heads, group, head_dim,
-                (head_dim + VEC - 1) / VEC * VEC, static_cast<float>(scale), static_cast<float>(logit_cap), window};
+                (head_dim + VEC - 1) / VEC * VEC, static_cast<float>(scale), static_cast<float>(logit_cap), window,
+                num_kv_heads * head_dim};
   const int64_t num_threads = at::get_num_threads();
   std::vector<std::unique_ptr<Scratch>> scratch(num_threads);
   parallel_dynamic(static_cast<int64_t>(units.size()), [&](int64_t i) {
