@@ -1,5 +1,5 @@
 """The native CPU backend on long contexts: past its key-slice boundaries (512 keys), tile boundaries (64 keys), query
-blocks (64 rows) and page boundaries, both row paths (few rows: dot products; many: transposed K tiles), head dims
+blocks (256 rows) and page boundaries, both row paths (few rows: dot products; many: transposed K tiles), head dims
 read in place (128) and copied (80), with -1 past each request's pages."""
 
 import math
@@ -22,10 +22,10 @@ CASES = {  # op, make_case arguments
     "verify": ("decode", dict(q_lens=[4] * 2, prefix_lens=[700, 1030], num_q_heads=16, num_kv_heads=2, head_dim=80,
                               page_size=5)),
     # A short chunk over a long prefix (one query block: sliced keys) beside a chunk of three query blocks.
-    "chunk_over_prefix": ("prefill", dict(q_lens=[9, 40], prefix_lens=[1200, 600], num_q_heads=8, num_kv_heads=2,
+    "chunk_over_prefix": ("prefill", dict(q_lens=[9, 140], prefix_lens=[1200, 600], num_q_heads=8, num_kv_heads=2,
                                           head_dim=64, page_size=16)),
-    # Fresh prefills of several query blocks (group 1: 64 tokens a block), page 1.
-    "prefill": ("prefill", dict(q_lens=[150, 70], prefix_lens=[0, 0], num_q_heads=2, num_kv_heads=2, head_dim=128,
+    # Fresh prefills, one of two query blocks (group 1: 256 tokens a block), page 1.
+    "prefill": ("prefill", dict(q_lens=[300, 70], prefix_lens=[0, 0], num_q_heads=2, num_kv_heads=2, head_dim=128,
                                 page_size=1)),
 }
 OPTIONS = {
@@ -71,3 +71,26 @@ def test_thread_count_does_not_change_the_result():
         finally:
             torch.set_num_threads(threads)
     assert torch.equal(outs[0], outs[1])
+
+
+def test_without_a_compiler(monkeypatch):
+    """A failed build: one warning, "auto" takes the torch backend, and asking for "cpu" by name is an error."""
+    from hybrid_ops.backends import native
+
+    def no_compiler():
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(native, "build", no_compiler)
+    working = hybrid_ops.get_backend("cpu", torch.zeros(1, 1, 8))
+    hybrid_ops.register_backend(native.NativeBackend())
+    try:
+        case = make_case([3, 2], [4, 0], seed=9)
+        with pytest.warns(UserWarning, match="cpu backend's kernels could not be built .*Ninja is required") as seen:
+            out = torch.ops.hybrid.prefill(*case.args)
+            torch.ops.hybrid.decode(*make_case([1], [5]).args)
+        assert len(seen) == 1
+        assert torch.allclose(out.double(), reference(case), atol=2e-5)
+        with pytest.raises(hybrid_ops.HybridInputError, match="backend='cpu' needs a C\\+\\+ compiler and ninja"):
+            torch.ops.hybrid.prefill(*case.args, backend="cpu")
+    finally:
+        hybrid_ops.register_backend(working)

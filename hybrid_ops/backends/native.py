@@ -75,9 +75,9 @@ class NativeBackend:
                 self._module = build()
             except Exception as e:  # no compiler, no ninja, a failed build: any of them means the torch backend
                 self._error = e
-                warnings.warn(f"hybrid_ops: the native CPU kernels could not be built ({type(e).__name__}: "
-                              f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); 'auto' uses the torch "
-                              "backend on the CPU", stacklevel=2)
+                last_line = (str(e).strip().splitlines() or [""])[-1]
+                warnings.warn(f"hybrid_ops: the cpu backend's kernels could not be built ({type(e).__name__}: "
+                              f"{last_line}); 'auto' uses the torch backend on the CPU", stacklevel=2)
         return self._module is not None
 
     def supports(self, q) -> bool:

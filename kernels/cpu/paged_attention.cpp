@@ -33,7 +33,7 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t VEC = Vec::size();
 constexpr int64_t BLOCK_N = 64;      // keys per tile (a multiple of VEC)
 constexpr int64_t KV_SPLIT = 512;    // keys per slice of a request with one query block (a multiple of BLOCK_N)
-constexpr int64_t BLOCK_ROWS = 64;   // query rows (tokens x group) per unit of a longer prefill
+constexpr int64_t BLOCK_ROWS = 256;  // query rows (tokens x group) per unit of a longer prefill
 constexpr int64_t GEMM_ROWS = 16;    // from this many rows, scores go through a transposed K tile (see scores_gemm)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
