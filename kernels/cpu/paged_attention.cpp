@@ -94,7 +94,7 @@ struct Problem {
 
   int64_t row_stride;  // num_kv_heads * head_dim
 
-  // Row `in_page` of the request's page `page` (its page_index-th), for one kv head.
+  // One kv head's row `in_page` of the request's `page`-th page.
   const T* row(const T* cache, int64_t request, int64_t page, int64_t in_page, int64_t head) const {
     const int64_t id = md.table[request * md.table_stride + page];
     return cache + (id * page_size + in_page) * row_stride + head * head_dim;
