@@ -21,8 +21,8 @@ CASES = {  # op, make_case arguments
     # 4 draft tokens x group 8 = 32 rows (the many-rows path); head dim 80 (copied rows); page 5.
     "verify": ("decode", dict(q_lens=[4] * 2, prefix_lens=[700, 1030], num_q_heads=16, num_kv_heads=2, head_dim=80,
                               page_size=5)),
-    # A short chunk over a long prefix (one query block: sliced keys) beside a chunk of three query blocks.
-    "chunk_over_prefix": ("prefill", dict(q_lens=[9, 140], prefix_lens=[1200, 600], num_q_heads=8, num_kv_heads=2,
+    # A short chunk over a long prefix (one query block: sliced keys) beside a chunk of two query blocks.
+    "chunk_over_prefix": ("prefill", dict(q_lens=[9, 100], prefix_lens=[1200, 300], num_q_heads=8, num_kv_heads=2,
                                           head_dim=64, page_size=16)),
     # Fresh prefills, one of two query blocks (group 1: 256 tokens a block), page 1.
     "prefill": ("prefill", dict(q_lens=[300, 70], prefix_lens=[0, 0], num_q_heads=2, num_kv_heads=2, head_dim=128,
