@@ -44,8 +44,8 @@ def build():
     capability = torch.backends.cpu.get_cpu_capability()
     flags = _CAPABILITY_FLAGS.get(capability, [])
     name = f"hybrid_ops_cpu_{capability.lower()}"
-    build_dir = os.path.join(cpp_extension.get_default_build_root(),
-                             f"{name}_torch{torch.__version__.replace('+', '_')}")
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    build_dir = os.path.join(root, f"{name}_torch{torch.__version__.replace('+', '_')}")
     os.makedirs(build_dir, exist_ok=True)
     library = os.path.join(build_dir, f"{name}.so")
     fresh = not os.path.exists(library) or os.path.getmtime(library) < os.path.getmtime(_source())
