@@ -302,8 +302,8 @@ def e2e_section(quick):
 def markdown(results):
     lines = [f"Measured {results['date']} on {results['machine']}; read bandwidth {results['read_gbps']:.1f} GB/s.", ""]
     if "op" in results:
-        lines += [f"| case | dtype | pages | method | ms | KV GB/s | of read bw | time / hybrid_ops {HYBRID_BACKENDS[0]} |",
-                  "|---|---|---|---|---:|---:|---:|---:|"]
+        lines += ["| case | dtype | pages | method | ms | KV GB/s | of read bw "
+                  f"| time / hybrid_ops {HYBRID_BACKENDS[0]} |", "|---|---|---|---|---:|---:|---:|---:|"]
         lines += [f"| {r['case']} | {r['dtype']} | {r['pages']} | {r['method']} | {r['ms']:.1f} | {r['kv_gbps']:.1f} "
                   f"| {r['of_read_bandwidth']:.0%} | {r['vs_hybrid']:.2f} |" if r["ms"] else
                   f"| {r['case']} | {r['dtype']} | {r['pages']} | {r['method']} | failed | | | |" for r in results["op"]]
