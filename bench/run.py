@@ -94,9 +94,9 @@ class Batch:
         self.q_per_request = [self.q[a:b].transpose(0, 1)[None] for a, b in zip(starts, starts[1:])]
         self.kv_bytes = sum(self.seq_lens) * HKV * D * 2 * torch.finfo(dtype).bits // 8
 
-    def hybrid(self, op):
+    def hybrid(self, op, backend):
         k_cache, v_cache = self.cache.layer(0)
-        return lambda: op(self.q, self.k_new, self.v_new, k_cache, v_cache, *self.meta)
+        return lambda: op(self.q, self.k_new, self.v_new, k_cache, v_cache, *self.meta, backend=backend)
 
     def sdpa_exact(self):
         """Per-request SDPA over exact contiguous K/V: the dense ideal."""
@@ -139,31 +139,45 @@ class Batch:
         return lambda: compiled(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
+# The backends that run on the CPU, each its own rows; ratios are against the first.
+HYBRID_BACKENDS = ["cpu", "torch"]
+# The peers' rows: method name -> the Batch method that builds it.
+PEER_METHODS = {"sdpa exact per request": "sdpa_exact", "sdpa padded static cache": "sdpa_padded",
+                "flex attention": "flex"}
+PEERS = list(PEER_METHODS)
+
+
+def hybrid_methods(batch, op):
+    return {f"hybrid_ops {b}": (lambda b=b: batch.hybrid(op, b)) for b in HYBRID_BACKENDS}
+
+
 def op_section(quick, bandwidth):
     reps = 3 if quick else 7
     decode_lens = torch.linspace(256, 2048, 16).long().tolist()
-    cases = [("decode", "fp32", decode_lens, [1] * 16, torch.float32),
-             ("decode", "bf16", decode_lens, [1] * 16, torch.bfloat16),
-             ("prefill", "fp32", [0] * 4, [512, 256, 1024, 384], torch.float32),
-             ("prefill+prefix", "fp32", [1024, 512, 2048, 768], [256, 128, 512, 192], torch.float32)]
+    # case, dtype, prefixes, new tokens, peers measured (pages do not matter to them: consecutive pages only)
+    cases = [("decode", "fp32", decode_lens, [1] * 16, torch.float32, PEERS),
+             ("decode", "bf16", decode_lens, [1] * 16, torch.bfloat16, PEERS),
+             ("prefill", "fp32", [0] * 4, [512, 256, 1024, 384], torch.float32, PEERS),
+             ("prefill", "bf16", [0] * 4, [512, 256, 1024, 384], torch.bfloat16, PEERS[:1]),
+             ("prefill+prefix", "fp32", [1024, 512, 2048, 768], [256, 128, 512, 192], torch.float32, PEERS)]
     if quick:
         cases = [c for c in cases if c[1] == "fp32"]
     rows = []
-    for name, dtype_name, prefixes, news, dtype in cases:
+    for name, dtype_name, prefixes, news, dtype, peers in cases:
         prefixes = [p - 1 for p in prefixes] if name == "decode" else prefixes  # context includes the new token
         for layout in ("consecutive", "scattered"):
-            if layout == "scattered" and name != "decode":
-                continue
             batch = Batch(prefixes, news, dtype, shuffle_pages=layout == "scattered")
             op = torch.ops.hybrid.decode if name == "decode" else torch.ops.hybrid.prefill
-            methods = {"hybrid_ops": lambda: batch.hybrid(op), "sdpa exact per request": batch.sdpa_exact,
-                       "sdpa padded static cache": batch.sdpa_padded, "flex attention": batch.flex}
+            methods = hybrid_methods(batch, op)
+            if layout == "consecutive" or name == "decode":
+                methods |= {m: getattr(batch, PEER_METHODS[m]) for m in peers}
             times = {m: guarded_timeit(fn, reps) for m, fn in methods.items()}
+            ours = times[f"hybrid_ops {HYBRID_BACKENDS[0]}"]
             for method, seconds in times.items():
                 rows.append(dict(case=name, dtype=dtype_name, pages=layout, method=method,
                                  ms=seconds and seconds * 1e3, kv_gbps=seconds and batch.kv_bytes / seconds / 1e9,
                                  of_read_bandwidth=seconds and batch.kv_bytes / seconds / 1e9 / bandwidth,
-                                 vs_hybrid=seconds and seconds / times["hybrid_ops"]))
+                                 vs_hybrid=seconds and ours and seconds / ours))
             print(f"  {name} {dtype_name} {layout}: " + ", ".join(
                 f"{m} {t * 1e3:.1f} ms" if t else f"{m} failed" for m, t in times.items()), flush=True)
     return rows
@@ -175,9 +189,7 @@ def context_sweep(quick):
     series = {}
     for length in lengths:
         batch = Batch([length - 1] * 16, [1] * 16, torch.float32, shuffle_pages=False)
-        methods = {"hybrid_ops": lambda: batch.hybrid(torch.ops.hybrid.decode),
-                   "sdpa exact per request": batch.sdpa_exact, "sdpa padded static cache": batch.sdpa_padded,
-                   "flex attention": batch.flex}
+        methods = hybrid_methods(batch, torch.ops.hybrid.decode) | {m: getattr(batch, PEER_METHODS[m]) for m in PEERS}
         for method, make_fn in methods.items():
             seconds = guarded_timeit(make_fn, 3)
             if seconds:
@@ -234,6 +246,18 @@ def dispatch_section():
         rows.append(dict(mode=f"eager, grad {'on' if grad else 'off'}", backend_us=direct, python_us=python,
                          floor_us=floor, op_us=op, over_backend_us=op - direct))
 
+    # An IDLE step (T = 0) through the cpu backend, against the floor op's IDLE call.
+    cpu = hybrid_ops.get_backend("cpu", q)
+    none = q[:0]
+    idle = (none, none, none, cache, cache.clone(), one[:1], one[:0], one[:0].view(0, 1))
+    with torch.no_grad():
+        direct = per_call(lambda: cpu.decode(*idle, 0.3, -1, 0.0))
+        python = per_call(lambda: _attn(*idle, 4, decode_backend="cpu"))
+        floor = per_call(lambda: torch.ops.hybrid_bench.attn(*idle, 4, decode_backend="null"))
+        op = per_call(lambda: torch.ops.hybrid.attn(*idle, 4, decode_backend="cpu"))
+    rows.append(dict(mode="eager IDLE (T = 0), cpu backend, grad off", backend_us=direct, python_us=python,
+                     floor_us=floor, op_us=op, over_backend_us=op - direct))
+
     def step(*a):
         return torch.ops.hybrid.attn(*a, 2, decode_backend="null")
 
@@ -278,17 +302,18 @@ def e2e_section(quick):
 def markdown(results):
     lines = [f"Measured {results['date']} on {results['machine']}; read bandwidth {results['read_gbps']:.1f} GB/s.", ""]
     if "op" in results:
-        lines += ["| case | dtype | pages | method | ms | KV GB/s | of read bw | time / hybrid_ops |",
-                  "|---|---|---|---|---:|---:|---:|---:|"]
+        lines += ["| case | dtype | pages | method | ms | KV GB/s | of read bw "
+                  f"| time / hybrid_ops {HYBRID_BACKENDS[0]} |", "|---|---|---|---|---:|---:|---:|---:|"]
         lines += [f"| {r['case']} | {r['dtype']} | {r['pages']} | {r['method']} | {r['ms']:.1f} | {r['kv_gbps']:.1f} "
                   f"| {r['of_read_bandwidth']:.0%} | {r['vs_hybrid']:.2f} |" if r["ms"] else
                   f"| {r['case']} | {r['dtype']} | {r['pages']} | {r['method']} | failed | | | |" for r in results["op"]]
         lines.append("")
     if "dispatch" in results:
-        lines += ["| dispatch | backend call us | python impl us | floor op us | op us | op - backend us |",
-                  "|---|---:|---:|---:|---:|---:|"]
+        lines += ["| dispatch | backend call us | python impl us | floor op us | op us | op - backend us "
+                  "| op - floor us |", "|---|---:|---:|---:|---:|---:|---:|"]
         lines += [f"| {r['mode']} | {r['backend_us']:.1f} | {r['python_us']:.1f} | {r['floor_us']:.1f} "
-                  f"| {r['op_us']:.1f} | {r['over_backend_us']:.1f} |" for r in results["dispatch"]]
+                  f"| {r['op_us']:.1f} | {r['over_backend_us']:.1f} | {r['op_us'] - r['floor_us']:.1f} |"
+                  for r in results["dispatch"]]
         lines += ["", "floor op: attn's schema registered the same way, its implementation only calling the backend."]
         lines.append("")
     if "e2e" in results:

@@ -9,7 +9,7 @@ from reference import assert_close, expected_cache, make_case, reference
 import hybrid_ops
 from hybrid_ops import ForwardMode
 
-BACKENDS = ["torch", "triton"]  # triton through the interpreter (conftest.py)
+BACKENDS = ["torch", "triton", "cpu"]  # triton through the interpreter (conftest.py); cpu: the native kernels
 
 # Each axis covered once or twice; the product of all axes is the property-based tests' job.
 PREFILL_CASES = {

@@ -11,7 +11,7 @@ from reference import POISON, assert_close, dense_attention, expected_cache, mak
 import hybrid_ops
 from hybrid_ops import ForwardMode, PagedKVCache
 
-BACKENDS = ["torch", "triton"]
+BACKENDS = ["torch", "triton", "cpu"]
 
 
 @pytest.fixture
@@ -98,13 +98,13 @@ def test_foreign_pages_do_not_matter(backend, fill):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_out_of_range_block_ids_are_masked_without_validation(backend):
-    """Validation off: the torch backend (which reads the metadata anyway) rejects them; Triton never reads or
-    writes outside the cache (an out-of-bounds access would abort the interpreter) and leaves other slots alone."""
+    """Validation off: the torch and cpu backends (which read the metadata anyway) reject them; Triton never reads
+    or writes outside the cache (an out-of-bounds access would abort the interpreter) and leaves other slots alone."""
     case = make_case([3, 2], [2, 5], page_size=4, seed=2)
     before_k = case.k_cache.clone()
     case.block_table[0, 0] = 10_000
     case.block_table[1, 1] = -7
-    if backend == "torch":
+    if backend in ("torch", "cpu"):
         with pytest.raises(hybrid_ops.HybridInputError, match="block_table"):
             torch.ops.hybrid.prefill(*case.args, backend=backend)
         return
@@ -149,7 +149,7 @@ def test_batch_invariance_when_deterministic(backend, op):
 
 
 # The Triton interpreter runs about 5 steps a second on this size.
-@pytest.mark.parametrize("backend, num_steps", [("torch", 2000), ("triton", 60)])
+@pytest.mark.parametrize("backend, num_steps", [("torch", 2000), ("triton", 60), ("cpu", 2000)])
 def test_soak(backend, num_steps):
     """Requests arrive, grow by prefill chunks, decode and verify steps, and finish, for a fixed number of steps;
     every 7th step is checked against the reference; at the end every page is free again."""

@@ -13,13 +13,15 @@ Register your own with `register_backend`.
 
 from ..errors import HybridInputError
 from .flashinfer import FlashInferBackend
+from .native import NativeBackend
 from .torch_ref import TorchBackend
 from .triton import TritonBackend
 
 _BACKENDS = {}
 # "auto" tries these in order, by device type; the first available backend that supports the inputs wins.
-# On the CPU that is the torch backend: Triton runs there only in its (slow, debugging) interpreter.
-_AUTO_ORDER = {"cuda": ["flashinfer", "triton", "torch"], "cpu": ["torch"]}
+# On the CPU: the native kernels (built at first use), else the torch backend; Triton runs there only in its
+# (slow, debugging) interpreter.
+_AUTO_ORDER = {"cuda": ["flashinfer", "triton", "torch"], "cpu": ["cpu", "torch"]}
 _AUTO_OTHER_DEVICES = ["torch"]
 _auto_cache = {}
 
@@ -68,3 +70,4 @@ def get_backend(name: str, q, arg: str = "backend"):
 register_backend(TorchBackend())
 register_backend(TritonBackend())
 register_backend(FlashInferBackend())
+register_backend(NativeBackend())

@@ -1,0 +1,97 @@
+"""The native CPU backend ("cpu"): the C++ kernels of `kernels/cpu/paged_attention.cpp`.
+
+One call stores the new k, v and attends, reading the pages where they lie (no gather), split across the threads
+of `at::parallel_for`. The kernels build at first use with `torch.utils.cpp_extension` (g++ or clang, and ninja)
+into torch's extension directory, for the vector instructions ATen detected on this machine
+(`torch.backends.cpu.get_cpu_capability()`: DEFAULT, AVX2 or AVX512), so a build never uses instructions the CPU
+lacks; later processes load the cached library. Without a compiler, "auto" warns once and takes the torch
+backend, and `backend="cpu"` is an error.
+
+The metadata lives on the host, so the kernel checks its values on every call before writing anything
+(`checks_values`); on bad values it returns None and `check_metadata_values` names the culprit.
+"""
+
+import os
+import sys
+import time
+import warnings
+from importlib import resources
+
+import torch
+
+from ..errors import HybridInputError
+from ..validation import FLOAT_DTYPES, check_metadata_values
+
+# ATen's compile flags for each CPU capability (cmake/Codegen.cmake); at::vec picks its implementation from the
+# CPU_CAPABILITY_* macro.
+_CAPABILITY_FLAGS = {
+    "DEFAULT": [],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mlzcnt", "-DCPU_CAPABILITY=AVX2",
+             "-DCPU_CAPABILITY_AVX2"],
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-mbmi", "-mbmi2",
+               "-mlzcnt", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
+}
+
+
+def _source() -> str:
+    return str(resources.files("hybrid_ops.kernels").joinpath("cpu", "paged_attention.cpp"))
+
+
+def build():
+    """Compile (or load the cached) extension module; prints a line while a build runs."""
+    from torch.utils import cpp_extension
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = _CAPABILITY_FLAGS.get(capability, [])
+    name = f"hybrid_ops_cpu_{capability.lower()}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    build_dir = os.path.join(root, f"{name}_torch{torch.__version__.replace('+', '_')}")
+    os.makedirs(build_dir, exist_ok=True)
+    library = os.path.join(build_dir, f"{name}.so")
+    fresh = not os.path.exists(library) or os.path.getmtime(library) < os.path.getmtime(_source())
+    if fresh:
+        print(f"hybrid_ops: building the native CPU kernels ({capability}) into {build_dir}, once...",
+              file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    module = cpp_extension.load(name, [_source()], extra_cflags=["-O3", "-fopenmp", *flags],
+                                extra_ldflags=["-fopenmp"], build_directory=build_dir)
+    if fresh:
+        print(f"hybrid_ops: built in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    return module
+
+
+class NativeBackend:
+    name = "cpu"
+    requirement = "a C++ compiler and ninja to build its kernels (pip install ninja)"
+    checks_values = True
+
+    def __init__(self):
+        self._module = None
+        self._error = None
+
+    def is_available(self) -> bool:
+        if self._module is None and self._error is None:
+            try:
+                self._module = build()
+            except Exception as e:  # no compiler, no ninja, a failed build: any of them means the torch backend
+                self._error = e
+                last_line = (str(e).strip().splitlines() or [""])[-1]
+                warnings.warn(f"hybrid_ops: the cpu backend's kernels could not be built ({type(e).__name__}: "
+                              f"{last_line}); 'auto' uses the torch backend on the CPU", stacklevel=2)
+        return self._module is not None
+
+    def supports(self, q) -> bool:
+        return q.device.type == "cpu" and q.dtype in FLOAT_DTYPES
+
+    def prefill(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
+                logit_cap, decode=False):
+        out = self._module.forward(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale,
+                                   sliding_window, logit_cap, decode)
+        if out is None:
+            check_metadata_values(cu_seqlens_q, seq_lens, block_table, q.shape[0], k_cache.shape[0],
+                                  k_cache.shape[1], decode)
+            raise HybridInputError("the metadata's values are inconsistent (cu_seqlens_q, seq_lens, block_table)")
+        return out
+
+    def decode(self, *args):
+        return self.prefill(*args, decode=True)
