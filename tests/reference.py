@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 
 POISON = 1e4  # fills every cache slot a batch does not own; any read of it shows in the output
+# Every backend that runs on the CPU: triton through its interpreter (conftest.py), cpu the native kernels.
+CPU_BACKENDS = ["torch", "triton", "cpu"]
 
 
 @dataclass

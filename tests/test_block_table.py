@@ -6,12 +6,11 @@ import math
 
 import pytest
 import torch
-from reference import assert_close, expected_cache, make_case, reference
+from reference import CPU_BACKENDS, assert_close, expected_cache, make_case, reference
 
 import hybrid_ops
 from hybrid_ops import ForwardMode
 
-BACKENDS = ["torch", "triton"]  # triton through the interpreter (conftest.py)
 FILLS = [-1, 2**31 - 1]  # 0 is the padding test_unused_entries_never_read compares with
 
 
@@ -47,7 +46,7 @@ def run(case, table, mode, spec, backend, validate):
     return out, k_cache, v_cache
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("spec", ["prefill", "decode"])
 @pytest.mark.parametrize("mode", list(ForwardMode))
 def test_unused_entries_never_read(backend, spec, mode):
@@ -62,7 +61,7 @@ def test_unused_entries_never_read(backend, spec, mode):
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("validate", [False, True])
 @pytest.mark.parametrize("fill", FILLS)
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY])

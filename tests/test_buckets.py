@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from reference import assert_close, expected_cache, make_case, reference
+from reference import CPU_BACKENDS, assert_close, expected_cache, make_case, reference
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from hybrid_ops import (AttentionLayer, ForwardBatch, ForwardMode, GenerationStats, HybridAttnBackend,
@@ -58,7 +58,7 @@ def padded_case(mode, seed):
     return case, case.k_cache.shape[0] - 1
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("mode, spec", ROUTES)
 def test_padding_changes_no_real_output_or_page(backend, mode, spec):
     """The padded batch's real rows equal the unpadded call's bit for bit (and the float64 reference); every page
@@ -92,7 +92,7 @@ def test_padding_changes_no_real_output_or_page(backend, mode, spec):
         assert torch.equal(padded_cache[scratch], before[scratch]) == (extra == 0)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("mode, q_len, bs", [(ForwardMode.DECODE, 1, 5), (ForwardMode.TARGET_VERIFY, 3, 4)])
 def test_replay_pads_a_smaller_batch(backend, mode, q_len, bs):
     """Replay of a graph captured for bs requests with a real batch of 2: the static buffers hold the real

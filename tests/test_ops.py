@@ -4,12 +4,11 @@ import zlib
 
 import pytest
 import torch
-from reference import assert_close, expected_cache, make_case, reference
+from reference import CPU_BACKENDS, assert_close, expected_cache, make_case, reference
 
 import hybrid_ops
 from hybrid_ops import ForwardMode
 
-BACKENDS = ["torch", "triton", "cpu"]  # triton through the interpreter (conftest.py); cpu: the native kernels
 
 # Each axis covered once or twice; the product of all axes is the property-based tests' job.
 PREFILL_CASES = {
@@ -46,7 +45,7 @@ def check_call(op, case, options, dtype, **kwargs):
     assert torch.equal(case.k_cache, k_ref) and torch.equal(case.v_cache, v_ref), "cache differs from the expected"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", PREFILL_CASES)
 def test_prefill_shapes(backend, dtype, name):
@@ -54,7 +53,7 @@ def test_prefill_shapes(backend, dtype, name):
     check_call(torch.ops.hybrid.prefill, case, {}, dtype, backend=backend)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("option", OPTIONS)
 def test_prefill_options(backend, dtype, option):
@@ -62,7 +61,7 @@ def test_prefill_options(backend, dtype, option):
     check_call(torch.ops.hybrid.prefill, case, OPTIONS[option], dtype, backend=backend)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("option", OPTIONS)
 @pytest.mark.parametrize("q_len", [1, 3])  # DECODE, TARGET_VERIFY with 3 draft tokens
@@ -71,7 +70,7 @@ def test_decode(backend, dtype, option, q_len):
     check_call(torch.ops.hybrid.decode, case, OPTIONS[option], dtype, backend=backend)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("prefixes", [[6], [9, 9, 9], [0]])  # one request; equal lengths; no prefix
 @pytest.mark.parametrize("q_len", [1, 2])
 def test_decode_lengths_off_page_boundaries(backend, prefixes, q_len):
@@ -79,7 +78,7 @@ def test_decode_lengths_off_page_boundaries(backend, prefixes, q_len):
     check_call(torch.ops.hybrid.decode, case, {}, torch.float32, backend=backend)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("spec", ["prefill", "decode"])
 @pytest.mark.parametrize("mode", list(ForwardMode))
 def test_attn_every_mode(backend, spec, mode):

@@ -6,12 +6,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from reference import POISON, assert_close, dense_attention, expected_cache, make_case, reference
+from reference import (CPU_BACKENDS, POISON, assert_close, dense_attention, expected_cache, make_case,
+                       reference)
 
 import hybrid_ops
 from hybrid_ops import ForwardMode, PagedKVCache
 
-BACKENDS = ["torch", "triton", "cpu"]
 
 
 @pytest.fixture
@@ -37,7 +37,7 @@ def batches(draw):
         q_lens = draw(st.lists(st.integers(0, 9), min_size=num_requests, max_size=num_requests))
     kv_heads = draw(st.sampled_from([1, 2]))
     return dict(
-        mode=mode, spec=spec, backend=draw(st.sampled_from(BACKENDS)),
+        mode=mode, spec=spec, backend=draw(st.sampled_from(CPU_BACKENDS)),
         case=dict(q_lens=q_lens, prefix_lens=draw(st.lists(st.integers(0, 20), min_size=num_requests,
                                                            max_size=num_requests)),
                   page_size=draw(st.sampled_from([1, 3, 4, 16])), num_kv_heads=kv_heads,
@@ -71,7 +71,7 @@ def test_conformance(draw):
     assert torch.equal(case.k_cache, k_ref) and torch.equal(case.v_cache, v_ref)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("op, q_lens", [("prefill", [3, 0, 6, 1]), ("decode", [1, 1, 1, 1]), ("decode", [3] * 4)])
 def test_every_output_written_and_only_own_slots(backend, op, q_lens, nan_for_uninitialized):
     case = make_case(q_lens, [5, 2, 0, 13], num_q_heads=4, num_kv_heads=2, page_size=4)
@@ -82,7 +82,7 @@ def test_every_output_written_and_only_own_slots(backend, op, q_lens, nan_for_un
     assert torch.equal(case.k_cache, k_ref) and torch.equal(case.v_cache, v_ref), "a slot outside the step changed"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("fill", [float("nan"), float("inf"), -3e38])
 def test_foreign_pages_do_not_matter(backend, fill):
     """Whatever the pages a request does not own hold, its output is the same, bit for bit."""
@@ -96,7 +96,7 @@ def test_foreign_pages_do_not_matter(backend, fill):
     assert torch.equal(out_clean, out_dirty)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_out_of_range_block_ids_are_masked_without_validation(backend):
     """Validation off: the torch and cpu backends (which read the metadata anyway) reject them; Triton never reads
     or writes outside the cache (an out-of-bounds access would abort the interpreter) and leaves other slots alone."""
@@ -114,7 +114,7 @@ def test_out_of_range_block_ids_are_masked_without_validation(backend):
     assert out.shape == case.q.shape
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_same_inputs_bit_identical(backend):
     runs = []
     for _ in range(2):
@@ -125,7 +125,7 @@ def test_same_inputs_bit_identical(backend):
     assert torch.equal(runs[0], runs[2]) and torch.equal(runs[1], runs[3])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("op", ["prefill", "decode"])
 def test_batch_invariance_when_deterministic(backend, op):
     """With set_deterministic(True), request 0's output is the same alone and in any batch."""
