@@ -50,8 +50,8 @@ class HybridGenerator:
     kept across `generate` calls, so later runs neither allocate nor recompile.
     `cuda_graphs=True` pads every step to a bucket of requests and tokens (padding requests write only the cache's
     scratch page) and, on CUDA, compiles with `mode="reduce-overhead"`; on other devices the same padding runs
-    under a plain compile. The backends must then be CUDA-graph safe: "triton" ("auto" picks FlashInfer when it is
-    installed, which plans on the host, and this forward does not keep its plan out of the graph).
+    under a plain compile. The backends must then be CUDA-graph safe: on CUDA "auto" means "triton" here (FlashInfer
+    plans on the host, and this forward does not plan outside its graphs).
 
     A model sharded with `tp_plan` runs on every rank of its group with the same prompts (checked): the cache holds the
     rank's own KV heads, the scheduling depends only on the tokens, and rank 0's sampled tokens are broadcast.
@@ -73,7 +73,10 @@ class HybridGenerator:
                                   head_dim, num_layers=config.num_hidden_layers,
                                   max_pages_per_request=pages_per_request, dtype=param.dtype, device=param.device,
                                   reserve_scratch=cuda_graphs)
-        self._step_type, self._backends = HybridStep, (prefill_backend, decode_backend)
+        backends = (prefill_backend, decode_backend)
+        if cuda_graphs and param.device.type == "cuda":
+            backends = tuple("triton" if b == "auto" else b for b in backends)
+        self._step_type, self._backends = HybridStep, backends
         self.cuda_graphs = cuda_graphs
         max_tokens = prefill_chunk + max_batch_size  # a prefill budget plus every other request's decode token
         self.token_counts = token_buckets(max_tokens)
