@@ -144,6 +144,10 @@ MUTANTS = [
       "(num_queries == 1 and min(lens) == length and not windowed)",
       "(num_queries == 1 and not windowed)",
       "tests/test_ops.py -k 'torch or routing'"),
+    M("batched_decode_keeps_foreign_padding_rows", "hybrid_ops/backends/torch_ref.py",
+      ".index_fill_(0, plan.padding_rows(), 0)",
+      "",
+      "tests/test_reliability.py -k foreign"),
     # -- sliding window -----------------------------------------------------------------------------------------
     M("window_one_key_too_many", "hybrid_ops/backends/torch_ref.py",
       "visible &= key_pos > query_pos[:, :, None] - sliding_window",

@@ -52,7 +52,7 @@ class StepPlan:
         # Padding changes a request's reduction, so the batch-invariant (deterministic) mode never batches.
         self.batched = decode and gather_bytes <= BATCHED_DECODE_BYTES and not deterministic_enabled()
         self.device = block_table.device
-        self._masks, self._requests, self._tables, self._gather_index = {}, {}, None, None
+        self._masks, self._requests, self._tables, self._gather_index, self._padding_rows = {}, {}, None, None, None
 
     def matches(self, key, cu_seqlens_q, seq_lens, block_table) -> bool:
         return key == self.key and all(
@@ -70,6 +70,18 @@ class StepPlan:
                                                                           ) // self.page_size
             self._gather_index = table.masked_fill(unused, 0).flatten()
         return self._gather_index
+
+    def padding_rows(self):
+        """[R] int64: the rows of the batched gather (flattened to [B * max_pages * page_size]) past each request's
+        length, up to the longest. They hold other requests' pages or unwritten slots: zeroed after the gather, since
+        a masked score times a non-finite value there would still be NaN."""
+        if self._padding_rows is None:
+            width, longest = self.max_pages * self.page_size, max(self.lens)
+            position = torch.arange(longest, device=self.device)
+            lens = torch.tensor(self.lens, device=self.device)
+            rows = torch.arange(len(self.lens), device=self.device)[:, None] * width + position
+            self._padding_rows = rows[position >= lens[:, None]]
+        return self._padding_rows
 
     def request(self, i):
         """(first page if request i's pages are consecutive else None, its page ids [num_pages] on the device)."""
@@ -203,8 +215,9 @@ class TorchBackend:
             n = q.shape[0] // len(lens)
             index, longest = plan.gather_index(), max(lens)
             kv_shape = (len(lens), plan.max_pages * page_size, num_kv_heads, head_dim)
-            k_padded = self.workspace.gather("k", k_cache, index).view(kv_shape)[:, :longest]
-            v_padded = self.workspace.gather("v", v_cache, index).view(kv_shape)[:, :longest]
+            k_padded, v_padded = (self.workspace.gather(role, cache, index).view(-1, num_kv_heads, head_dim)
+                                  .index_fill_(0, plan.padding_rows(), 0).view(kv_shape)[:, :longest]
+                                  for role, cache in (("k", k_cache), ("v", v_cache)))
             bias, is_causal = plan.mask(None, n, sliding_window, _matmul_branch(len(lens), n * group, logit_cap))
             return attend(q.view(len(lens), n, *q.shape[1:]), k_padded, v_padded, bias, is_causal,
                           *options).flatten(0, 1)
