@@ -73,8 +73,9 @@ class HybridGenerator:
                                   head_dim, num_layers=config.num_hidden_layers,
                                   max_pages_per_request=pages_per_request, dtype=param.dtype, device=param.device,
                                   reserve_scratch=cuda_graphs)
+        graphs_on_cuda = cuda_graphs and param.device.type == "cuda"
         backends = (prefill_backend, decode_backend)
-        if cuda_graphs and param.device.type == "cuda":
+        if graphs_on_cuda:
             backends = tuple("triton" if b == "auto" else b for b in backends)
         self._step_type, self._backends = HybridStep, backends
         self.cuda_graphs = cuda_graphs
@@ -83,7 +84,7 @@ class HybridGenerator:
         # Room for the padding requests of any step, each holding at most a block-table row's capacity.
         max_padding_requests = -(-max_tokens // (pages_per_request * page_size))
         self.batch_sizes = batch_buckets(max_batch_size + max_padding_requests)
-        mode = "reduce-overhead" if cuda_graphs and param.device.type == "cuda" else None
+        mode = "reduce-overhead" if graphs_on_cuda else None
         self.forward = torch.compile(self._forward, fullgraph=True, dynamic=True, mode=mode) if compile \
             else self._forward
         self.device = param.device
