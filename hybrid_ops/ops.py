@@ -9,7 +9,9 @@
 
 Each op writes the new k, v into the paged cache (declared as mutated, `Tensor(a!)`, so torch.compile calls it on
 the caller's cache without a copy), then attends. `Library.define` + `impl` keeps the eager dispatch cost to a few
-microseconds (`torch.library.custom_op` costs about 47 us per call with grad enabled).
+microseconds (`torch.library.custom_op` costs about 47 us per call with grad enabled). On CPU tensors, once the cpu
+backend's kernels are loaded, their C++ entry points (kernels/cpu/dispatch.cpp) take the calls they serve and hand
+every other call to the implementations here (`PYTHON_IMPLEMENTATIONS`).
 """
 
 import math
@@ -142,9 +144,9 @@ def _plan_fake(k_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, *, q_
 
 
 # One implementation for every device: the backends choose their kernels by device.
+PYTHON_IMPLEMENTATIONS = {"attn": _attn, "plan": _plan}
 for _path in ("prefill", "decode"):
-    _impl, _fake_impl = _path_op(_path)
-    lib.impl(_path, _impl, "CompositeExplicitAutograd")
+    PYTHON_IMPLEMENTATIONS[_path], _fake_impl = _path_op(_path)
     torch.library.register_fake(f"hybrid::{_path}", _fake_impl)
-lib.impl("attn", _attn, "CompositeExplicitAutograd")
-lib.impl("plan", _plan, "CompositeExplicitAutograd")
+for _name, _impl in PYTHON_IMPLEMENTATIONS.items():
+    lib.impl(_name, _impl, "CompositeExplicitAutograd")

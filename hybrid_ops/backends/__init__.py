@@ -13,6 +13,7 @@ Register your own with `register_backend`.
 
 from ..errors import HybridInputError
 from .flashinfer import FlashInferBackend
+from . import native
 from .native import NativeBackend
 from .torch_ref import TorchBackend
 from .triton import TritonBackend
@@ -33,6 +34,17 @@ def register_backend(backend, prefer: bool = False) -> None:
         for order in (*_AUTO_ORDER.values(), _AUTO_OTHER_DEVICES):
             order.insert(0, backend.name)
     _auto_cache.clear()
+    update_native_entry_points()
+
+
+def update_native_entry_points() -> None:
+    """The names whose CPU calls the native kernels' C++ entry points run without Python: "cpu" while the backend
+    registered under it has its kernels loaded, and "auto" while that backend is also first in the CPU's order."""
+    backend = _BACKENDS.get("cpu")
+    names = []
+    if isinstance(backend, NativeBackend) and backend.loaded:
+        names = ["cpu", "auto"] if _AUTO_ORDER["cpu"][0] == "cpu" else ["cpu"]
+    native.serve(names, ["auto", *_BACKENDS])
 
 
 def backend_names(available: bool = False):

@@ -9,6 +9,10 @@ backend, and `backend="cpu"` is an error.
 
 The metadata lives on the host, so the kernel checks its values on every call before writing anything
 (`checks_values`); on bad values it returns None and `check_metadata_values` names the culprit.
+
+Loading the kernels also registers their C++ entry points with the dispatcher (`kernels/cpu/dispatch.cpp`): from
+then on, `torch.ops.hybrid.*` calls on CPU tensors that this backend serves skip Python entirely, and the others go
+to the ops' Python implementation as before. `serve` tells them which backend names this backend answers to.
 """
 
 import os
@@ -20,6 +24,7 @@ from importlib import resources
 import torch
 
 from ..errors import HybridInputError
+from ..modes import ROUTING, SPECULATIVE_ATTENTION_MODES
 from ..validation import FLOAT_DTYPES, check_metadata_values
 
 # ATen's compile flags for each CPU capability (cmake/Codegen.cmake); at::vec picks its implementation from the
@@ -33,8 +38,24 @@ _CAPABILITY_FLAGS = {
 }
 
 
-def _source() -> str:
-    return str(resources.files("hybrid_ops.kernels").joinpath("cpu", "paged_attention.cpp"))
+_SOURCES = ("paged_attention.cpp", "dispatch.cpp")
+_HEADERS = ("paged_attention.h",)
+# modes.ROUTING for the C++ entry points: (forward_mode, speculative_attention_mode, routed to decode?).
+_ROUTES = [(int(mode), spec, paths[i] == "decode") for mode, paths in ROUTING.items()
+           for i, spec in enumerate(SPECULATIVE_ATTENTION_MODES)]
+_extension = None  # the loaded kernels: their dispatcher entry points stay registered for the process
+
+
+def _path(name: str) -> str:
+    return str(resources.files("hybrid_ops.kernels").joinpath("cpu", name))
+
+
+def serve(names, known_names) -> None:
+    """The backend names whose calls the C++ entry points run (the native kernels loaded, and "cpu" and "auto"
+    resolving to them), and every valid name (the other backend of an `attn` call must be one). Called by the
+    backend registry on every change; with no names, every call goes through Python."""
+    if _extension is not None:
+        _extension.configure(_ROUTES, list(names), list(known_names))
 
 
 def build():
@@ -48,12 +69,14 @@ def build():
     build_dir = os.path.join(root, f"{name}_torch{torch.__version__.replace('+', '_')}")
     os.makedirs(build_dir, exist_ok=True)
     library = os.path.join(build_dir, f"{name}.so")
-    fresh = not os.path.exists(library) or os.path.getmtime(library) < os.path.getmtime(_source())
+    sources = [_path(n) for n in _SOURCES]
+    fresh = not os.path.exists(library) or os.path.getmtime(library) < max(
+        os.path.getmtime(p) for p in sources + [_path(n) for n in _HEADERS])
     if fresh:
         print(f"hybrid_ops: building the native CPU kernels ({capability}) into {build_dir}, once...",
               file=sys.stderr, flush=True)
     start = time.perf_counter()
-    module = cpp_extension.load(name, [_source()], extra_cflags=["-O3", "-fopenmp", *flags],
+    module = cpp_extension.load(name, sources, extra_cflags=["-O3", "-fopenmp", *flags],
                                 extra_ldflags=["-fopenmp"], build_directory=build_dir)
     if fresh:
         print(f"hybrid_ops: built in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
@@ -69,6 +92,10 @@ class NativeBackend:
         self._module = None
         self._error = None
 
+    @property
+    def loaded(self) -> bool:
+        return self._module is not None
+
     def is_available(self) -> bool:
         if self._module is None and self._error is None:
             try:
@@ -78,6 +105,11 @@ class NativeBackend:
                 last_line = (str(e).strip().splitlines() or [""])[-1]
                 warnings.warn(f"hybrid_ops: the cpu backend's kernels could not be built ({type(e).__name__}: "
                               f"{last_line}); 'auto' uses the torch backend on the CPU", stacklevel=2)
+            else:
+                global _extension
+                _extension = self._module
+                from . import update_native_entry_points  # the registry decides which names mean this backend
+                update_native_entry_points()
         return self._module is not None
 
     def supports(self, q) -> bool:

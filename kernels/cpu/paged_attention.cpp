@@ -11,13 +11,15 @@
 // log-sum-exp, so a batch of one still uses every core. The slicing depends on the request alone, so a request's
 // result is the same in any batch.
 //
-// The metadata's values are checked first (before anything is written); on bad values `forward` returns an
+// The metadata's values are checked first (before anything is written); on bad values `paged_attention` returns an
 // undefined tensor (None in Python) and the caller reports which value is wrong.
 
+#include "paged_attention.h"
+
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
-#include <torch/extension.h>
 
 #include <algorithm>
 #include <atomic>
@@ -466,9 +468,14 @@ at::Tensor forward_typed(const at::Tensor& q, const at::Tensor& k, const at::Ten
   return out;
 }
 
-at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
-                   at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
-                   const at::Tensor& block_table, double scale, int64_t window, double logit_cap, bool decode) {
+}  // namespace
+
+namespace hybrid_ops {
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                           at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+                           const at::Tensor& block_table, double scale, int64_t window, double logit_cap,
+                           bool decode) {
   const auto cu = cu_seqlens_q.contiguous(), lens = seq_lens.contiguous(), table = block_table.contiguous();
   const Metadata md{cu.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), table.data_ptr<int32_t>(), table.size(1),
                     table.size(1), lens.size(0)};
@@ -481,8 +488,4 @@ at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   }
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &forward, "KV store, then paged attention; None when the metadata's values are invalid");
-}
+}  // namespace hybrid_ops

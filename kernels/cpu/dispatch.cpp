@@ -1,0 +1,175 @@
+// The native CPU kernel's two entry points.
+//
+// The dispatcher's CPU kernels of hybrid::prefill, hybrid::decode and hybrid::attn (TORCH_LIBRARY_IMPL) take
+// precedence over the ops' Python implementation (hybrid_ops/ops.py, CompositeExplicitAutograd) for CPU tensors.
+// A call that the native kernel serves ("cpu", or "auto" while "auto" picks it) runs here without entering Python:
+// the checks of validation.args_ok, the routing of modes.ROUTING, the kernel; a few microseconds per call, eager or
+// from a compiled graph. Any other call (another backend, an argument that fails a check, a mode or backend name
+// not in the tables) goes to the Python implementation, which runs the other backends and raises the errors that
+// name the argument. Python sets the tables (`configure`, hybrid_ops/backends/native.py) on every change to the
+// backend registry; until it does, every call goes to Python.
+//
+// The Python module's `forward` is the backend object's call of the same kernel.
+
+#include "paged_attention.h"
+
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+struct Tables {
+  std::vector<std::tuple<int64_t, std::string, bool>> routes;  // (forward_mode, speculative mode, decode path?)
+  std::vector<std::string> native;                             // backend names that mean this kernel
+  std::vector<std::string> known;                              // every valid backend name, "auto" included
+
+  // 1 for the decode path, 0 for prefill, -1 when the pair is not in the table.
+  int route(int64_t forward_mode, c10::string_view speculative_attention_mode) const {
+    for (const auto& [mode, spec, decode] : routes) {
+      if (mode == forward_mode && spec == speculative_attention_mode) return decode ? 1 : 0;
+    }
+    return -1;
+  }
+  static bool has(const std::vector<std::string>& names, c10::string_view name) {
+    for (const auto& n : names) {
+      if (n == name) return true;
+    }
+    return false;
+  }
+};
+
+// Replaced whole by `configure` (with the GIL held), read by the kernels with an atomic load and no lock.
+std::shared_ptr<const Tables> tables;
+
+std::shared_ptr<const Tables> current_tables() { return std::atomic_load(&tables); }
+
+// validation.args_ok: true when validation.check_args would pass.
+bool args_ok(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+             const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+             const at::Tensor& block_table, std::optional<double> scale, int64_t sliding_window, double logit_cap) {
+  if (q.dim() != 3 || k.dim() != 3 || k_cache.dim() != 4 || !v.sizes().equals(k.sizes()) ||
+      !v_cache.sizes().equals(k_cache.sizes())) {
+    return false;
+  }
+  const int64_t num_kv_heads = k_cache.size(2);
+  if (k.size(0) != q.size(0) || k.size(1) != num_kv_heads || num_kv_heads <= 0 || k.size(2) != q.size(2) ||
+      q.size(2) != k_cache.size(3) || q.size(1) % num_kv_heads != 0) {
+    return false;
+  }
+  const auto dtype = q.scalar_type();
+  if (dtype != at::kFloat && dtype != at::kHalf && dtype != at::kBFloat16) return false;
+  for (const at::Tensor* t : {&k, &v, &k_cache, &v_cache}) {
+    if (t->scalar_type() != dtype) return false;
+  }
+  for (const at::Tensor* t : {&cu_seqlens_q, &seq_lens, &block_table}) {
+    if (t->scalar_type() != at::kInt) return false;
+  }
+  if (cu_seqlens_q.dim() != 1 || seq_lens.dim() != 1 || block_table.dim() != 2 ||
+      cu_seqlens_q.size(0) != seq_lens.size(0) + 1 || block_table.size(0) != seq_lens.size(0)) {
+    return false;
+  }
+  for (const at::Tensor* t : {&q, &k, &v, &k_cache, &v_cache, &cu_seqlens_q, &seq_lens, &block_table}) {
+    if (!t->device().is_cpu()) return false;
+  }
+  constexpr double inf = std::numeric_limits<double>::infinity();
+  return k_cache.is_contiguous() && v_cache.is_contiguous() && (!scale || (*scale > 0 && *scale < inf)) &&
+         (sliding_window == -1 || sliding_window > 0) && logit_cap >= 0 && logit_cap < inf;
+}
+
+// The kernel's output, or an undefined tensor (nothing written) when a check fails.
+at::Tensor run_native(bool decode, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& cu_seqlens_q,
+                      const at::Tensor& seq_lens, const at::Tensor& block_table, std::optional<double> scale,
+                      int64_t sliding_window, double logit_cap) {
+  if (!args_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap)) {
+    return {};
+  }
+  const int64_t num_tokens = q.size(0), num_requests = seq_lens.size(0);
+  if (decode && (num_requests > 0 ? num_tokens % num_requests != 0 : num_tokens != 0)) return {};
+  const double resolved_scale = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
+  return hybrid_ops::paged_attention(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, resolved_scale,
+                                     sliding_window, logit_cap, decode);
+}
+
+// call(ops.PYTHON_IMPLEMENTATIONS), with the GIL: the kernels run without it, and building the arguments' Python
+// objects needs it too.
+template <typename F>
+at::Tensor call_python(F&& call) {
+  py::gil_scoped_acquire gil;
+  // Looked up once and kept for the process: destroying it after the interpreter's exit would crash.
+  static py::object* impls =
+      new py::object(py::module_::import("hybrid_ops.ops").attr("PYTHON_IMPLEMENTATIONS"));
+  return call(*impls).template cast<at::Tensor>();
+}
+
+template <bool Decode>
+at::Tensor path_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                    at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+                    const at::Tensor& block_table, std::optional<double> scale, int64_t sliding_window,
+                    double logit_cap, c10::string_view backend) {
+  const auto t = current_tables();
+  if (t && Tables::has(t->native, backend)) {
+    auto out = run_native(Decode, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale,
+                          sliding_window, logit_cap);
+    if (out.defined()) return out;
+  }
+  return call_python([&](const py::object& impls) {
+    return impls[Decode ? "decode" : "prefill"](
+        q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, py::arg("scale") = scale,
+        py::arg("sliding_window") = sliding_window, py::arg("logit_cap") = logit_cap,
+        py::arg("backend") = std::string(backend));
+  });
+}
+
+at::Tensor attn_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                    at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+                    const at::Tensor& block_table, int64_t forward_mode, std::optional<double> scale,
+                    int64_t sliding_window, double logit_cap, c10::string_view prefill_backend,
+                    c10::string_view decode_backend, c10::string_view speculative_attention_mode) {
+  if (const auto t = current_tables()) {
+    const int route = t->route(forward_mode, speculative_attention_mode);
+    const bool decode = route == 1;
+    if (route >= 0 && Tables::has(t->native, decode ? decode_backend : prefill_backend) &&
+        Tables::has(t->known, decode ? prefill_backend : decode_backend)) {
+      auto out = run_native(decode, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale,
+                            sliding_window, logit_cap);
+      if (out.defined()) return out;
+    }
+  }
+  return call_python([&](const py::object& impls) {
+    return impls["attn"](q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode,
+                         py::arg("scale") = scale, py::arg("sliding_window") = sliding_window,
+                         py::arg("logit_cap") = logit_cap, py::arg("prefill_backend") = std::string(prefill_backend),
+                         py::arg("decode_backend") = std::string(decode_backend),
+                         py::arg("speculative_attention_mode") = std::string(speculative_attention_mode));
+  });
+}
+
+void configure(std::vector<std::tuple<int64_t, std::string, bool>> routes, std::vector<std::string> native,
+               std::vector<std::string> known) {
+  std::atomic_store(&tables, std::shared_ptr<const Tables>(
+                                 new Tables{std::move(routes), std::move(native), std::move(known)}));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(hybrid, CPU, m) {
+  m.impl("prefill", &path_cpu<false>);
+  m.impl("decode", &path_cpu<true>);
+  m.impl("attn", &attn_cpu);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &hybrid_ops::paged_attention,
+        "KV store, then paged attention; None when the metadata's values are invalid");
+  m.def("configure", &configure,
+        "The routing table as (forward_mode, speculative_attention_mode, decode path?), the backend names that "
+        "mean the native kernel, and every valid backend name");
+}
