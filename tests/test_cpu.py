@@ -3,12 +3,15 @@ blocks (256 rows) and page boundaries, both row paths (few rows: dot products; m
 read in place (128) and copied (80), with -1 past each request's pages."""
 
 import math
+import re
 
 import pytest
 import torch
 from reference import expected_cache, make_case, reference
 
-import hybrid_ops  # noqa: F401 (registers torch.ops.hybrid)
+import hybrid_ops
+from hybrid_ops import ForwardMode, select_path
+from hybrid_ops.backends.torch_ref import TorchBackend
 
 # Max abs error over the reference's largest magnitude: long contexts average many values, so outputs are small
 # and an absolute bound would let a 1% error through. The bounds sit above each dtype's output rounding.
@@ -80,8 +83,8 @@ def test_without_a_compiler(monkeypatch):
     def no_compiler():
         raise RuntimeError("Ninja is required to load C++ extensions")
 
-    monkeypatch.setattr(native, "build", no_compiler)
     working = hybrid_ops.get_backend("cpu", torch.zeros(1, 1, 8))
+    monkeypatch.setattr(native, "build", no_compiler)
     hybrid_ops.register_backend(native.NativeBackend())
     try:
         case = make_case([3, 2], [4, 0], seed=9)
@@ -94,3 +97,103 @@ def test_without_a_compiler(monkeypatch):
             torch.ops.hybrid.prefill(*case.args, backend="cpu")
     finally:
         hybrid_ops.register_backend(working)
+
+
+# The C++ entry points (kernels/cpu/dispatch.cpp): calls the native kernel serves never enter Python; all others reach
+# the ops' Python implementation, which runs the other backends and raises the errors.
+ROUTES = [(mode, spec) for mode in ForwardMode for spec in ("prefill", "decode")]
+
+
+@pytest.fixture
+def python_calls(monkeypatch):
+    """Counts the calls that reach each op's Python implementation (the entry points look it up on every call)."""
+    from hybrid_ops.ops import PYTHON_IMPLEMENTATIONS
+
+    hybrid_ops.get_backend("cpu", torch.zeros(1, 1, 8))  # loads the kernels, which registers the entry points
+    calls = []
+    for name, impl in list(PYTHON_IMPLEMENTATIONS.items()):
+        def counted(*args, _name=name, _impl=impl, **kwargs):
+            calls.append(_name)
+            return _impl(*args, **kwargs)
+        monkeypatch.setitem(PYTHON_IMPLEMENTATIONS, name, counted)
+    return calls
+
+
+def attn_case(mode, spec):
+    q_lens = {ForwardMode.IDLE: [], ForwardMode.DECODE: [1, 1]}.get(mode, [3, 3] if spec == "decode" else [3, 5])
+    return make_case(q_lens, [6] * len(q_lens), num_q_heads=8, num_kv_heads=2, page_size=4)
+
+
+@pytest.mark.parametrize("names", [("cpu", "cpu"), ("auto", "auto"), ("cpu", "torch"), ("torch", "cpu")])
+def test_native_calls_skip_python(python_calls, names):
+    """Every mode through attn with the native kernel named (or picked by "auto") on the routed side: the right
+    values and cache, and no call into Python; with the torch backend routed to, one call into Python."""
+    prefill_backend, decode_backend = names
+    for mode, spec in ROUTES:
+        case = attn_case(mode, spec)
+        k_ref, v_ref = expected_cache(case)
+        python_calls.clear()
+        out = torch.ops.hybrid.attn(*case.args, int(mode), prefill_backend=prefill_backend,
+                                    decode_backend=decode_backend, speculative_attention_mode=spec, logit_cap=3.0)
+        routed = decode_backend if select_path(mode, spec) == "decode" else prefill_backend
+        assert python_calls == ([] if routed != "torch" else ["attn"]), (mode, spec)
+        assert torch.allclose(out.double(), reference(case, logit_cap=3.0), atol=2e-5), (mode, spec)
+        assert torch.equal(case.k_cache, k_ref) and torch.equal(case.v_cache, v_ref)
+    for op in ("prefill", "decode"):
+        case = make_case([2, 2], [5, 0], seed=4)
+        python_calls.clear()
+        out = getattr(torch.ops.hybrid, op)(*case.args, backend=prefill_backend, scale=0.2)
+        assert python_calls == ([] if prefill_backend != "torch" else [op])
+        assert torch.allclose(out.double(), reference(case, scale=0.2), atol=2e-5)
+
+
+def test_rejected_calls_reach_python(python_calls):
+    """Bad arguments, values, modes and names go to Python, which names them; the cache is untouched."""
+    case = make_case([2, 2], [5, 0], seed=5)
+    before = case.k_cache.clone()
+    bad = {
+        "gqa ratio": ((case.q[:, :3], *case.args[1:]), 1, {}, "Hq % Hkv"),
+        "strided cache": ((*case.args[:3], case.k_cache.transpose(0, 1).contiguous().transpose(0, 1),
+                           *case.args[4:]), 1, {}, "contiguous"),
+        "window": (case.args, 1, {"sliding_window": 0}, "sliding_window must be -1"),
+        "scale": (case.args, 1, {"scale": math.inf}, "scale must be a finite positive"),
+        "mode": (case.args, 9, {}, "forward_mode must be one of"),
+        "spec mode": (case.args, 5, {"speculative_attention_mode": "x"}, "speculative_attention_mode must be"),
+        "other backend": (case.args, 1, {"decode_backend": "nope"}, "decode_backend must be 'auto' or one of"),
+        "decode shape": ((*(t[:-1] for t in case.args[:3]), *case.args[3:]), 2, {}, "same number of query tokens"),
+        "ragged decode": (make_case([3, 1], [2, 2]).args, 2, {}, "same query length for every request"),
+        "page id": ((*case.args[:7], case.block_table.clone().fill_(10_000)), 1, {}, "block_table[0, 0] = 10000"),
+    }
+    for name, (args, mode, kwargs, words) in bad.items():
+        python_calls.clear()
+        with pytest.raises(hybrid_ops.HybridInputError, match=re.escape(words)):
+            torch.ops.hybrid.attn(*args, mode, **kwargs, prefill_backend="cpu")
+        assert python_calls == ["attn"], name
+        assert torch.equal(case.k_cache, before), name
+
+
+def test_auto_follows_a_preferred_backend(python_calls):
+    """A backend registered with prefer=True takes "auto" from the entry points, and gives it back when gone."""
+    from hybrid_ops import backends
+
+    class Preferred(TorchBackend):
+        name = "preferred"
+
+    saved = {device: list(order) for device, order in backends._AUTO_ORDER.items()}
+    saved_other = list(backends._AUTO_OTHER_DEVICES)
+    case = make_case([3], [2], seed=6)
+    try:
+        hybrid_ops.register_backend(Preferred(), prefer=True)
+        out = torch.ops.hybrid.prefill(*case.args)
+        assert python_calls == ["prefill"]
+        assert torch.allclose(out.double(), reference(case), atol=2e-5)
+    finally:
+        for device, order in saved.items():
+            backends._AUTO_ORDER[device][:] = order
+        backends._AUTO_OTHER_DEVICES[:] = saved_other
+        del backends._BACKENDS["preferred"]
+        backends._auto_cache.clear()
+        backends.update_native_entry_points()
+    python_calls.clear()
+    torch.ops.hybrid.prefill(*make_case([3], [2], seed=6).args)
+    assert python_calls == []

@@ -4,8 +4,8 @@ One call stores the new k, v and attends, reading the pages where they lie (no g
 of `at::parallel_for`. The kernels build at first use with `torch.utils.cpp_extension` (g++ or clang, and ninja)
 into torch's extension directory, for the vector instructions ATen detected on this machine
 (`torch.backends.cpu.get_cpu_capability()`: DEFAULT, AVX2 or AVX512), so a build never uses instructions the CPU
-lacks; later processes load the cached library. Without a compiler, "auto" warns once and takes the torch
-backend, and `backend="cpu"` is an error.
+lacks; later processes load the cached library (one per source text). Without a compiler, "auto" warns once and
+takes the torch backend, and `backend="cpu"` is an error.
 
 The metadata lives on the host, so the kernel checks its values on every call before writing anything
 (`checks_values`); on bad values it returns None and `check_metadata_values` names the culprit.
@@ -15,11 +15,13 @@ then on, `torch.ops.hybrid.*` calls on CPU tensors that this backend serves skip
 to the ops' Python implementation as before. `serve` tells them which backend names this backend answers to.
 """
 
+import hashlib
 import os
 import sys
 import time
 import warnings
 from importlib import resources
+from pathlib import Path
 
 import torch
 
@@ -65,13 +67,13 @@ def build():
     capability = torch.backends.cpu.get_cpu_capability()
     flags = _CAPABILITY_FLAGS.get(capability, [])
     name = f"hybrid_ops_cpu_{capability.lower()}"
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    build_dir = os.path.join(root, f"{name}_torch{torch.__version__.replace('+', '_')}")
-    os.makedirs(build_dir, exist_ok=True)
-    library = os.path.join(build_dir, f"{name}.so")
     sources = [_path(n) for n in _SOURCES]
-    fresh = not os.path.exists(library) or os.path.getmtime(library) < max(
-        os.path.getmtime(p) for p in sources + [_path(n) for n in _HEADERS])
+    # One directory per source text: checkouts that share the build root never load each other's kernels.
+    digest = hashlib.sha1(b"".join(Path(p).read_bytes() for p in sources + [_path(n) for n in _HEADERS]))
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    build_dir = os.path.join(root, f"{name}_torch{torch.__version__.replace('+', '_')}_{digest.hexdigest()[:12]}")
+    os.makedirs(build_dir, exist_ok=True)
+    fresh = not os.path.exists(os.path.join(build_dir, f"{name}.so"))
     if fresh:
         print(f"hybrid_ops: building the native CPU kernels ({capability}) into {build_dir}, once...",
               file=sys.stderr, flush=True)
