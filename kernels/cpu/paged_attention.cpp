@@ -3,13 +3,15 @@
 //   q [T, Hq, D], k, v [T, Hkv, D] (any strides); k_cache, v_cache [num_pages, page_size, Hkv, D] contiguous;
 //   cu_seqlens_q [B + 1], seq_lens [B], block_table [B, max_pages] int32. Caches fp32, fp16 or bf16; fp32 math.
 //
-// Work is cut into units (request, kv head, block of query tokens, slice of keys), taken by the threads of
+// Work is cut into units (request, kv heads, block of query tokens, slice of keys), taken by the threads of
 // at::parallel_for from a shared counter, since units differ in length. One unit keeps the query rows of its kv
-// head's group (tokens x GQA group) and streams its keys in tiles of BLOCK_N: each K/V row is loaded once per tile
-// and serves every query row of the group (online softmax, fp32 accumulation). A request with one block of
-// queries (decode, verify, a short chunk over a long prefix) splits its keys into slices of KV_SPLIT, merged by
-// log-sum-exp, so a batch of one still uses every core. The slicing depends on the request alone, so a request's
-// result is the same in any batch.
+// heads' groups (tokens x GQA group) and streams its keys in tiles of BLOCK_N: each K/V row is loaded once per tile
+// and serves every query row of the group (online softmax, fp32 accumulation). With few rows per kv head (decode,
+// verify) a unit takes every kv head and walks the positions in order, so each page is read front to back (its
+// Hkv * D elements per position lie together); with many (prefill) a unit takes one kv head. A request with one
+// block of queries (decode, verify, a short chunk over a long prefix) splits its keys into slices, merged by
+// log-sum-exp, so a batch of one still uses several cores. The slicing depends on the request alone, so a
+// request's result is the same in any batch and on any number of threads.
 //
 // The metadata's values are checked first (before anything is written); on bad values `paged_attention` returns an
 // undefined tensor (None in Python) and the caller reports which value is wrong.
@@ -35,6 +37,7 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t VEC = Vec::size();
 constexpr int64_t BLOCK_N = 64;      // keys per tile (a multiple of VEC)
 constexpr int64_t KV_SPLIT = 512;    // keys per slice of a request with one query block (a multiple of BLOCK_N)
+constexpr int64_t KV_SPLIT_ALL_HEADS = 256;  // the same for a unit of every kv head
 constexpr int64_t BLOCK_ROWS = 256;  // query rows (tokens x group) per unit of a longer prefill
 constexpr int64_t GEMM_ROWS = 16;    // from this many rows, scores go through a transposed K tile (see scores_gemm)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
@@ -74,13 +77,15 @@ bool metadata_ok(const Metadata& md, int64_t num_tokens, int64_t num_pages, int6
 }
 
 struct Unit {
-  int64_t request, head, t0, num_tokens;  // query tokens t0 .. t0 + num_tokens - 1 of the request
-  int64_t lo, hi;                         // keys [lo, hi) of the request
-  int64_t partial;                        // first row in the split partials, or -1: write the output directly
+  int64_t request, head, num_heads;  // kv heads head .. head + num_heads - 1
+  int64_t t0, num_tokens;            // query tokens t0 .. t0 + num_tokens - 1 of the request
+  int64_t lo, hi;                    // keys [lo, hi) of the request
+  int64_t partial;                   // first row in the split partials, or -1: write the output directly
 };
 
+// One kv head's rows of a request's slices: slice s's rows start at partial + s * split_stride.
 struct Merge {
-  int64_t request, head, num_tokens, num_splits, partial;
+  int64_t request, head, num_tokens, num_splits, partial, split_stride;
 };
 
 // Everything a unit reads; T is the caches' (and q's) element type.
@@ -112,15 +117,16 @@ struct Scratch {
 };
 
 // scores[r, j] = q[r] . k_j for RB rows (few rows: decode, verify), KB keys at a time: one load of each K chunk
-// serves the RB rows, and RB x KB independent accumulators keep the FMA units busy.
+// serves the RB rows, and RB x KB independent accumulators keep the FMA units busy. Key j's row is at k[j] + offset
+// (offset: a kv head's place in the rows of every head).
 template <int RB, int KB, typename R>
-void scores_dot_keys(const float* q, int64_t dim, const R* const* k, int64_t j, float* scores) {
+void scores_dot_keys(const float* q, int64_t dim, const R* const* k, int64_t j, int64_t offset, float* scores) {
   Vec acc[RB][KB];
   for (int r = 0; r < RB; ++r)
     for (int c = 0; c < KB; ++c) acc[r][c] = Vec(0.f);
   for (int64_t d = 0; d < dim; d += VEC) {
     Vec kv[KB];
-    for (int c = 0; c < KB; ++c) kv[c] = load_row(k[j + c] + d);
+    for (int c = 0; c < KB; ++c) kv[c] = load_row(k[j + c] + offset + d);
     for (int r = 0; r < RB; ++r) {
       const Vec qv = Vec::loadu(q + r * dim + d);
       for (int c = 0; c < KB; ++c) acc[r][c] = at::vec::fmadd(qv, kv[c], acc[r][c]);
@@ -130,11 +136,12 @@ void scores_dot_keys(const float* q, int64_t dim, const R* const* k, int64_t j, 
     for (int c = 0; c < KB; ++c) scores[r * BLOCK_N + j + c] = hsum(acc[r][c]);
 }
 
+// Keys [a, b).
 template <int RB, typename R>
-void scores_dot(const float* q, int64_t dim, const R* const* k, int64_t n, float* scores) {
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) scores_dot_keys<RB, 4>(q, dim, k, j, scores);
-  for (; j < n; ++j) scores_dot_keys<RB, 1>(q, dim, k, j, scores);
+void scores_dot(const float* q, int64_t dim, const R* const* k, int64_t a, int64_t b, int64_t offset, float* scores) {
+  int64_t j = a;
+  for (; j + 4 <= b; j += 4) scores_dot_keys<RB, 4>(q, dim, k, j, offset, scores);
+  for (; j < b; ++j) scores_dot_keys<RB, 1>(q, dim, k, j, offset, scores);
 }
 
 // scores[r, :] = q[r] . kt for RB rows over a transposed tile kt [D, BLOCK_N]: RB x 2 vector accumulators, a
@@ -159,16 +166,17 @@ void scores_gemm(const float* q, int64_t dim, int64_t head_dim, const float* kt,
   }
 }
 
-// acc[r] += sum_j p[r, j] v_j for RB rows and DB vectors of the head dim, j in [a, b): one load of each V chunk
-// serves the RB rows.
+// acc[r] += sum_j p[r, j] v_j for RB rows and DB vectors of the head dim, j in [a, b), v_j at v[j] + offset: one
+// load of each V chunk serves the RB rows.
 template <int RB, int DB, typename R>
-void accumulate_pv(const float* p, const R* const* v, int64_t a, int64_t b, int64_t d0, int64_t dim, float* acc) {
+void accumulate_pv(const float* p, const R* const* v, int64_t a, int64_t b, int64_t offset, int64_t d0, int64_t dim,
+                   float* acc) {
   Vec sum[RB][DB];
   for (int r = 0; r < RB; ++r)
     for (int c = 0; c < DB; ++c) sum[r][c] = Vec::loadu(acc + r * dim + d0 + c * VEC);
   for (int64_t j = a; j < b; ++j) {
     Vec vv[DB];
-    for (int c = 0; c < DB; ++c) vv[c] = load_row(v[j] + d0 + c * VEC);
+    for (int c = 0; c < DB; ++c) vv[c] = load_row(v[j] + offset + d0 + c * VEC);
     for (int r = 0; r < RB; ++r) {
       const Vec pr(p[r * BLOCK_N + j]);
       for (int c = 0; c < DB; ++c) sum[r][c] = at::vec::fmadd(pr, vv[c], sum[r][c]);
@@ -191,13 +199,54 @@ void for_row_blocks(int64_t rows, F&& fn) {
   }
 }
 
-// One tile of n keys, rows given as pointers to `padded_dim` values (cache rows in place, or packed fp32 rows).
+// Online softmax of one row's scores sc[0, n) over its visible keys [a, b): p replaces the scores (0 where not
+// visible), and the row's max m, sum l and accumulator acc [dim] are rescaled to the new max.
+inline void softmax_row(float* sc, int64_t n, int64_t a, int64_t b, float logit_cap, float& m, float& l, float* acc,
+                        int64_t dim) {
+  if (logit_cap > 0) {
+    for (int64_t j = a; j < b; ++j) sc[j] = logit_cap * std::tanh(sc[j] / logit_cap);
+  }
+  float mx = NEG_INF;
+  int64_t j = a;
+  if (b - a >= VEC) {
+    Vec mv(NEG_INF);
+    for (; j + VEC <= b; j += VEC) mv = at::vec::maximum(mv, Vec::loadu(sc + j));
+    mx = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, mv);
+  }
+  for (; j < b; ++j) mx = std::max(mx, sc[j]);
+  const float m_new = std::max(m, mx);
+  const float alpha = std::exp(m - m_new);  // 0 while no key was seen (m = -inf)
+  Vec sum_v(0.f);
+  for (j = a; j + VEC <= b; j += VEC) {
+    const Vec e = (Vec::loadu(sc + j) - Vec(m_new)).exp_u20();
+    sum_v = sum_v + e;
+    e.store(sc + j);
+  }
+  float sum = hsum(sum_v);
+  for (; j < b; ++j) {
+    sc[j] = std::exp(sc[j] - m_new);
+    sum += sc[j];
+  }
+  std::fill(sc, sc + a, 0.f);
+  std::fill(sc + b, sc + n, 0.f);
+  m = m_new;
+  l = l * alpha + sum;
+  if (alpha != 1.f) {
+    for (int64_t d = 0; d < dim; d += VEC) (Vec::loadu(acc + d) * Vec(alpha)).store(acc + d);
+  }
+}
+
+// One tile of n keys, rows given as pointers to `padded_dim` values (cache rows in place, or packed fp32 rows) of
+// the unit's first kv head; head h's row is h * head_dim further. Scratch rows are head-major: [num_heads][rows].
+// A unit of several heads walks the keys in order, 4 positions of every head at a time, so that each page's K and V
+// are read front to back (see forward_typed).
 template <typename T, typename R>
 void attend_tile(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, const R* const* k, const R* const* v,
                  int64_t rows, Scratch& s) {
-  const int64_t dim = pb.padded_dim, group = pb.group;
+  const int64_t dim = pb.padded_dim, group = pb.group, heads = u.num_heads;
   const int64_t prefix = pb.md.lens[u.request] - (pb.md.cu[u.request + 1] - pb.md.cu[u.request]);
-  if (rows >= GEMM_ROWS) {
+  const int64_t step = heads > 1 ? 4 : BLOCK_N;
+  if (rows >= GEMM_ROWS) {  // one head (forward_typed)
     for (int64_t j = 0; j < n; ++j)
       for (int64_t d = 0; d < pb.head_dim; ++d) s.kt[d * BLOCK_N + j] = static_cast<float>(k[j][d]);
     for (int64_t j = n; j < BLOCK_N; ++j)
@@ -207,65 +256,49 @@ void attend_tile(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, con
                                        s.scores.data() + r * BLOCK_N);
     });
   } else {
-    for_row_blocks(rows, [&](auto rb, int64_t r) {
-      scores_dot<decltype(rb)::value>(s.q.data() + r * dim, dim, k, n, s.scores.data() + r * BLOCK_N);
-    });
+    for (int64_t j = 0; j < n; j += step) {
+      for (int64_t h = 0; h < heads; ++h) {
+        for_row_blocks(rows, [&](auto rb, int64_t r) {
+          scores_dot<decltype(rb)::value>(s.q.data() + (h * rows + r) * dim, dim, k, j, std::min(j + step, n),
+                                          h * pb.head_dim, s.scores.data() + (h * rows + r) * BLOCK_N);
+        });
+      }
+    }
   }
-  // Online softmax per row over its visible keys [a, b) of the tile; p replaces the scores, 0 where not visible.
+  // Each row's visible keys [a, b) of the tile (the same for every head).
   int64_t a_min = n, b_max = 0;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t pos = prefix + u.t0 + r / group;
     const int64_t lo = pb.window > 0 ? std::max<int64_t>(0, pos + 1 - pb.window) : 0;
     const int64_t a = std::clamp<int64_t>(lo - j0, 0, n), b = std::clamp<int64_t>(pos + 1 - j0, 0, n);
-    float* sc = s.scores.data() + r * BLOCK_N;
-    if (a >= b) {
-      std::fill(sc, sc + n, 0.f);
-      continue;
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t row = h * rows + r;
+      float* sc = s.scores.data() + row * BLOCK_N;
+      if (a >= b) {
+        std::fill(sc, sc + n, 0.f);
+        continue;
+      }
+      softmax_row(sc, n, a, b, pb.logit_cap, s.m[row], s.l[row], s.acc.data() + row * dim, dim);
     }
-    a_min = std::min(a_min, a);
-    b_max = std::max(b_max, b);
-    if (pb.logit_cap > 0) {
-      for (int64_t j = a; j < b; ++j) sc[j] = pb.logit_cap * std::tanh(sc[j] / pb.logit_cap);
-    }
-    float mx = NEG_INF;
-    int64_t j = a;
-    if (b - a >= VEC) {
-      Vec mv(NEG_INF);
-      for (; j + VEC <= b; j += VEC) mv = at::vec::maximum(mv, Vec::loadu(sc + j));
-      mx = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, mv);
-    }
-    for (; j < b; ++j) mx = std::max(mx, sc[j]);
-    const float m_new = std::max(s.m[r], mx);
-    const float alpha = std::exp(s.m[r] - m_new);  // 0 while no key was seen (m = -inf)
-    Vec sum_v(0.f);
-    for (j = a; j + VEC <= b; j += VEC) {
-      const Vec e = (Vec::loadu(sc + j) - Vec(m_new)).exp_u20();
-      sum_v = sum_v + e;
-      e.store(sc + j);
-    }
-    float sum = hsum(sum_v);
-    for (; j < b; ++j) {
-      sc[j] = std::exp(sc[j] - m_new);
-      sum += sc[j];
-    }
-    std::fill(sc, sc + a, 0.f);
-    std::fill(sc + b, sc + n, 0.f);
-    s.m[r] = m_new;
-    s.l[r] = s.l[r] * alpha + sum;
-    if (alpha != 1.f) {
-      float* acc = s.acc.data() + r * dim;
-      for (int64_t d = 0; d < dim; d += VEC) (Vec::loadu(acc + d) * Vec(alpha)).store(acc + d);
+    if (a < b) {
+      a_min = std::min(a_min, a);
+      b_max = std::max(b_max, b);
     }
   }
-  if (a_min >= b_max) return;
-  for_row_blocks(rows, [&](auto rb, int64_t r) {
-    constexpr int RB = decltype(rb)::value;
-    const float* p = s.scores.data() + r * BLOCK_N;
-    float* acc = s.acc.data() + r * dim;
-    int64_t d = 0;
-    for (; d + 2 * VEC <= dim; d += 2 * VEC) accumulate_pv<RB, 2>(p, v, a_min, b_max, d, dim, acc);
-    if (d < dim) accumulate_pv<RB, 1>(p, v, a_min, b_max, d, dim, acc);
-  });
+  for (int64_t j = a_min; j < b_max; j += step) {
+    const int64_t jb = std::min(j + step, b_max);
+    for (int64_t h = 0; h < heads; ++h) {
+      for_row_blocks(rows, [&](auto rb, int64_t r) {
+        constexpr int RB = decltype(rb)::value;
+        const float* p = s.scores.data() + (h * rows + r) * BLOCK_N;
+        float* acc = s.acc.data() + (h * rows + r) * dim;
+        const int64_t offset = h * pb.head_dim;
+        int64_t d = 0;
+        for (; d + 2 * VEC <= dim; d += 2 * VEC) accumulate_pv<RB, 2>(p, v, j, jb, offset, d, dim, acc);
+        if (d < dim) accumulate_pv<RB, 1>(p, v, j, jb, offset, d, dim, acc);
+      });
+    }
+  }
 }
 
 // Pointers to the rows of keys j0 .. j0 + n - 1 of the unit's request and kv head. Walks the pages instead of
@@ -297,19 +330,22 @@ void prefetch_rows(const T* const* rows, int64_t n, int64_t row_bytes) {
 // Rows in place when the head dim is whole vectors; else copied (fp32, zero-padded) into the scratch tile.
 template <typename T>
 void run_unit(const Problem<T>& pb, const Unit& u, Scratch& s) {
-  const int64_t dim = pb.padded_dim, group = pb.group, rows = u.num_tokens * group;
+  const int64_t dim = pb.padded_dim, group = pb.group, rows = u.num_tokens * group, all_rows = u.num_heads * rows;
   const int64_t q_start = pb.md.cu[u.request] + u.t0;
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* src = pb.q + (q_start + r / group) * pb.q_strides[0] + (u.head * group + r % group) * pb.q_strides[1];
-    float* dst = s.q.data() + r * dim;
+  // Scratch row h * rows + r: query token r / group, query head (u.head + h) * group + r % group.
+  const auto q_head = [&](int64_t row) { return (u.head + row / rows) * group + row % rows % group; };
+  const auto q_token = [&](int64_t row) { return q_start + row % rows / group; };
+  for (int64_t row = 0; row < all_rows; ++row) {
+    const T* src = pb.q + q_token(row) * pb.q_strides[0] + q_head(row) * pb.q_strides[1];
+    float* dst = s.q.data() + row * dim;
     for (int64_t d = 0; d < pb.head_dim; ++d) dst[d] = static_cast<float>(src[d * pb.q_strides[2]]) * pb.scale;
     std::fill(dst + pb.head_dim, dst + dim, 0.f);
   }
-  std::fill(s.acc.begin(), s.acc.begin() + rows * dim, 0.f);
-  std::fill(s.m.begin(), s.m.begin() + rows, NEG_INF);
-  std::fill(s.l.begin(), s.l.begin() + rows, 0.f);
+  std::fill(s.acc.begin(), s.acc.begin() + all_rows * dim, 0.f);
+  std::fill(s.m.begin(), s.m.begin() + all_rows, NEG_INF);
+  std::fill(s.l.begin(), s.l.begin() + all_rows, 0.f);
 
-  const bool in_place = pb.head_dim == dim;
+  const bool in_place = pb.head_dim == dim;  // always for a unit of several heads (forward_typed)
   const int64_t row_bytes = pb.head_dim * static_cast<int64_t>(sizeof(T));
   const T* k_tiles[2][BLOCK_N];
   const T* v_tiles[2][BLOCK_N];
@@ -320,12 +356,15 @@ void run_unit(const Problem<T>& pb, const Unit& u, Scratch& s) {
     const int64_t n = std::min(BLOCK_N, u.hi - j0), next = j0 + BLOCK_N;
     const T** k_rows = k_tiles[t];
     const T** v_rows = v_tiles[t];
-    // The next tile's rows lie a kv-head row apart (not one stream): prefetch them while this tile computes.
+    // One kv head's rows lie Hkv * D apart (not one stream): prefetch the next tile's while this one computes. A
+    // unit of every head reads its pages front to back, which the hardware prefetcher follows better on its own.
     if (next < u.hi) {
       const int64_t n_next = std::min(BLOCK_N, u.hi - next);
       tile_rows(pb, u, next, n_next, k_tiles[t ^ 1], v_tiles[t ^ 1]);
-      prefetch_rows(k_tiles[t ^ 1], n_next, row_bytes);
-      prefetch_rows(v_tiles[t ^ 1], n_next, row_bytes);
+      if (u.num_heads == 1) {
+        prefetch_rows(k_tiles[t ^ 1], n_next, row_bytes);
+        prefetch_rows(v_tiles[t ^ 1], n_next, row_bytes);
+      }
     }
     if (in_place) {
       attend_tile(pb, u, j0, n, k_rows, v_rows, rows, s);
@@ -344,16 +383,16 @@ void run_unit(const Problem<T>& pb, const Unit& u, Scratch& s) {
     attend_tile(pb, u, j0, n, k_packed, v_packed, rows, s);
   }
 
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* acc = s.acc.data() + r * dim;
-    const float inv = s.l[r] > 0 ? 1.f / s.l[r] : 0.f;
+  for (int64_t row = 0; row < all_rows; ++row) {
+    const float* acc = s.acc.data() + row * dim;
+    const float inv = s.l[row] > 0 ? 1.f / s.l[row] : 0.f;
     if (u.partial < 0) {
-      T* dst = pb.out + ((q_start + r / group) * pb.num_kv_heads * group + u.head * group + r % group) * pb.head_dim;
+      T* dst = pb.out + (q_token(row) * pb.num_kv_heads * group + q_head(row)) * pb.head_dim;
       for (int64_t d = 0; d < pb.head_dim; ++d) dst[d] = static_cast<T>(acc[d] * inv);
     } else {
-      float* dst = pb.partial_out + (u.partial + r) * pb.head_dim;
+      float* dst = pb.partial_out + (u.partial + row) * pb.head_dim;
       for (int64_t d = 0; d < pb.head_dim; ++d) dst[d] = acc[d] * inv;
-      pb.partial_lse[u.partial + r] = s.l[r] > 0 ? s.m[r] + std::log(s.l[r]) : NEG_INF;
+      pb.partial_lse[u.partial + row] = s.l[row] > 0 ? s.m[row] + std::log(s.l[row]) : NEG_INF;
     }
   }
 }
@@ -365,11 +404,13 @@ void run_merge(const Problem<T>& pb, const Merge& mg) {
   std::vector<float> acc(pb.head_dim);
   for (int64_t r = 0; r < rows; ++r) {
     float mx = NEG_INF;
-    for (int64_t sp = 0; sp < mg.num_splits; ++sp) mx = std::max(mx, pb.partial_lse[mg.partial + sp * rows + r]);
+    for (int64_t sp = 0; sp < mg.num_splits; ++sp) {
+      mx = std::max(mx, pb.partial_lse[mg.partial + sp * mg.split_stride + r]);
+    }
     std::fill(acc.begin(), acc.end(), 0.f);
     float total = 0.f;
     for (int64_t sp = 0; sp < mg.num_splits; ++sp) {
-      const int64_t row = mg.partial + sp * rows + r;
+      const int64_t row = mg.partial + sp * mg.split_stride + r;
       if (pb.partial_lse[row] == NEG_INF) continue;
       const float w = std::exp(pb.partial_lse[row] - mx);
       total += w;
@@ -430,17 +471,23 @@ at::Tensor forward_typed(const at::Tensor& q, const at::Tensor& k, const at::Ten
     for (int64_t t0 = 0; t0 < q_len; t0 += block_tokens) {
       const int64_t nt = std::min(block_tokens, q_len - t0);
       const int64_t lo = window > 0 ? std::max<int64_t>(0, prefix + t0 + 1 - window) : 0, hi = prefix + t0 + nt;
-      const int64_t splits = q_len <= block_tokens ? (hi - lo + KV_SPLIT - 1) / KV_SPLIT : 1;
-      max_rows = std::max(max_rows, nt * group);
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
+      // Few rows per kv head, whole-vector rows: a unit takes every kv head, so that it reads each position's
+      // Hkv * D elements together (one stream per page); else a unit per kv head.
+      const int64_t rows = nt * group, heads = rows < GEMM_ROWS && head_dim % VEC == 0 ? num_kv_heads : 1;
+      const int64_t split = heads > 1 ? KV_SPLIT_ALL_HEADS : KV_SPLIT;
+      const int64_t splits = q_len <= block_tokens ? (hi - lo + split - 1) / split : 1;
+      max_rows = std::max(max_rows, heads * rows);
+      for (int64_t h = 0; h < num_kv_heads; h += heads) {
         if (splits <= 1) {
-          units.push_back({i, h, t0, nt, lo, hi, -1});
+          units.push_back({i, h, heads, t0, nt, lo, hi, -1});
           continue;
         }
-        merges.push_back({i, h, nt, splits, partial_rows});
+        for (int64_t g = 0; g < heads; ++g) {
+          merges.push_back({i, h + g, nt, splits, partial_rows + g * rows, heads * rows});
+        }
         for (int64_t sp = 0; sp < splits; ++sp) {
-          units.push_back({i, h, t0, nt, lo + sp * KV_SPLIT, std::min(hi, lo + (sp + 1) * KV_SPLIT), partial_rows});
-          partial_rows += nt * group;
+          units.push_back({i, h, heads, t0, nt, lo + sp * split, std::min(hi, lo + (sp + 1) * split), partial_rows});
+          partial_rows += heads * rows;
         }
       }
     }
