@@ -1,6 +1,7 @@
-"""The native CPU backend on long contexts: past its key-slice boundaries (512 keys), tile boundaries (64 keys), query
-blocks (256 rows) and page boundaries, both row paths (few rows: dot products; many: transposed K tiles), head dims
-read in place (128) and copied (80), with -1 past each request's pages."""
+"""The native CPU backend on long contexts: past its key-slice boundaries (256 keys for units of every kv head, 512 for
+units of one), tile boundaries (64 keys), query blocks (256 rows) and page boundaries, both row paths (few rows: dot
+products over every kv head; many: transposed K tiles per kv head), head dims read in place (64, 128) and copied (80),
+with -1 past each request's pages."""
 
 import math
 import re
@@ -18,9 +19,12 @@ from hybrid_ops.backends.torch_ref import TorchBackend
 RELATIVE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 5e-3}
 
 CASES = {  # op, make_case arguments
-    # 3 slices, exactly 1, and a slice boundary at the last key; page 16.
+    # Units of every kv head: 5 slices, exactly 2, and a slice boundary at the last key; page 16.
     "decode": ("decode", dict(q_lens=[1] * 3, prefix_lens=[1100, 511, 1536], num_q_heads=8, num_kv_heads=2,
                               head_dim=128, page_size=16)),
+    # 3 draft tokens x group 4 = 12 rows per kv head: units of every kv head; 3 and 2 slices; page 7.
+    "verify_all_heads": ("decode", dict(q_lens=[3] * 2, prefix_lens=[600, 260], num_q_heads=8, num_kv_heads=2,
+                                        head_dim=64, page_size=7)),
     # 4 draft tokens x group 8 = 32 rows (the many-rows path); head dim 80 (copied rows); page 5.
     "verify": ("decode", dict(q_lens=[4] * 2, prefix_lens=[700, 1030], num_q_heads=16, num_kv_heads=2, head_dim=80,
                               page_size=5)),
