@@ -50,4 +50,4 @@ def test_bench_runs(tmp_path):
     result = subprocess.run([sys.executable, "-m", "bench", "dispatch", "--quick"], capture_output=True, text=True,
                             timeout=600, cwd=EXAMPLES.parent)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "| eager, grad off |" in result.stdout
+    assert "| compiled decode (T = 1), cpu backend |" in result.stdout
