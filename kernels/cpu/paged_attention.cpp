@@ -16,6 +16,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
+#include <ATen/native/CPUBlas.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/extension.h>
 
@@ -35,6 +36,8 @@ constexpr int64_t BLOCK_N = 64;      // keys per tile (a multiple of VEC)
 constexpr int64_t KV_SPLIT = 512;    // keys per slice of a request with one query block (a multiple of BLOCK_N)
 constexpr int64_t BLOCK_ROWS = 256;  // query rows (tokens x group) per unit of a longer prefill
 constexpr int64_t GEMM_ROWS = 16;    // from this many rows, scores go through a transposed K tile (see scores_gemm)
+constexpr int64_t AMX_BLOCK_N = 128;  // keys per tile of the 16-bit many-rows path on AMX (see attend_tile_amx)
+constexpr int64_t AMX_ROWS = 16;      // its row count is padded to a multiple of this (AMX tile rows): few GEMM shapes
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 inline Vec load_row(const float* p) { return Vec::loadu(p); }
@@ -101,12 +104,31 @@ struct Problem {
   }
 };
 
-// Per-thread scratch, reused across the units a thread takes.
+// Whether fp16/bf16 many-rows tiles run on AMX: oneDNN's brgemm on VNNI-packed tiles. cpublas reports packing
+// available exactly when its brgemm takes the dtype on AMX (bf16: AMX-BF16; fp16: AMX-FP16).
+template <typename T>
+bool amx_available() {
+  return !std::is_same_v<T, float> && at::native::cpublas::could_pack(c10::CppTypeToScalarType<T>::value);
+}
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Per-thread scratch, reused across the units a thread takes; the 16-bit tiles only when AMX runs.
+template <typename T>
 struct Scratch {
+  const bool amx;
   std::vector<float> q, acc, scores, m, l, kt, packed_k, packed_v;
+  std::vector<T> q16, k_vnni, v_vnni, p16;
   Scratch(int64_t rows, int64_t padded_dim)
-      : q(rows * padded_dim), acc(rows * padded_dim), scores(rows * BLOCK_N), m(rows), l(rows),
-        kt(padded_dim * BLOCK_N), packed_k(BLOCK_N * padded_dim, 0.f), packed_v(BLOCK_N * padded_dim, 0.f) {}
+      : amx(amx_available<T>() && rows >= GEMM_ROWS), q(rows * padded_dim),
+        acc(round_up(rows, AMX_ROWS) * padded_dim), scores(round_up(rows, AMX_ROWS) * AMX_BLOCK_N), m(rows), l(rows),
+        kt(padded_dim * BLOCK_N), packed_k(BLOCK_N * padded_dim, 0.f), packed_v(BLOCK_N * padded_dim, 0.f) {
+    if (!amx) return;
+    q16.assign(round_up(rows, AMX_ROWS) * padded_dim, T(0.f));
+    k_vnni.assign(padded_dim * AMX_BLOCK_N, T(0.f));
+    v_vnni.assign(AMX_BLOCK_N * padded_dim, T(0.f));
+    p16.assign(round_up(rows, AMX_ROWS) * AMX_BLOCK_N, T(0.f));
+  }
 };
 
 // scores[r, j] = q[r] . k_j for RB rows (few rows: decode, verify), KB keys at a time: one load of each K chunk
@@ -189,39 +211,29 @@ void for_row_blocks(int64_t rows, F&& fn) {
   }
 }
 
-// One tile of n keys, rows given as pointers to `padded_dim` values (cache rows in place, or packed fp32 rows).
-template <typename T, typename R>
-void attend_tile(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, const R* const* k, const R* const* v,
-                 int64_t rows, Scratch& s) {
+// Online softmax over a tile of n keys whose scores s.scores hold, ld apart, times score_scale: per row over its
+// visible keys [a, b) of the tile, p replaces the scores (0 where not visible), m, l and acc are updated. Returns the
+// tile's visible span [a_min, b_max) over all rows (empty: nothing to accumulate).
+template <typename T>
+std::pair<int64_t, int64_t> softmax_tile(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, int64_t ld,
+                                         float score_scale, int64_t rows, Scratch<T>& s) {
   const int64_t dim = pb.padded_dim, group = pb.group;
   const int64_t prefix = pb.md.lens[u.request] - (pb.md.cu[u.request + 1] - pb.md.cu[u.request]);
-  if (rows >= GEMM_ROWS) {
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t d = 0; d < pb.head_dim; ++d) s.kt[d * BLOCK_N + j] = static_cast<float>(k[j][d]);
-    for (int64_t j = n; j < BLOCK_N; ++j)
-      for (int64_t d = 0; d < pb.head_dim; ++d) s.kt[d * BLOCK_N + j] = 0.f;
-    for_row_blocks(rows, [&](auto rb, int64_t r) {
-      scores_gemm<decltype(rb)::value>(s.q.data() + r * dim, dim, pb.head_dim, s.kt.data(),
-                                       s.scores.data() + r * BLOCK_N);
-    });
-  } else {
-    for_row_blocks(rows, [&](auto rb, int64_t r) {
-      scores_dot<decltype(rb)::value>(s.q.data() + r * dim, dim, k, n, s.scores.data() + r * BLOCK_N);
-    });
-  }
-  // Online softmax per row over its visible keys [a, b) of the tile; p replaces the scores, 0 where not visible.
   int64_t a_min = n, b_max = 0;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t pos = prefix + u.t0 + r / group;
     const int64_t lo = pb.window > 0 ? std::max<int64_t>(0, pos + 1 - pb.window) : 0;
     const int64_t a = std::clamp<int64_t>(lo - j0, 0, n), b = std::clamp<int64_t>(pos + 1 - j0, 0, n);
-    float* sc = s.scores.data() + r * BLOCK_N;
+    float* sc = s.scores.data() + r * ld;
     if (a >= b) {
       std::fill(sc, sc + n, 0.f);
       continue;
     }
     a_min = std::min(a_min, a);
     b_max = std::max(b_max, b);
+    if (score_scale != 1.f) {
+      for (int64_t j = a; j < b; ++j) sc[j] *= score_scale;
+    }
     if (pb.logit_cap > 0) {
       for (int64_t j = a; j < b; ++j) sc[j] = pb.logit_cap * std::tanh(sc[j] / pb.logit_cap);
     }
@@ -255,6 +267,29 @@ void attend_tile(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, con
       for (int64_t d = 0; d < dim; d += VEC) (Vec::loadu(acc + d) * Vec(alpha)).store(acc + d);
     }
   }
+  return {a_min, b_max};
+}
+
+// One tile of n keys, rows given as pointers to `padded_dim` values (cache rows in place, or packed fp32 rows).
+template <typename T, typename R>
+void attend_tile(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, const R* const* k, const R* const* v,
+                 int64_t rows, Scratch<T>& s) {
+  const int64_t dim = pb.padded_dim;
+  if (rows >= GEMM_ROWS) {
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t d = 0; d < pb.head_dim; ++d) s.kt[d * BLOCK_N + j] = static_cast<float>(k[j][d]);
+    for (int64_t j = n; j < BLOCK_N; ++j)
+      for (int64_t d = 0; d < pb.head_dim; ++d) s.kt[d * BLOCK_N + j] = 0.f;
+    for_row_blocks(rows, [&](auto rb, int64_t r) {
+      scores_gemm<decltype(rb)::value>(s.q.data() + r * dim, dim, pb.head_dim, s.kt.data(),
+                                       s.scores.data() + r * BLOCK_N);
+    });
+  } else {
+    for_row_blocks(rows, [&](auto rb, int64_t r) {
+      scores_dot<decltype(rb)::value>(s.q.data() + r * dim, dim, k, n, s.scores.data() + r * BLOCK_N);
+    });
+  }
+  const auto [a_min, b_max] = softmax_tile(pb, u, j0, n, BLOCK_N, 1.f, rows, s);
   if (a_min >= b_max) return;
   for_row_blocks(rows, [&](auto rb, int64_t r) {
     constexpr int RB = decltype(rb)::value;
@@ -264,6 +299,49 @@ void attend_tile(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, con
     for (; d + 2 * VEC <= dim; d += 2 * VEC) accumulate_pv<RB, 2>(p, v, a_min, b_max, d, dim, acc);
     if (d < dim) accumulate_pv<RB, 1>(p, v, a_min, b_max, d, dim, acc);
   });
+}
+
+// Two 16-bit values as one 32-bit word (a VNNI pair), the first in the low half.
+template <typename T>
+inline uint32_t pair_bits(T lo, T hi) {
+  return static_cast<uint32_t>(c10::bit_cast<uint16_t>(lo)) | static_cast<uint32_t>(c10::bit_cast<uint16_t>(hi)) << 16;
+}
+
+// One tile of n <= AMX_BLOCK_N keys for many rows of a 16-bit cache, on AMX: S = Q K^T and acc += P V by brgemm, with
+// q rows in the cache dtype (the scale applied to the fp32 scores), K^T and V packed into VNNI pairs ([D / 2,
+// AMX_BLOCK_N, 2] and [AMX_BLOCK_N / 2, D, 2], zero past n keys and the head dim), and P rounded to the cache dtype
+// for its product, as flash attention does; softmax and accumulation in fp32.
+template <typename T>
+void attend_tile_amx(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, const T* const* k,
+                     const T* const* v, int64_t rows, Scratch<T>& s) {
+  const int64_t dim = pb.padded_dim, pairs = pb.head_dim / 2, m = round_up(rows, AMX_ROWS);
+  auto* kt = reinterpret_cast<uint32_t*>(s.k_vnni.data());
+  auto* vp = reinterpret_cast<uint32_t*>(s.v_vnni.data());
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t i = 0; i < pairs; ++i) kt[i * AMX_BLOCK_N + j] = pair_bits(k[j][2 * i], k[j][2 * i + 1]);
+    if (pb.head_dim % 2) kt[pairs * AMX_BLOCK_N + j] = pair_bits(k[j][pb.head_dim - 1], T(0.f));
+  }
+  for (int64_t j = 0; j < n; j += 2) {
+    uint32_t* dst = vp + (j / 2) * dim;
+    const T* v1 = j + 1 < n ? v[j + 1] : nullptr;
+    for (int64_t d = 0; d < pb.head_dim; ++d) dst[d] = pair_bits(v[j][d], v1 ? v1[d] : T(0.f));
+  }
+  if (n < AMX_BLOCK_N) {  // the last tile of a unit: zero the keys past n (later tiles of other units refill them)
+    for (int64_t i = 0; i < dim / 2; ++i) std::fill(kt + i * AMX_BLOCK_N + n, kt + (i + 1) * AMX_BLOCK_N, 0u);
+    std::fill(vp + round_up(n, 2) / 2 * dim, vp + AMX_BLOCK_N / 2 * dim, 0u);
+  }
+  at::native::cpublas::brgemm(m, AMX_BLOCK_N, dim, dim, AMX_BLOCK_N, AMX_BLOCK_N, false, s.q16.data(),
+                              s.k_vnni.data(), s.scores.data(), true);
+  const auto [a_min, b_max] = softmax_tile(pb, u, j0, n, AMX_BLOCK_N, pb.scale, rows, s);
+  if (a_min >= b_max) return;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* sc = s.scores.data() + r * AMX_BLOCK_N;
+    T* p = s.p16.data() + r * AMX_BLOCK_N;
+    at::vec::convert(sc, p, n);
+    std::fill(p + n, p + AMX_BLOCK_N, T(0.f));
+  }
+  at::native::cpublas::brgemm(m, dim, AMX_BLOCK_N, AMX_BLOCK_N, dim, dim, true, s.p16.data(), s.v_vnni.data(),
+                              s.acc.data(), true);
 }
 
 // Pointers to the rows of keys j0 .. j0 + n - 1 of the unit's request and kv head. Walks the pages instead of
@@ -292,16 +370,29 @@ void prefetch_rows(const T* const* rows, int64_t n, int64_t row_bytes) {
     for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(rows[j]) + b, 0, 2);
 }
 
-// Rows in place when the head dim is whole vectors; else copied (fp32, zero-padded) into the scratch tile.
+// Rows in place when the head dim is whole vectors; else copied (fp32, zero-padded) into the scratch tile. Many rows
+// of a 16-bit cache on AMX: packed per tile instead (attend_tile_amx).
 template <typename T>
-void run_unit(const Problem<T>& pb, const Unit& u, Scratch& s) {
+void run_unit(const Problem<T>& pb, const Unit& u, Scratch<T>& s) {
   const int64_t dim = pb.padded_dim, group = pb.group, rows = u.num_tokens * group;
   const int64_t q_start = pb.md.cu[u.request] + u.t0;
+  const bool amx = s.amx && rows >= GEMM_ROWS;
+  const int64_t block_n = amx ? AMX_BLOCK_N : BLOCK_N;
   for (int64_t r = 0; r < rows; ++r) {
     const T* src = pb.q + (q_start + r / group) * pb.q_strides[0] + (u.head * group + r % group) * pb.q_strides[1];
+    if (amx) {
+      T* dst = s.q16.data() + r * dim;
+      for (int64_t d = 0; d < pb.head_dim; ++d) dst[d] = src[d * pb.q_strides[2]];
+      continue;
+    }
     float* dst = s.q.data() + r * dim;
     for (int64_t d = 0; d < pb.head_dim; ++d) dst[d] = static_cast<float>(src[d * pb.q_strides[2]]) * pb.scale;
     std::fill(dst + pb.head_dim, dst + dim, 0.f);
+  }
+  if (amx) {  // rows up to the padded count: zero queries and probabilities, so they add nothing
+    const int64_t m = round_up(rows, AMX_ROWS);
+    std::fill(s.q16.begin() + rows * dim, s.q16.begin() + m * dim, T(0.f));
+    std::fill(s.p16.begin() + rows * AMX_BLOCK_N, s.p16.begin() + m * AMX_BLOCK_N, T(0.f));
   }
   std::fill(s.acc.begin(), s.acc.begin() + rows * dim, 0.f);
   std::fill(s.m.begin(), s.m.begin() + rows, NEG_INF);
@@ -309,21 +400,27 @@ void run_unit(const Problem<T>& pb, const Unit& u, Scratch& s) {
 
   const bool in_place = pb.head_dim == dim;
   const int64_t row_bytes = pb.head_dim * static_cast<int64_t>(sizeof(T));
-  const T* k_tiles[2][BLOCK_N];
-  const T* v_tiles[2][BLOCK_N];
+  const T* k_tiles[2][AMX_BLOCK_N];
+  const T* v_tiles[2][AMX_BLOCK_N];
   const float* k_packed[BLOCK_N];
   const float* v_packed[BLOCK_N];
-  tile_rows(pb, u, u.lo, std::min(BLOCK_N, u.hi - u.lo), k_tiles[0], v_tiles[0]);
-  for (int64_t j0 = u.lo, t = 0; j0 < u.hi; j0 += BLOCK_N, t ^= 1) {
-    const int64_t n = std::min(BLOCK_N, u.hi - j0), next = j0 + BLOCK_N;
+  tile_rows(pb, u, u.lo, std::min(block_n, u.hi - u.lo), k_tiles[0], v_tiles[0]);
+  for (int64_t j0 = u.lo, t = 0; j0 < u.hi; j0 += block_n, t ^= 1) {
+    const int64_t n = std::min(block_n, u.hi - j0), next = j0 + block_n;
     const T** k_rows = k_tiles[t];
     const T** v_rows = v_tiles[t];
     // The next tile's rows lie a kv-head row apart (not one stream): prefetch them while this tile computes.
     if (next < u.hi) {
-      const int64_t n_next = std::min(BLOCK_N, u.hi - next);
+      const int64_t n_next = std::min(block_n, u.hi - next);
       tile_rows(pb, u, next, n_next, k_tiles[t ^ 1], v_tiles[t ^ 1]);
       prefetch_rows(k_tiles[t ^ 1], n_next, row_bytes);
       prefetch_rows(v_tiles[t ^ 1], n_next, row_bytes);
+    }
+    if constexpr (!std::is_same_v<T, float>) {
+      if (amx) {
+        attend_tile_amx(pb, u, j0, n, k_rows, v_rows, rows, s);
+        continue;
+      }
     }
     if (in_place) {
       attend_tile(pb, u, j0, n, k_rows, v_rows, rows, s);
@@ -341,6 +438,7 @@ void run_unit(const Problem<T>& pb, const Unit& u, Scratch& s) {
     }
     attend_tile(pb, u, j0, n, k_packed, v_packed, rows, s);
   }
+  if (amx) at::native::cpublas::brgemm_release();  // AMX's tile state, kept between tiles, freed per unit
 
   for (int64_t r = 0; r < rows; ++r) {
     const float* acc = s.acc.data() + r * dim;
@@ -455,10 +553,10 @@ at::Tensor forward_typed(const at::Tensor& q, const at::Tensor& k, const at::Ten
                 (head_dim + VEC - 1) / VEC * VEC, static_cast<float>(scale), static_cast<float>(logit_cap), window,
                 num_kv_heads * head_dim};
   const int64_t num_threads = at::get_num_threads();
-  std::vector<std::unique_ptr<Scratch>> scratch(num_threads);
+  std::vector<std::unique_ptr<Scratch<T>>> scratch(num_threads);
   parallel_dynamic(static_cast<int64_t>(units.size()), [&](int64_t i) {
     auto& s = scratch[at::get_thread_num()];
-    if (!s) s = std::make_unique<Scratch>(max_rows, pb.padded_dim);
+    if (!s) s = std::make_unique<Scratch<T>>(max_rows, pb.padded_dim);
     run_unit(pb, units[i], *s);
   });
   // parallel_for returns when every unit is done: the merges read finished slices.
