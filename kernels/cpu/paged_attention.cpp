@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <type_traits>
@@ -36,8 +37,9 @@ constexpr int64_t BLOCK_N = 64;      // keys per tile (a multiple of VEC)
 constexpr int64_t KV_SPLIT = 512;    // keys per slice of a request with one query block (a multiple of BLOCK_N)
 constexpr int64_t BLOCK_ROWS = 256;  // query rows (tokens x group) per unit of a longer prefill
 constexpr int64_t GEMM_ROWS = 16;    // from this many rows, scores go through a transposed K tile (see scores_gemm)
-constexpr int64_t AMX_BLOCK_N = 128;  // keys per tile of the 16-bit many-rows path on AMX (see attend_tile_amx)
-constexpr int64_t AMX_ROWS = 16;      // its row count is padded to a multiple of this (AMX tile rows): few GEMM shapes
+constexpr int64_t GEMM_BLOCK_N = 128;  // keys per tile of the brgemm path (see attend_tile_brgemm)
+constexpr int64_t GEMM_M = 16;         // its products' row counts are multiples of this (AMX tile rows): few shapes
+constexpr int64_t GEMM_CHUNK = 64;     // rows per pair of its products (a multiple of GEMM_M)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 inline Vec load_row(const float* p) { return Vec::loadu(p); }
@@ -104,30 +106,56 @@ struct Problem {
   }
 };
 
-// Whether fp16/bf16 many-rows tiles run on AMX: oneDNN's brgemm on VNNI-packed tiles. cpublas reports packing
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Whether many rows of a T cache multiply in T on AMX: oneDNN's brgemm on VNNI-packed tiles. cpublas reports packing
 // available exactly when its brgemm takes the dtype on AMX (bf16: AMX-BF16; fp16: AMX-FP16).
 template <typename T>
 bool amx_available() {
   return !std::is_same_v<T, float> && at::native::cpublas::could_pack(c10::CppTypeToScalarType<T>::value);
 }
 
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+// The operands of a many-rows tile's two products in G, the type brgemm multiplies (fp32; 16-bit on AMX):
+// q [m, D]; K rows staged [GEMM_BLOCK_N, D]; K^T [D, GEMM_BLOCK_N]; V [GEMM_BLOCK_N, D]; P [m, GEMM_BLOCK_N]. In
+// 16-bit, K^T and V are in VNNI pairs ([D / 2, GEMM_BLOCK_N, 2], [GEMM_BLOCK_N / 2, D, 2]); fp32 P is the scores.
+template <typename G>
+struct GemmTiles {
+  std::vector<G> q, k_rows, kt, v, p;
+  void allocate(int64_t rows, int64_t dim) {
+    const int64_t m = round_up(rows, GEMM_M);
+    q.assign(m * dim, G(0.f));
+    k_rows.assign(GEMM_BLOCK_N * dim, G(0.f));
+    kt.assign(dim * GEMM_BLOCK_N, G(0.f));
+    v.assign(GEMM_BLOCK_N * dim, G(0.f));
+    if (!std::is_same_v<G, float>) p.assign(m * GEMM_BLOCK_N, G(0.f));
+  }
+};
 
-// Per-thread scratch, reused across the units a thread takes; the 16-bit tiles only when AMX runs.
+// Per-thread scratch, reused across the units a thread takes; the brgemm tiles in the type its products take.
 template <typename T>
 struct Scratch {
   const bool amx;
-  std::vector<float> q, acc, scores, m, l, kt, packed_k, packed_v;
-  std::vector<T> q16, k_vnni, v_vnni, p16;
+  std::vector<float> q, acc, scores, m, l, tile_max, alpha, kt, packed_k, packed_v;
+  GemmTiles<float> f32;
+  GemmTiles<T> amx16;
   Scratch(int64_t rows, int64_t padded_dim)
-      : amx(amx_available<T>() && rows >= GEMM_ROWS), q(rows * padded_dim),
-        acc(round_up(rows, AMX_ROWS) * padded_dim), scores(round_up(rows, AMX_ROWS) * AMX_BLOCK_N), m(rows), l(rows),
+      : amx(amx_available<T>()), q(rows * padded_dim), acc(round_up(rows, GEMM_M) * padded_dim),
+        scores(round_up(rows, GEMM_M) * GEMM_BLOCK_N), m(rows), l(rows), tile_max(rows), alpha(rows),
         kt(padded_dim * BLOCK_N), packed_k(BLOCK_N * padded_dim, 0.f), packed_v(BLOCK_N * padded_dim, 0.f) {
-    if (!amx) return;
-    q16.assign(round_up(rows, AMX_ROWS) * padded_dim, T(0.f));
-    k_vnni.assign(padded_dim * AMX_BLOCK_N, T(0.f));
-    v_vnni.assign(AMX_BLOCK_N * padded_dim, T(0.f));
-    p16.assign(round_up(rows, AMX_ROWS) * AMX_BLOCK_N, T(0.f));
+    if (rows < GEMM_ROWS) return;
+    if (amx) {
+      amx16.allocate(rows, padded_dim);
+    } else {
+      f32.allocate(rows, padded_dim);
+    }
+  }
+  template <typename G>
+  GemmTiles<G>& tiles() {
+    if constexpr (std::is_same_v<G, float>) {
+      return f32;
+    } else {
+      return amx16;
+    }
   }
 };
 
@@ -211,57 +239,79 @@ void for_row_blocks(int64_t rows, F&& fn) {
   }
 }
 
-// Online softmax over a tile of n keys whose scores s.scores hold, ld apart, times score_scale: per row over its
-// visible keys [a, b) of the tile, p replaces the scores (0 where not visible), m, l and acc are updated. Returns the
-// tile's visible span [a_min, b_max) over all rows (empty: nothing to accumulate).
+// Keys [a, b) of a tile starting at key j0 with n keys that query row r of the unit sees (a >= b: none).
+template <typename T>
+std::pair<int64_t, int64_t> visible(const Problem<T>& pb, const Unit& u, int64_t r, int64_t j0, int64_t n) {
+  const int64_t prefix = pb.md.lens[u.request] - (pb.md.cu[u.request + 1] - pb.md.cu[u.request]);
+  const int64_t pos = prefix + u.t0 + r / pb.group;
+  const int64_t lo = pb.window > 0 ? std::max<int64_t>(0, pos + 1 - pb.window) : 0;
+  return {std::clamp<int64_t>(lo - j0, 0, n), std::clamp<int64_t>(pos + 1 - j0, 0, n)};
+}
+
+// Online softmax of rows [r0, r1) over a tile of n keys starting at key j0, whose scores s.scores hold (row r at
+// r * ld) times score_scale: p replaces the scores of each row's visible keys (0 elsewhere in [0, n)), and m, l and
+// acc are updated. Returns the visible span [a_min, b_max) over the rows (empty: nothing to accumulate).
 template <typename T>
 std::pair<int64_t, int64_t> softmax_tile(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, int64_t ld,
-                                         float score_scale, int64_t rows, Scratch<T>& s) {
-  const int64_t dim = pb.padded_dim, group = pb.group;
-  const int64_t prefix = pb.md.lens[u.request] - (pb.md.cu[u.request + 1] - pb.md.cu[u.request]);
+                                         float score_scale, int64_t r0, int64_t r1, Scratch<T>& s) {
+  const int64_t dim = pb.padded_dim;
+  // Without a soft-cap, a positive scale folds into the exponent: exp(scale * x - m), m the scaled maximum.
+  const bool fold = pb.logit_cap == 0 && score_scale > 0;
+  const float k = fold ? score_scale : 1.f;
   int64_t a_min = n, b_max = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t pos = prefix + u.t0 + r / group;
-    const int64_t lo = pb.window > 0 ? std::max<int64_t>(0, pos + 1 - pb.window) : 0;
-    const int64_t a = std::clamp<int64_t>(lo - j0, 0, n), b = std::clamp<int64_t>(pos + 1 - j0, 0, n);
+  for (int64_t r = r0; r < r1; ++r) {
+    const auto [a, b] = visible(pb, u, r, j0, n);
     float* sc = s.scores.data() + r * ld;
-    if (a >= b) {
-      std::fill(sc, sc + n, 0.f);
-      continue;
-    }
+    s.tile_max[r] = NEG_INF;
+    if (a >= b) continue;
     a_min = std::min(a_min, a);
     b_max = std::max(b_max, b);
-    if (score_scale != 1.f) {
+    if (!fold && score_scale != 1.f) {
       for (int64_t j = a; j < b; ++j) sc[j] *= score_scale;
     }
     if (pb.logit_cap > 0) {
       for (int64_t j = a; j < b; ++j) sc[j] = pb.logit_cap * std::tanh(sc[j] / pb.logit_cap);
     }
-    float mx = NEG_INF;
+    // Whole vectors, then the tail as a partial one (lanes past b: -inf).
+    Vec mv(NEG_INF);
     int64_t j = a;
-    if (b - a >= VEC) {
-      Vec mv(NEG_INF);
-      for (; j + VEC <= b; j += VEC) mv = at::vec::maximum(mv, Vec::loadu(sc + j));
-      mx = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, mv);
+    for (; j + VEC <= b; j += VEC) mv = at::vec::maximum(mv, Vec::loadu(sc + j));
+    if (j < b) mv = at::vec::maximum(mv, Vec::set(Vec(NEG_INF), Vec::loadu(sc + j, b - j), b - j));
+    s.tile_max[r] = k * at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, mv);
+  }
+  // New maxima and the factors of the old sums, VEC rows at a time; rows that see no key keep theirs (factor 1).
+  for (int64_t r = r0; r < r1; r += VEC) {
+    const int64_t c = std::min(VEC, r1 - r);
+    const Vec m_old = Vec::loadu(s.m.data() + r, c), mx = Vec::loadu(s.tile_max.data() + r, c);
+    const Vec m_new = at::vec::maximum(m_old, mx);
+    const Vec alpha = Vec::blendv((m_old - m_new).exp(), Vec(1.f), mx == Vec(NEG_INF));  // exp(-inf) = 0: first keys
+    Vec::blendv(m_new, m_old, mx == Vec(NEG_INF)).store(s.m.data() + r, c);
+    alpha.store(s.alpha.data() + r, c);
+  }
+  for (int64_t r = r0; r < r1; ++r) {
+    const auto [a, b] = visible(pb, u, r, j0, n);
+    float* sc = s.scores.data() + r * ld;
+    if (a >= b) {
+      std::fill(sc, sc + n, 0.f);
+      continue;
     }
-    for (; j < b; ++j) mx = std::max(mx, sc[j]);
-    const float m_new = std::max(s.m[r], mx);
-    const float alpha = std::exp(s.m[r] - m_new);  // 0 while no key was seen (m = -inf)
+    const Vec scale(k), m_new(-s.m[r]);
     Vec sum_v(0.f);
-    for (j = a; j + VEC <= b; j += VEC) {
-      const Vec e = (Vec::loadu(sc + j) - Vec(m_new)).exp_u20();
+    int64_t j = a;
+    for (; j + VEC <= b; j += VEC) {
+      const Vec e = at::vec::fmadd(Vec::loadu(sc + j), scale, m_new).exp_u20();
       sum_v = sum_v + e;
       e.store(sc + j);
     }
-    float sum = hsum(sum_v);
-    for (; j < b; ++j) {
-      sc[j] = std::exp(sc[j] - m_new);
-      sum += sc[j];
+    if (j < b) {
+      const Vec e = Vec::set(Vec(0.f), at::vec::fmadd(Vec::loadu(sc + j, b - j), scale, m_new).exp_u20(), b - j);
+      sum_v = sum_v + e;
+      e.store(sc + j, b - j);
     }
     std::fill(sc, sc + a, 0.f);
     std::fill(sc + b, sc + n, 0.f);
-    s.m[r] = m_new;
-    s.l[r] = s.l[r] * alpha + sum;
+    const float alpha = s.alpha[r];
+    s.l[r] = s.l[r] * alpha + hsum(sum_v);
     if (alpha != 1.f) {
       float* acc = s.acc.data() + r * dim;
       for (int64_t d = 0; d < dim; d += VEC) (Vec::loadu(acc + d) * Vec(alpha)).store(acc + d);
@@ -289,7 +339,7 @@ void attend_tile(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, con
       scores_dot<decltype(rb)::value>(s.q.data() + r * dim, dim, k, n, s.scores.data() + r * BLOCK_N);
     });
   }
-  const auto [a_min, b_max] = softmax_tile(pb, u, j0, n, BLOCK_N, 1.f, rows, s);
+  const auto [a_min, b_max] = softmax_tile(pb, u, j0, n, BLOCK_N, 1.f, 0, rows, s);
   if (a_min >= b_max) return;
   for_row_blocks(rows, [&](auto rb, int64_t r) {
     constexpr int RB = decltype(rb)::value;
@@ -301,47 +351,69 @@ void attend_tile(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, con
   });
 }
 
-// Two 16-bit values as one 32-bit word (a VNNI pair), the first in the low half.
-template <typename T>
-inline uint32_t pair_bits(T lo, T hi) {
-  return static_cast<uint32_t>(c10::bit_cast<uint16_t>(lo)) | static_cast<uint32_t>(c10::bit_cast<uint16_t>(hi)) << 16;
+template <typename S, typename D>
+void copy_row(const S* src, D* dst, int64_t n) {
+  if constexpr (std::is_same_v<S, D>) {
+    std::memcpy(dst, src, n * sizeof(S));
+  } else {
+    at::vec::convert(src, dst, n);
+  }
 }
 
-// One tile of n <= AMX_BLOCK_N keys for many rows of a 16-bit cache, on AMX: S = Q K^T and acc += P V by brgemm, with
-// q rows in the cache dtype (the scale applied to the fp32 scores), K^T and V packed into VNNI pairs ([D / 2,
-// AMX_BLOCK_N, 2] and [AMX_BLOCK_N / 2, D, 2], zero past n keys and the head dim), and P rounded to the cache dtype
-// for its product, as flash attention does; softmax and accumulation in fp32.
-template <typename T>
-void attend_tile_amx(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, const T* const* k,
-                     const T* const* v, int64_t rows, Scratch<T>& s) {
-  const int64_t dim = pb.padded_dim, pairs = pb.head_dim / 2, m = round_up(rows, AMX_ROWS);
-  auto* kt = reinterpret_cast<uint32_t*>(s.k_vnni.data());
-  auto* vp = reinterpret_cast<uint32_t*>(s.v_vnni.data());
-  for (int64_t j = 0; j < n; ++j) {
-    for (int64_t i = 0; i < pairs; ++i) kt[i * AMX_BLOCK_N + j] = pair_bits(k[j][2 * i], k[j][2 * i + 1]);
-    if (pb.head_dim % 2) kt[pairs * AMX_BLOCK_N + j] = pair_bits(k[j][pb.head_dim - 1], T(0.f));
+// One tile of n <= GEMM_BLOCK_N keys for many rows, by brgemm in G: S = Q K^T, online softmax in fp32, acc += P V.
+// Q, K^T and V are packed into the tiles (zero past n keys and the head dim) and the scale is applied to the fp32
+// scores; in 16-bit (AMX), P is rounded to the cache dtype for its product, as flash attention does.
+template <typename G, typename T>
+void attend_tile_brgemm(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, const T* const* k,
+                        const T* const* v, int64_t rows, Scratch<T>& s) {
+  constexpr bool vnni = !std::is_same_v<G, float>;
+  GemmTiles<G>& g = s.template tiles<G>();
+  const int64_t dim = pb.padded_dim;
+  // K^T is the transpose of the staged rows; in VNNI pairs, of the rows read as 32-bit words.
+  for (int64_t j = 0; j < n; ++j) copy_row(k[j], g.k_rows.data() + j * dim, pb.head_dim);
+  constexpr int64_t per_word = vnni ? 2 : 1;
+  at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(g.k_rows.data()), dim / per_word,
+                                reinterpret_cast<float*>(g.kt.data()), GEMM_BLOCK_N, n, dim / per_word);
+  if constexpr (vnni) {
+    auto* vp = reinterpret_cast<uint32_t*>(g.v.data());
+    for (int64_t j = 0; j < n; j += 2) {
+      const auto* __restrict lo = reinterpret_cast<const uint16_t*>(v[j]);
+      const auto* __restrict hi = reinterpret_cast<const uint16_t*>(j + 1 < n ? v[j + 1] : v[j]);
+      const uint32_t hi_mask = j + 1 < n ? 0xffff0000u : 0u;  // an odd tile's last pair: 0 as its second key
+      uint32_t* __restrict dst = vp + (j / 2) * dim;
+      for (int64_t d = 0; d < pb.head_dim; ++d) dst[d] = lo[d] | (static_cast<uint32_t>(hi[d]) << 16 & hi_mask);
+    }
+  } else {
+    for (int64_t j = 0; j < n; ++j) copy_row(v[j], g.v.data() + j * dim, pb.head_dim);
   }
-  for (int64_t j = 0; j < n; j += 2) {
-    uint32_t* dst = vp + (j / 2) * dim;
-    const T* v1 = j + 1 < n ? v[j + 1] : nullptr;
-    for (int64_t d = 0; d < pb.head_dim; ++d) dst[d] = pair_bits(v[j][d], v1 ? v1[d] : T(0.f));
+  if (n < GEMM_BLOCK_N) {  // the last tile of a unit: zero the keys past n (later tiles of other units refill them)
+    auto* kt = reinterpret_cast<float*>(g.kt.data());
+    for (int64_t i = 0; i < dim / per_word; ++i) std::fill(kt + i * GEMM_BLOCK_N + n, kt + (i + 1) * GEMM_BLOCK_N, 0.f);
+    std::fill(g.v.begin() + round_up(n, per_word) * dim, g.v.end(), G(0.f));
   }
-  if (n < AMX_BLOCK_N) {  // the last tile of a unit: zero the keys past n (later tiles of other units refill them)
-    for (int64_t i = 0; i < dim / 2; ++i) std::fill(kt + i * AMX_BLOCK_N + n, kt + (i + 1) * AMX_BLOCK_N, 0u);
-    std::fill(vp + round_up(n, 2) / 2 * dim, vp + AMX_BLOCK_N / 2 * dim, 0u);
+  // Rows in chunks whose scores and accumulators stay in cache between the two products; a chunk that sees none of
+  // the tile's keys (the causal diagonal, a window's start) is skipped.
+  for (int64_t r0 = 0; r0 < rows; r0 += GEMM_CHUNK) {
+    const int64_t r1 = std::min(rows, r0 + GEMM_CHUNK), m = round_up(r1 - r0, GEMM_M);
+    if (visible(pb, u, r1 - 1, j0, n).second == 0 || visible(pb, u, r0, j0, n).first == n) continue;
+    float* scores = s.scores.data() + r0 * GEMM_BLOCK_N;
+    at::native::cpublas::brgemm(m, GEMM_BLOCK_N, dim, dim, GEMM_BLOCK_N, GEMM_BLOCK_N, false, g.q.data() + r0 * dim,
+                                g.kt.data(), scores, vnni);
+    softmax_tile(pb, u, j0, n, GEMM_BLOCK_N, pb.scale, r0, r1, s);
+    // P past n keys is whatever finite value it holds (a score against zeros, an earlier tile's 16-bit p): it meets
+    // V's zero rows.
+    const G* p;
+    if constexpr (vnni) {
+      p = g.p.data() + r0 * GEMM_BLOCK_N;
+      for (int64_t r = r0; r < r1; ++r) {
+        at::vec::convert(s.scores.data() + r * GEMM_BLOCK_N, g.p.data() + r * GEMM_BLOCK_N, n);
+      }
+    } else {
+      p = scores;
+    }
+    at::native::cpublas::brgemm(m, dim, GEMM_BLOCK_N, GEMM_BLOCK_N, dim, dim, true, p, g.v.data(),
+                                s.acc.data() + r0 * dim, vnni);
   }
-  at::native::cpublas::brgemm(m, AMX_BLOCK_N, dim, dim, AMX_BLOCK_N, AMX_BLOCK_N, false, s.q16.data(),
-                              s.k_vnni.data(), s.scores.data(), true);
-  const auto [a_min, b_max] = softmax_tile(pb, u, j0, n, AMX_BLOCK_N, pb.scale, rows, s);
-  if (a_min >= b_max) return;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* sc = s.scores.data() + r * AMX_BLOCK_N;
-    T* p = s.p16.data() + r * AMX_BLOCK_N;
-    at::vec::convert(sc, p, n);
-    std::fill(p + n, p + AMX_BLOCK_N, T(0.f));
-  }
-  at::native::cpublas::brgemm(m, dim, AMX_BLOCK_N, AMX_BLOCK_N, dim, dim, true, s.p16.data(), s.v_vnni.data(),
-                              s.acc.data(), true);
 }
 
 // Pointers to the rows of keys j0 .. j0 + n - 1 of the unit's request and kv head. Walks the pages instead of
@@ -370,29 +442,32 @@ void prefetch_rows(const T* const* rows, int64_t n, int64_t row_bytes) {
     for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(rows[j]) + b, 0, 2);
 }
 
-// Rows in place when the head dim is whole vectors; else copied (fp32, zero-padded) into the scratch tile. Many rows
-// of a 16-bit cache on AMX: packed per tile instead (attend_tile_amx).
-template <typename T>
-void run_unit(const Problem<T>& pb, const Unit& u, Scratch<T>& s) {
+// A unit with brgemm in G, or (fp32) with the dot products and the register-blocked product.
+template <typename G, typename T>
+void run_unit_typed(const Problem<T>& pb, const Unit& u, Scratch<T>& s, bool brgemm) {
   const int64_t dim = pb.padded_dim, group = pb.group, rows = u.num_tokens * group;
   const int64_t q_start = pb.md.cu[u.request] + u.t0;
-  const bool amx = s.amx && rows >= GEMM_ROWS;
-  const int64_t block_n = amx ? AMX_BLOCK_N : BLOCK_N;
+  const int64_t block_n = brgemm ? GEMM_BLOCK_N : BLOCK_N;
   for (int64_t r = 0; r < rows; ++r) {
     const T* src = pb.q + (q_start + r / group) * pb.q_strides[0] + (u.head * group + r % group) * pb.q_strides[1];
-    if (amx) {
-      T* dst = s.q16.data() + r * dim;
-      for (int64_t d = 0; d < pb.head_dim; ++d) dst[d] = src[d * pb.q_strides[2]];
+    if (brgemm) {  // unscaled (the scale applies to the scores); dims past head_dim stay 0
+      G* dst = s.template tiles<G>().q.data() + r * dim;
+      if (pb.q_strides[2] == 1) {
+        copy_row(src, dst, pb.head_dim);
+      } else {
+        for (int64_t d = 0; d < pb.head_dim; ++d) dst[d] = static_cast<G>(src[d * pb.q_strides[2]]);
+      }
       continue;
     }
     float* dst = s.q.data() + r * dim;
     for (int64_t d = 0; d < pb.head_dim; ++d) dst[d] = static_cast<float>(src[d * pb.q_strides[2]]) * pb.scale;
     std::fill(dst + pb.head_dim, dst + dim, 0.f);
   }
-  if (amx) {  // rows up to the padded count: zero queries and probabilities, so they add nothing
-    const int64_t m = round_up(rows, AMX_ROWS);
-    std::fill(s.q16.begin() + rows * dim, s.q16.begin() + m * dim, T(0.f));
-    std::fill(s.p16.begin() + rows * AMX_BLOCK_N, s.p16.begin() + m * AMX_BLOCK_N, T(0.f));
+  if (brgemm) {  // rows up to the products' padded count: zero queries (and 16-bit probabilities) add nothing
+    auto& g = s.template tiles<G>();
+    const int64_t m = round_up(rows, GEMM_M);
+    std::fill(g.q.begin() + rows * dim, g.q.begin() + m * dim, G(0.f));
+    if (!g.p.empty()) std::fill(g.p.begin() + rows * GEMM_BLOCK_N, g.p.begin() + m * GEMM_BLOCK_N, G(0.f));
   }
   std::fill(s.acc.begin(), s.acc.begin() + rows * dim, 0.f);
   std::fill(s.m.begin(), s.m.begin() + rows, NEG_INF);
@@ -400,8 +475,8 @@ void run_unit(const Problem<T>& pb, const Unit& u, Scratch<T>& s) {
 
   const bool in_place = pb.head_dim == dim;
   const int64_t row_bytes = pb.head_dim * static_cast<int64_t>(sizeof(T));
-  const T* k_tiles[2][AMX_BLOCK_N];
-  const T* v_tiles[2][AMX_BLOCK_N];
+  const T* k_tiles[2][GEMM_BLOCK_N];
+  const T* v_tiles[2][GEMM_BLOCK_N];
   const float* k_packed[BLOCK_N];
   const float* v_packed[BLOCK_N];
   tile_rows(pb, u, u.lo, std::min(block_n, u.hi - u.lo), k_tiles[0], v_tiles[0]);
@@ -409,18 +484,19 @@ void run_unit(const Problem<T>& pb, const Unit& u, Scratch<T>& s) {
     const int64_t n = std::min(block_n, u.hi - j0), next = j0 + block_n;
     const T** k_rows = k_tiles[t];
     const T** v_rows = v_tiles[t];
-    // The next tile's rows lie a kv-head row apart (not one stream): prefetch them while this tile computes.
+    // The next tile's rows lie a kv-head row apart (not one stream): prefetch them while this tile computes (not
+    // worth it for the products, whose packing streams each row).
     if (next < u.hi) {
       const int64_t n_next = std::min(block_n, u.hi - next);
       tile_rows(pb, u, next, n_next, k_tiles[t ^ 1], v_tiles[t ^ 1]);
-      prefetch_rows(k_tiles[t ^ 1], n_next, row_bytes);
-      prefetch_rows(v_tiles[t ^ 1], n_next, row_bytes);
-    }
-    if constexpr (!std::is_same_v<T, float>) {
-      if (amx) {
-        attend_tile_amx(pb, u, j0, n, k_rows, v_rows, rows, s);
-        continue;
+      if (!brgemm) {
+        prefetch_rows(k_tiles[t ^ 1], n_next, row_bytes);
+        prefetch_rows(v_tiles[t ^ 1], n_next, row_bytes);
       }
+    }
+    if (brgemm) {
+      attend_tile_brgemm<G>(pb, u, j0, n, k_rows, v_rows, rows, s);
+      continue;
     }
     if (in_place) {
       attend_tile(pb, u, j0, n, k_rows, v_rows, rows, s);
@@ -438,7 +514,7 @@ void run_unit(const Problem<T>& pb, const Unit& u, Scratch<T>& s) {
     }
     attend_tile(pb, u, j0, n, k_packed, v_packed, rows, s);
   }
-  if (amx) at::native::cpublas::brgemm_release();  // AMX's tile state, kept between tiles, freed per unit
+  if (!std::is_same_v<G, float>) at::native::cpublas::brgemm_release();  // AMX's tile state, freed per unit
 
   for (int64_t r = 0; r < rows; ++r) {
     const float* acc = s.acc.data() + r * dim;
@@ -452,6 +528,17 @@ void run_unit(const Problem<T>& pb, const Unit& u, Scratch<T>& s) {
       pb.partial_lse[u.partial + r] = s.l[r] > 0 ? s.m[r] + std::log(s.l[r]) : NEG_INF;
     }
   }
+}
+
+// Few rows: K/V rows in place when the head dim is whole vectors, else copied (fp32, zero-padded) into the scratch
+// tile. Many rows: brgemm over tiles packed in fp32, or in the cache's 16-bit type on AMX.
+template <typename T>
+void run_unit(const Problem<T>& pb, const Unit& u, Scratch<T>& s) {
+  if (u.num_tokens * pb.group < GEMM_ROWS) return run_unit_typed<float>(pb, u, s, false);
+  if constexpr (!std::is_same_v<T, float>) {
+    if (s.amx) return run_unit_typed<T>(pb, u, s, true);
+  }
+  run_unit_typed<float>(pb, u, s, true);
 }
 
 // Combines a request's key slices: out = sum_s exp(lse_s - max) out_s / sum_s exp(lse_s - max).
