@@ -35,7 +35,7 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t VEC = Vec::size();
 constexpr int64_t BLOCK_N = 64;      // keys per tile (a multiple of VEC)
 constexpr int64_t KV_SPLIT = 512;    // keys per slice of a request with one query block (a multiple of BLOCK_N)
-constexpr int64_t BLOCK_ROWS = 256;  // query rows (tokens x group) per unit of a longer prefill
+constexpr int64_t BLOCK_ROWS = 512;  // query rows (tokens x group) per unit of a longer prefill
 constexpr int64_t GEMM_ROWS = 16;    // from this many rows, scores go through a transposed K tile (see scores_gemm)
 constexpr int64_t GEMM_BLOCK_N = 128;  // keys per tile of the brgemm path (see attend_tile_brgemm)
 constexpr int64_t GEMM_M = 16;         // its products' row counts are multiples of this (AMX tile rows): few shapes
@@ -248,12 +248,23 @@ std::pair<int64_t, int64_t> visible(const Problem<T>& pb, const Unit& u, int64_t
   return {std::clamp<int64_t>(lo - j0, 0, n), std::clamp<int64_t>(pos + 1 - j0, 0, n)};
 }
 
+// count values of e into p, rounded to P.
+template <typename P>
+inline void store_probs(const Vec& e, P* p, int64_t count) {
+  if constexpr (std::is_same_v<P, float>) {
+    e.store(p, count);
+  } else {
+    at::vec::convert_from_float<P>(e, e).store(p, count);
+  }
+}
+
 // Online softmax of rows [r0, r1) over a tile of n keys starting at key j0, whose scores s.scores hold (row r at
-// r * ld) times score_scale: p replaces the scores of each row's visible keys (0 elsewhere in [0, n)), and m, l and
-// acc are updated. Returns the visible span [a_min, b_max) over the rows (empty: nothing to accumulate).
-template <typename T>
+// r * ld) times score_scale: probs (row r at r * ld; the scores themselves, or a 16-bit copy) get each row's
+// probabilities over its visible keys, 0 elsewhere in [0, n), and m, l and acc are updated. Returns the visible span
+// [a_min, b_max) over the rows (empty: nothing to accumulate).
+template <typename T, typename P>
 std::pair<int64_t, int64_t> softmax_tile(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, int64_t ld,
-                                         float score_scale, int64_t r0, int64_t r1, Scratch<T>& s) {
+                                         float score_scale, int64_t r0, int64_t r1, Scratch<T>& s, P* probs) {
   const int64_t dim = pb.padded_dim;
   // Without a soft-cap, a positive scale folds into the exponent: exp(scale * x - m), m the scaled maximum.
   const bool fold = pb.logit_cap == 0 && score_scale > 0;
@@ -290,26 +301,24 @@ std::pair<int64_t, int64_t> softmax_tile(const Problem<T>& pb, const Unit& u, in
   }
   for (int64_t r = r0; r < r1; ++r) {
     const auto [a, b] = visible(pb, u, r, j0, n);
-    float* sc = s.scores.data() + r * ld;
-    if (a >= b) {
-      std::fill(sc, sc + n, 0.f);
-      continue;
-    }
+    const float* sc = s.scores.data() + r * ld;
+    P* p = probs + r * ld;
+    std::fill(p, p + a, P(0.f));
+    std::fill(p + std::max(a, b), p + n, P(0.f));
+    if (a >= b) continue;
     const Vec scale(k), m_new(-s.m[r]);
     Vec sum_v(0.f);
     int64_t j = a;
     for (; j + VEC <= b; j += VEC) {
       const Vec e = at::vec::fmadd(Vec::loadu(sc + j), scale, m_new).exp_u20();
       sum_v = sum_v + e;
-      e.store(sc + j);
+      store_probs(e, p + j, VEC);
     }
     if (j < b) {
       const Vec e = Vec::set(Vec(0.f), at::vec::fmadd(Vec::loadu(sc + j, b - j), scale, m_new).exp_u20(), b - j);
       sum_v = sum_v + e;
-      e.store(sc + j, b - j);
+      store_probs(e, p + j, b - j);
     }
-    std::fill(sc, sc + a, 0.f);
-    std::fill(sc + b, sc + n, 0.f);
     const float alpha = s.alpha[r];
     s.l[r] = s.l[r] * alpha + hsum(sum_v);
     if (alpha != 1.f) {
@@ -339,7 +348,7 @@ void attend_tile(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, con
       scores_dot<decltype(rb)::value>(s.q.data() + r * dim, dim, k, n, s.scores.data() + r * BLOCK_N);
     });
   }
-  const auto [a_min, b_max] = softmax_tile(pb, u, j0, n, BLOCK_N, 1.f, 0, rows, s);
+  const auto [a_min, b_max] = softmax_tile(pb, u, j0, n, BLOCK_N, 1.f, 0, rows, s, s.scores.data());
   if (a_min >= b_max) return;
   for_row_blocks(rows, [&](auto rb, int64_t r) {
     constexpr int RB = decltype(rb)::value;
@@ -399,18 +408,16 @@ void attend_tile_brgemm(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t
     float* scores = s.scores.data() + r0 * GEMM_BLOCK_N;
     at::native::cpublas::brgemm(m, GEMM_BLOCK_N, dim, dim, GEMM_BLOCK_N, GEMM_BLOCK_N, false, g.q.data() + r0 * dim,
                                 g.kt.data(), scores, vnni);
-    softmax_tile(pb, u, j0, n, GEMM_BLOCK_N, pb.scale, r0, r1, s);
     // P past n keys is whatever finite value it holds (a score against zeros, an earlier tile's 16-bit p): it meets
     // V's zero rows.
-    const G* p;
+    G* p;
     if constexpr (vnni) {
-      p = g.p.data() + r0 * GEMM_BLOCK_N;
-      for (int64_t r = r0; r < r1; ++r) {
-        at::vec::convert(s.scores.data() + r * GEMM_BLOCK_N, g.p.data() + r * GEMM_BLOCK_N, n);
-      }
+      p = g.p.data();
     } else {
-      p = scores;
+      p = s.scores.data();
     }
+    softmax_tile(pb, u, j0, n, GEMM_BLOCK_N, pb.scale, r0, r1, s, p);
+    p += r0 * GEMM_BLOCK_N;
     at::native::cpublas::brgemm(m, dim, GEMM_BLOCK_N, GEMM_BLOCK_N, dim, dim, true, p, g.v.data(),
                                 s.acc.data() + r0 * dim, vnni);
   }
