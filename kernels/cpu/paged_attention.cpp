@@ -1,12 +1,15 @@
 // Paged attention on the CPU: KV store, then attention of every request's new tokens over its pages, read where
 // they lie (no gather copy). Shapes and metadata as in hybrid_ops/metadata.py:
 //   q [T, Hq, D], k, v [T, Hkv, D] (any strides); k_cache, v_cache [num_pages, page_size, Hkv, D] contiguous;
-//   cu_seqlens_q [B + 1], seq_lens [B], block_table [B, max_pages] int32. Caches fp32, fp16 or bf16; fp32 math.
+//   cu_seqlens_q [B + 1], seq_lens [B], block_table [B, max_pages] int32. Caches fp32, fp16 or bf16; softmax and
+//   accumulation in fp32.
 //
 // Work is cut into units (request, kv head, block of query tokens, slice of keys), taken by the threads of
 // at::parallel_for from a shared counter, since units differ in length. One unit keeps the query rows of its kv
-// head's group (tokens x GQA group) and streams its keys in tiles of BLOCK_N: each K/V row is loaded once per tile
-// and serves every query row of the group (online softmax, fp32 accumulation). A request with one block of
+// head's group (tokens x GQA group) and streams its keys in tiles: each K/V row is loaded once per tile and serves
+// every query row of the group (online softmax, fp32 accumulation). Few rows (decode, short verify) take dot products
+// over tiles of BLOCK_N keys read in place; many rows take ATen's brgemm (oneDNN) over tiles of GEMM_BLOCK_N keys
+// packed into per-thread scratch, in fp32, or in the cache's 16-bit type on AMX. A request with one block of
 // queries (decode, verify, a short chunk over a long prefix) splits its keys into slices of KV_SPLIT, merged by
 // log-sum-exp, so a batch of one still uses every core. The slicing depends on the request alone, so a request's
 // result is the same in any batch.
@@ -16,8 +19,8 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
-#include <ATen/native/CPUBlas.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -36,7 +39,7 @@ constexpr int64_t VEC = Vec::size();
 constexpr int64_t BLOCK_N = 64;      // keys per tile (a multiple of VEC)
 constexpr int64_t KV_SPLIT = 512;    // keys per slice of a request with one query block (a multiple of BLOCK_N)
 constexpr int64_t BLOCK_ROWS = 512;  // query rows (tokens x group) per unit of a longer prefill
-constexpr int64_t GEMM_ROWS = 16;    // from this many rows, scores go through a transposed K tile (see scores_gemm)
+constexpr int64_t GEMM_ROWS = 16;    // from this many rows, the products go through brgemm (see attend_tile_brgemm)
 constexpr int64_t GEMM_BLOCK_N = 128;  // keys per tile of the brgemm path (see attend_tile_brgemm)
 constexpr int64_t GEMM_M = 16;         // its products' row counts are multiples of this (AMX tile rows): few shapes
 constexpr int64_t GEMM_CHUNK = 64;     // rows per pair of its products (a multiple of GEMM_M)
@@ -135,13 +138,13 @@ struct GemmTiles {
 template <typename T>
 struct Scratch {
   const bool amx;
-  std::vector<float> q, acc, scores, m, l, tile_max, alpha, kt, packed_k, packed_v;
+  std::vector<float> q, acc, scores, m, l, tile_max, alpha, packed_k, packed_v;
   GemmTiles<float> f32;
   GemmTiles<T> amx16;
   Scratch(int64_t rows, int64_t padded_dim)
       : amx(amx_available<T>()), q(rows * padded_dim), acc(round_up(rows, GEMM_M) * padded_dim),
         scores(round_up(rows, GEMM_M) * GEMM_BLOCK_N), m(rows), l(rows), tile_max(rows), alpha(rows),
-        kt(padded_dim * BLOCK_N), packed_k(BLOCK_N * padded_dim, 0.f), packed_v(BLOCK_N * padded_dim, 0.f) {
+        packed_k(BLOCK_N * padded_dim, 0.f), packed_v(BLOCK_N * padded_dim, 0.f) {
     if (rows < GEMM_ROWS) return;
     if (amx) {
       amx16.allocate(rows, padded_dim);
@@ -183,28 +186,6 @@ void scores_dot(const float* q, int64_t dim, const R* const* k, int64_t n, float
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) scores_dot_keys<RB, 4>(q, dim, k, j, scores);
   for (; j < n; ++j) scores_dot_keys<RB, 1>(q, dim, k, j, scores);
-}
-
-// scores[r, :] = q[r] . kt for RB rows over a transposed tile kt [D, BLOCK_N]: RB x 2 vector accumulators, a
-// broadcast q value per row (many rows: prefill).
-template <int RB>
-void scores_gemm(const float* q, int64_t dim, int64_t head_dim, const float* kt, float* scores) {
-  for (int64_t c = 0; c < BLOCK_N; c += 2 * VEC) {
-    Vec acc[RB][2];
-    for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = Vec(0.f);
-    for (int64_t d = 0; d < head_dim; ++d) {
-      const Vec k0 = Vec::loadu(kt + d * BLOCK_N + c), k1 = Vec::loadu(kt + d * BLOCK_N + c + VEC);
-      for (int r = 0; r < RB; ++r) {
-        const Vec qd(q[r * dim + d]);
-        acc[r][0] = at::vec::fmadd(qd, k0, acc[r][0]);
-        acc[r][1] = at::vec::fmadd(qd, k1, acc[r][1]);
-      }
-    }
-    for (int r = 0; r < RB; ++r) {
-      acc[r][0].store(scores + r * BLOCK_N + c);
-      acc[r][1].store(scores + r * BLOCK_N + c + VEC);
-    }
-  }
 }
 
 // acc[r] += sum_j p[r, j] v_j for RB rows and DB vectors of the head dim, j in [a, b): one load of each V chunk
@@ -329,25 +310,15 @@ std::pair<int64_t, int64_t> softmax_tile(const Problem<T>& pb, const Unit& u, in
   return {a_min, b_max};
 }
 
-// One tile of n keys, rows given as pointers to `padded_dim` values (cache rows in place, or packed fp32 rows).
+// One tile of n keys for few rows, rows given as pointers to `padded_dim` values (cache rows in place, or packed fp32
+// rows).
 template <typename T, typename R>
 void attend_tile(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, const R* const* k, const R* const* v,
                  int64_t rows, Scratch<T>& s) {
   const int64_t dim = pb.padded_dim;
-  if (rows >= GEMM_ROWS) {
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t d = 0; d < pb.head_dim; ++d) s.kt[d * BLOCK_N + j] = static_cast<float>(k[j][d]);
-    for (int64_t j = n; j < BLOCK_N; ++j)
-      for (int64_t d = 0; d < pb.head_dim; ++d) s.kt[d * BLOCK_N + j] = 0.f;
-    for_row_blocks(rows, [&](auto rb, int64_t r) {
-      scores_gemm<decltype(rb)::value>(s.q.data() + r * dim, dim, pb.head_dim, s.kt.data(),
-                                       s.scores.data() + r * BLOCK_N);
-    });
-  } else {
-    for_row_blocks(rows, [&](auto rb, int64_t r) {
-      scores_dot<decltype(rb)::value>(s.q.data() + r * dim, dim, k, n, s.scores.data() + r * BLOCK_N);
-    });
-  }
+  for_row_blocks(rows, [&](auto rb, int64_t r) {
+    scores_dot<decltype(rb)::value>(s.q.data() + r * dim, dim, k, n, s.scores.data() + r * BLOCK_N);
+  });
   const auto [a_min, b_max] = softmax_tile(pb, u, j0, n, BLOCK_N, 1.f, 0, rows, s, s.scores.data());
   if (a_min >= b_max) return;
   for_row_blocks(rows, [&](auto rb, int64_t r) {
@@ -397,7 +368,9 @@ void attend_tile_brgemm(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t
   }
   if (n < GEMM_BLOCK_N) {  // the last tile of a unit: zero the keys past n (later tiles of other units refill them)
     auto* kt = reinterpret_cast<float*>(g.kt.data());
-    for (int64_t i = 0; i < dim / per_word; ++i) std::fill(kt + i * GEMM_BLOCK_N + n, kt + (i + 1) * GEMM_BLOCK_N, 0.f);
+    for (int64_t i = 0; i < dim / per_word; ++i) {
+      std::fill(kt + i * GEMM_BLOCK_N + n, kt + (i + 1) * GEMM_BLOCK_N, 0.f);
+    }
     std::fill(g.v.begin() + round_up(n, per_word) * dim, g.v.end(), G(0.f));
   }
   // Rows in chunks whose scores and accumulators stay in cache between the two products; a chunk that sees none of
