@@ -229,23 +229,12 @@ std::pair<int64_t, int64_t> visible(const Problem<T>& pb, const Unit& u, int64_t
   return {std::clamp<int64_t>(lo - j0, 0, n), std::clamp<int64_t>(pos + 1 - j0, 0, n)};
 }
 
-// count values of e into p, rounded to P.
-template <typename P>
-inline void store_probs(const Vec& e, P* p, int64_t count) {
-  if constexpr (std::is_same_v<P, float>) {
-    e.store(p, count);
-  } else {
-    at::vec::convert_from_float<P>(e, e).store(p, count);
-  }
-}
-
 // Online softmax of rows [r0, r1) over a tile of n keys starting at key j0, whose scores s.scores hold (row r at
-// r * ld) times score_scale: probs (row r at r * ld; the scores themselves, or a 16-bit copy) get each row's
-// probabilities over its visible keys, 0 elsewhere in [0, n), and m, l and acc are updated. Returns the visible span
-// [a_min, b_max) over the rows (empty: nothing to accumulate).
-template <typename T, typename P>
+// r * ld) times score_scale: p replaces the scores of each row's visible keys (0 elsewhere in [0, n)), and m, l and
+// acc are updated. Returns the visible span [a_min, b_max) over the rows (empty: nothing to accumulate).
+template <typename T>
 std::pair<int64_t, int64_t> softmax_tile(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, int64_t ld,
-                                         float score_scale, int64_t r0, int64_t r1, Scratch<T>& s, P* probs) {
+                                         float score_scale, int64_t r0, int64_t r1, Scratch<T>& s) {
   const int64_t dim = pb.padded_dim;
   // Without a soft-cap, a positive scale folds into the exponent: exp(scale * x - m), m the scaled maximum.
   const bool fold = pb.logit_cap == 0 && score_scale > 0;
@@ -267,8 +256,8 @@ std::pair<int64_t, int64_t> softmax_tile(const Problem<T>& pb, const Unit& u, in
     // Whole vectors, then the tail as a partial one (lanes past b: -inf).
     Vec mv(NEG_INF);
     int64_t j = a;
-    for (; j + VEC <= b; j += VEC) mv = at::vec::maximum(mv, Vec::loadu(sc + j));
-    if (j < b) mv = at::vec::maximum(mv, Vec::set(Vec(NEG_INF), Vec::loadu(sc + j, b - j), b - j));
+    for (; j + VEC <= b; j += VEC) mv = at::vec::clamp_min(mv, Vec::loadu(sc + j));
+    if (j < b) mv = at::vec::clamp_min(mv, Vec::set(Vec(NEG_INF), Vec::loadu(sc + j, b - j), b - j));
     s.tile_max[r] = k * at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, mv);
   }
   // New maxima and the factors of the old sums, VEC rows at a time; rows that see no key keep theirs (factor 1).
@@ -282,10 +271,9 @@ std::pair<int64_t, int64_t> softmax_tile(const Problem<T>& pb, const Unit& u, in
   }
   for (int64_t r = r0; r < r1; ++r) {
     const auto [a, b] = visible(pb, u, r, j0, n);
-    const float* sc = s.scores.data() + r * ld;
-    P* p = probs + r * ld;
-    std::fill(p, p + a, P(0.f));
-    std::fill(p + std::max(a, b), p + n, P(0.f));
+    float* sc = s.scores.data() + r * ld;
+    std::fill(sc, sc + a, 0.f);
+    std::fill(sc + std::max(a, b), sc + n, 0.f);
     if (a >= b) continue;
     const Vec scale(k), m_new(-s.m[r]);
     Vec sum_v(0.f);
@@ -293,12 +281,12 @@ std::pair<int64_t, int64_t> softmax_tile(const Problem<T>& pb, const Unit& u, in
     for (; j + VEC <= b; j += VEC) {
       const Vec e = at::vec::fmadd(Vec::loadu(sc + j), scale, m_new).exp_u20();
       sum_v = sum_v + e;
-      store_probs(e, p + j, VEC);
+      e.store(sc + j);
     }
     if (j < b) {
       const Vec e = Vec::set(Vec(0.f), at::vec::fmadd(Vec::loadu(sc + j, b - j), scale, m_new).exp_u20(), b - j);
       sum_v = sum_v + e;
-      store_probs(e, p + j, b - j);
+      e.store(sc + j, b - j);
     }
     const float alpha = s.alpha[r];
     s.l[r] = s.l[r] * alpha + hsum(sum_v);
@@ -319,7 +307,7 @@ void attend_tile(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, con
   for_row_blocks(rows, [&](auto rb, int64_t r) {
     scores_dot<decltype(rb)::value>(s.q.data() + r * dim, dim, k, n, s.scores.data() + r * BLOCK_N);
   });
-  const auto [a_min, b_max] = softmax_tile(pb, u, j0, n, BLOCK_N, 1.f, 0, rows, s, s.scores.data());
+  const auto [a_min, b_max] = softmax_tile(pb, u, j0, n, BLOCK_N, 1.f, 0, rows, s);
   if (a_min >= b_max) return;
   for_row_blocks(rows, [&](auto rb, int64_t r) {
     constexpr int RB = decltype(rb)::value;
@@ -329,6 +317,26 @@ void attend_tile(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, con
     for (; d + 2 * VEC <= dim; d += 2 * VEC) accumulate_pv<RB, 2>(p, v, a_min, b_max, d, dim, acc);
     if (d < dim) accumulate_pv<RB, 1>(p, v, a_min, b_max, d, dim, acc);
   });
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// AMX-BF16 comes with AVX512-BF16 (oneDNN's AMX level includes it): one instruction rounds 32 values (to nearest
+// even, as at::vec does).
+__attribute__((target("avx512bf16"))) void round_bf16(const float* src, at::BFloat16* dst, int64_t count) {
+  for (int64_t i = 0; i < count; i += 32) {
+    const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16), _mm512_loadu_ps(src + i));
+    _mm512_storeu_si512(dst + i, (__m512i)h);
+  }
+}
+#endif
+
+// Probabilities in the products' 16-bit type; count a multiple of 32.
+template <typename G>
+void round_probs(const float* src, G* dst, int64_t count) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<G, at::BFloat16>) return round_bf16(src, dst, count);
+#endif
+  at::vec::convert(src, dst, count);
 }
 
 template <typename S, typename D>
@@ -383,14 +391,14 @@ void attend_tile_brgemm(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t
                                 g.kt.data(), scores, vnni);
     // P past n keys is whatever finite value it holds (a score against zeros, an earlier tile's 16-bit p): it meets
     // V's zero rows.
-    G* p;
+    softmax_tile(pb, u, j0, n, GEMM_BLOCK_N, pb.scale, r0, r1, s);
+    const G* p;
     if constexpr (vnni) {
-      p = g.p.data();
+      p = g.p.data() + r0 * GEMM_BLOCK_N;
+      round_probs(scores, g.p.data() + r0 * GEMM_BLOCK_N, (r1 - r0) * GEMM_BLOCK_N);
     } else {
-      p = s.scores.data();
+      p = scores;
     }
-    softmax_tile(pb, u, j0, n, GEMM_BLOCK_N, pb.scale, r0, r1, s, p);
-    p += r0 * GEMM_BLOCK_N;
     at::native::cpublas::brgemm(m, dim, GEMM_BLOCK_N, GEMM_BLOCK_N, dim, dim, true, p, g.v.data(),
                                 s.acc.data() + r0 * dim, vnni);
   }
