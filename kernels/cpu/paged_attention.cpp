@@ -42,6 +42,7 @@ constexpr int64_t BLOCK_ROWS = 512;  // query rows (tokens x group) per unit of 
 constexpr int64_t GEMM_ROWS = 16;    // from this many rows, the products go through brgemm (see attend_tile_brgemm)
 constexpr int64_t GEMM_BLOCK_N = 128;  // keys per tile of the brgemm path (see attend_tile_brgemm)
 constexpr int64_t GEMM_M = 16;         // its products' row counts are multiples of this (AMX tile rows): few shapes
+constexpr int64_t GEMM_N = 32;         // and their key counts (a divisor of GEMM_BLOCK_N)
 constexpr int64_t GEMM_CHUNK = 64;     // rows per pair of its products (a multiple of GEMM_M)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
@@ -381,16 +382,17 @@ void attend_tile_brgemm(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t
     }
     std::fill(g.v.begin() + round_up(n, per_word) * dim, g.v.end(), G(0.f));
   }
-  // Rows in chunks whose scores and accumulators stay in cache between the two products; a chunk that sees none of
-  // the tile's keys (the causal diagonal, a window's start) is skipped.
+  // Rows in chunks whose scores and accumulators stay in cache between the two products. A chunk takes the keys its
+  // last row sees (rounded up to GEMM_N: on the causal diagonal, fewer), and none when it sees none of the tile (the
+  // diagonal, a window's start).
   for (int64_t r0 = 0; r0 < rows; r0 += GEMM_CHUNK) {
     const int64_t r1 = std::min(rows, r0 + GEMM_CHUNK), m = round_up(r1 - r0, GEMM_M);
-    if (visible(pb, u, r1 - 1, j0, n).second == 0 || visible(pb, u, r0, j0, n).first == n) continue;
+    const int64_t seen = visible(pb, u, r1 - 1, j0, n).second, cols = round_up(seen, GEMM_N);
+    if (seen == 0 || visible(pb, u, r0, j0, n).first == n) continue;
     float* scores = s.scores.data() + r0 * GEMM_BLOCK_N;
-    at::native::cpublas::brgemm(m, GEMM_BLOCK_N, dim, dim, GEMM_BLOCK_N, GEMM_BLOCK_N, false, g.q.data() + r0 * dim,
+    at::native::cpublas::brgemm(m, cols, dim, dim, GEMM_BLOCK_N, GEMM_BLOCK_N, false, g.q.data() + r0 * dim,
                                 g.kt.data(), scores, vnni);
-    // P past n keys is whatever finite value it holds (a score against zeros, an earlier tile's 16-bit p): it meets
-    // V's zero rows.
+    // Columns past n hold scores against K's zero columns (0), which meet V's zero rows.
     softmax_tile(pb, u, j0, n, GEMM_BLOCK_N, pb.scale, r0, r1, s);
     const G* p;
     if constexpr (vnni) {
@@ -399,7 +401,7 @@ void attend_tile_brgemm(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t
     } else {
       p = scores;
     }
-    at::native::cpublas::brgemm(m, dim, GEMM_BLOCK_N, GEMM_BLOCK_N, dim, dim, true, p, g.v.data(),
+    at::native::cpublas::brgemm(m, dim, cols, GEMM_BLOCK_N, dim, dim, true, p, g.v.data(),
                                 s.acc.data() + r0 * dim, vnni);
   }
 }
