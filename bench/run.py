@@ -159,7 +159,8 @@ def op_section(quick, bandwidth):
              ("decode", "bf16", decode_lens, [1] * 16, torch.bfloat16, PEERS),
              ("prefill", "fp32", [0] * 4, [512, 256, 1024, 384], torch.float32, PEERS),
              ("prefill", "bf16", [0] * 4, [512, 256, 1024, 384], torch.bfloat16, PEERS[:1]),
-             ("prefill+prefix", "fp32", [1024, 512, 2048, 768], [256, 128, 512, 192], torch.float32, PEERS)]
+             ("prefill+prefix", "fp32", [1024, 512, 2048, 768], [256, 128, 512, 192], torch.float32, PEERS),
+             ("prefill+prefix", "bf16", [1024, 512, 2048, 768], [256, 128, 512, 192], torch.bfloat16, PEERS[:1])]
     if quick:
         cases = [c for c in cases if c[1] == "fp32"]
     rows = []

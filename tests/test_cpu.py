@@ -1,7 +1,8 @@
 """The native CPU backend on long contexts: past its key-slice boundaries (256 keys for units of every kv head, 512 for
-units of one), tile boundaries (64 keys), query blocks (256 rows) and page boundaries, both row paths (few rows: dot
-products over every kv head; many: transposed K tiles per kv head), head dims read in place (64, 128) and copied (80),
-with -1 past each request's pages."""
+units of one), tile boundaries (64 keys for few rows, 128 for many), query blocks (512 rows), row chunks of its
+products (64 rows, padded to 16) and page boundaries, both row paths (few rows: dot products over every kv head; many:
+brgemm per kv head, in fp32 or in 16-bit on AMX), head dims 64, 80 and 128 (read in place, or copied and padded), with
+-1 past each request's pages."""
 
 import math
 import re
@@ -28,11 +29,12 @@ CASES = {  # op, make_case arguments
     # 4 draft tokens x group 8 = 32 rows (the many-rows path); head dim 80 (copied rows); page 5.
     "verify": ("decode", dict(q_lens=[4] * 2, prefix_lens=[700, 1030], num_q_heads=16, num_kv_heads=2, head_dim=80,
                               page_size=5)),
-    # A short chunk over a long prefix (one query block: sliced keys) beside a chunk of two query blocks.
-    "chunk_over_prefix": ("prefill", dict(q_lens=[9, 100], prefix_lens=[1200, 300], num_q_heads=8, num_kv_heads=2,
+    # A short chunk over a long prefix (one query block: sliced keys) beside a chunk of two query blocks (group 4:
+    # 128 tokens a block; 600 rows).
+    "chunk_over_prefix": ("prefill", dict(q_lens=[9, 150], prefix_lens=[1200, 100], num_q_heads=8, num_kv_heads=2,
                                           head_dim=64, page_size=16)),
-    # Fresh prefills, one of two query blocks (group 1: 256 tokens a block), page 1.
-    "prefill": ("prefill", dict(q_lens=[300, 70], prefix_lens=[0, 0], num_q_heads=2, num_kv_heads=2, head_dim=128,
+    # Fresh prefills, one of two query blocks (group 1: 512 tokens a block), page 1.
+    "prefill": ("prefill", dict(q_lens=[600, 70], prefix_lens=[0, 0], num_q_heads=2, num_kv_heads=2, head_dim=128,
                                 page_size=1)),
 }
 OPTIONS = {

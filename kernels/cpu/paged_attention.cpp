@@ -1,17 +1,19 @@
 // Paged attention on the CPU: KV store, then attention of every request's new tokens over its pages, read where
 // they lie (no gather copy). Shapes and metadata as in hybrid_ops/metadata.py:
 //   q [T, Hq, D], k, v [T, Hkv, D] (any strides); k_cache, v_cache [num_pages, page_size, Hkv, D] contiguous;
-//   cu_seqlens_q [B + 1], seq_lens [B], block_table [B, max_pages] int32. Caches fp32, fp16 or bf16; fp32 math.
+//   cu_seqlens_q [B + 1], seq_lens [B], block_table [B, max_pages] int32. Caches fp32, fp16 or bf16; softmax and
+//   accumulation in fp32.
 //
 // Work is cut into units (request, kv heads, block of query tokens, slice of keys), taken by the threads of
 // at::parallel_for from a shared counter, since units differ in length. One unit keeps the query rows of its kv
-// heads' groups (tokens x GQA group) and streams its keys in tiles of BLOCK_N: each K/V row is loaded once per tile
-// and serves every query row of the group (online softmax, fp32 accumulation). With few rows per kv head (decode,
-// verify) a unit takes every kv head and walks the positions in order, so each page is read front to back (its
-// Hkv * D elements per position lie together); with many (prefill) a unit takes one kv head. A request with one
-// block of queries (decode, verify, a short chunk over a long prefix) splits its keys into slices, merged by
-// log-sum-exp, so a batch of one still uses several cores. The slicing depends on the request alone, so a
-// request's result is the same in any batch and on any number of threads.
+// heads' groups (tokens x GQA group) and streams its keys in tiles: each K/V row is loaded once per tile and serves
+// every query row of its group (online softmax, fp32 accumulation). Few rows per kv head (decode, short verify) take
+// dot products over tiles of BLOCK_N keys read in place, a unit taking every kv head and walking the positions in
+// order, so each page is read front to back (a position's Hkv * D elements lie together). Many rows (prefill) take
+// ATen's brgemm (oneDNN) per kv head over tiles of GEMM_BLOCK_N keys packed into per-thread scratch, in fp32, or in
+// the cache's 16-bit type on AMX. A request with one block of queries (decode, verify, a short chunk over a long
+// prefix) splits its keys into slices, merged by log-sum-exp, so a batch of one still uses several cores. The slicing
+// depends on the request alone, so a request's result is the same in any batch and on any number of threads.
 //
 // The metadata's values are checked first (before anything is written); on bad values `paged_attention` returns an
 // undefined tensor (None in Python) and the caller reports which value is wrong.
@@ -22,10 +24,12 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <type_traits>
@@ -38,8 +42,12 @@ constexpr int64_t VEC = Vec::size();
 constexpr int64_t BLOCK_N = 64;      // keys per tile (a multiple of VEC)
 constexpr int64_t KV_SPLIT = 512;    // keys per slice of a request with one query block (a multiple of BLOCK_N)
 constexpr int64_t KV_SPLIT_ALL_HEADS = 256;  // the same for a unit of every kv head
-constexpr int64_t BLOCK_ROWS = 256;  // query rows (tokens x group) per unit of a longer prefill
-constexpr int64_t GEMM_ROWS = 16;    // from this many rows, scores go through a transposed K tile (see scores_gemm)
+constexpr int64_t BLOCK_ROWS = 512;  // query rows (tokens x group) per unit of a longer prefill
+constexpr int64_t GEMM_ROWS = 16;    // from this many rows, the products go through brgemm (see attend_tile_brgemm)
+constexpr int64_t GEMM_BLOCK_N = 128;  // keys per tile of the brgemm path (see attend_tile_brgemm)
+constexpr int64_t GEMM_M = 16;         // its products' row counts are multiples of this (AMX tile rows): few shapes
+constexpr int64_t GEMM_N = 32;         // and their key counts (a divisor of GEMM_BLOCK_N)
+constexpr int64_t GEMM_CHUNK = 64;     // rows per pair of its products (a multiple of GEMM_M)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 inline Vec load_row(const float* p) { return Vec::loadu(p); }
@@ -108,12 +116,58 @@ struct Problem {
   }
 };
 
-// Per-thread scratch, reused across the units a thread takes.
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Whether many rows of a T cache multiply in T on AMX: oneDNN's brgemm on VNNI-packed tiles. cpublas reports packing
+// available exactly when its brgemm takes the dtype on AMX (bf16: AMX-BF16; fp16: AMX-FP16).
+template <typename T>
+bool amx_available() {
+  return !std::is_same_v<T, float> && at::native::cpublas::could_pack(c10::CppTypeToScalarType<T>::value);
+}
+
+// The operands of a many-rows tile's two products in G, the type brgemm multiplies (fp32; 16-bit on AMX):
+// q [m, D]; K rows staged [GEMM_BLOCK_N, D]; K^T [D, GEMM_BLOCK_N]; V [GEMM_BLOCK_N, D]; P [m, GEMM_BLOCK_N]. In
+// 16-bit, K^T and V are in VNNI pairs ([D / 2, GEMM_BLOCK_N, 2], [GEMM_BLOCK_N / 2, D, 2]); fp32 P is the scores.
+template <typename G>
+struct GemmTiles {
+  std::vector<G> q, k_rows, kt, v, p;
+  void allocate(int64_t rows, int64_t dim) {
+    const int64_t m = round_up(rows, GEMM_M);
+    q.assign(m * dim, G(0.f));
+    k_rows.assign(GEMM_BLOCK_N * dim, G(0.f));
+    kt.assign(dim * GEMM_BLOCK_N, G(0.f));
+    v.assign(GEMM_BLOCK_N * dim, G(0.f));
+    if (!std::is_same_v<G, float>) p.assign(m * GEMM_BLOCK_N, G(0.f));
+  }
+};
+
+// Per-thread scratch, reused across the units a thread takes; the brgemm tiles in the type its products take.
+template <typename T>
 struct Scratch {
-  std::vector<float> q, acc, scores, m, l, kt, packed_k, packed_v;
-  Scratch(int64_t rows, int64_t padded_dim)
-      : q(rows * padded_dim), acc(rows * padded_dim), scores(rows * BLOCK_N), m(rows), l(rows),
-        kt(padded_dim * BLOCK_N), packed_k(BLOCK_N * padded_dim, 0.f), packed_v(BLOCK_N * padded_dim, 0.f) {}
+  const bool amx;
+  std::vector<float> q, acc, scores, m, l, tile_max, alpha, packed_k, packed_v;
+  GemmTiles<float> f32;
+  GemmTiles<T> amx16;
+  // rows: the most rows of a unit; gemm_rows: of a unit whose products go through brgemm (0: none).
+  Scratch(int64_t rows, int64_t gemm_rows, int64_t padded_dim)
+      : amx(amx_available<T>()), q(rows * padded_dim), acc(round_up(rows, GEMM_M) * padded_dim),
+        scores(round_up(rows, GEMM_M) * GEMM_BLOCK_N), m(rows), l(rows), tile_max(rows), alpha(rows),
+        packed_k(BLOCK_N * padded_dim, 0.f), packed_v(BLOCK_N * padded_dim, 0.f) {
+    if (gemm_rows < GEMM_ROWS) return;
+    if (amx) {
+      amx16.allocate(gemm_rows, padded_dim);
+    } else {
+      f32.allocate(gemm_rows, padded_dim);
+    }
+  }
+  template <typename G>
+  GemmTiles<G>& tiles() {
+    if constexpr (std::is_same_v<G, float>) {
+      return f32;
+    } else {
+      return amx16;
+    }
+  }
 };
 
 // scores[r, j] = q[r] . k_j for RB rows (few rows: decode, verify), KB keys at a time: one load of each K chunk
@@ -142,28 +196,6 @@ void scores_dot(const float* q, int64_t dim, const R* const* k, int64_t a, int64
   int64_t j = a;
   for (; j + 4 <= b; j += 4) scores_dot_keys<RB, 4>(q, dim, k, j, offset, scores);
   for (; j < b; ++j) scores_dot_keys<RB, 1>(q, dim, k, j, offset, scores);
-}
-
-// scores[r, :] = q[r] . kt for RB rows over a transposed tile kt [D, BLOCK_N]: RB x 2 vector accumulators, a
-// broadcast q value per row (many rows: prefill).
-template <int RB>
-void scores_gemm(const float* q, int64_t dim, int64_t head_dim, const float* kt, float* scores) {
-  for (int64_t c = 0; c < BLOCK_N; c += 2 * VEC) {
-    Vec acc[RB][2];
-    for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = Vec(0.f);
-    for (int64_t d = 0; d < head_dim; ++d) {
-      const Vec k0 = Vec::loadu(kt + d * BLOCK_N + c), k1 = Vec::loadu(kt + d * BLOCK_N + c + VEC);
-      for (int r = 0; r < RB; ++r) {
-        const Vec qd(q[r * dim + d]);
-        acc[r][0] = at::vec::fmadd(qd, k0, acc[r][0]);
-        acc[r][1] = at::vec::fmadd(qd, k1, acc[r][1]);
-      }
-    }
-    for (int r = 0; r < RB; ++r) {
-      acc[r][0].store(scores + r * BLOCK_N + c);
-      acc[r][1].store(scores + r * BLOCK_N + c + VEC);
-    }
-  }
 }
 
 // acc[r] += sum_j p[r, j] v_j for RB rows and DB vectors of the head dim, j in [a, b), v_j at v[j] + offset: one
@@ -199,92 +231,102 @@ void for_row_blocks(int64_t rows, F&& fn) {
   }
 }
 
-// Online softmax of one row's scores sc[0, n) over its visible keys [a, b): p replaces the scores (0 where not
-// visible), and the row's max m, sum l and accumulator acc [dim] are rescaled to the new max.
-inline void softmax_row(float* sc, int64_t n, int64_t a, int64_t b, float logit_cap, float& m, float& l, float* acc,
-                        int64_t dim) {
-  if (logit_cap > 0) {
-    for (int64_t j = a; j < b; ++j) sc[j] = logit_cap * std::tanh(sc[j] / logit_cap);
-  }
-  float mx = NEG_INF;
-  int64_t j = a;
-  if (b - a >= VEC) {
-    Vec mv(NEG_INF);
-    for (; j + VEC <= b; j += VEC) mv = at::vec::maximum(mv, Vec::loadu(sc + j));
-    mx = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, mv);
-  }
-  for (; j < b; ++j) mx = std::max(mx, sc[j]);
-  const float m_new = std::max(m, mx);
-  const float alpha = std::exp(m - m_new);  // 0 while no key was seen (m = -inf)
-  Vec sum_v(0.f);
-  for (j = a; j + VEC <= b; j += VEC) {
-    const Vec e = (Vec::loadu(sc + j) - Vec(m_new)).exp_u20();
-    sum_v = sum_v + e;
-    e.store(sc + j);
-  }
-  float sum = hsum(sum_v);
-  for (; j < b; ++j) {
-    sc[j] = std::exp(sc[j] - m_new);
-    sum += sc[j];
-  }
-  std::fill(sc, sc + a, 0.f);
-  std::fill(sc + b, sc + n, 0.f);
-  m = m_new;
-  l = l * alpha + sum;
-  if (alpha != 1.f) {
-    for (int64_t d = 0; d < dim; d += VEC) (Vec::loadu(acc + d) * Vec(alpha)).store(acc + d);
-  }
+// Keys [a, b) of a tile starting at key j0 with n keys that scratch row r of the unit sees (a >= b: none). Rows are
+// head-major: row r is query token r % (num_tokens * group) / group of its kv head.
+template <typename T>
+std::pair<int64_t, int64_t> visible(const Problem<T>& pb, const Unit& u, int64_t r, int64_t j0, int64_t n) {
+  const int64_t prefix = pb.md.lens[u.request] - (pb.md.cu[u.request + 1] - pb.md.cu[u.request]);
+  const int64_t pos = prefix + u.t0 + r % (u.num_tokens * pb.group) / pb.group;
+  const int64_t lo = pb.window > 0 ? std::max<int64_t>(0, pos + 1 - pb.window) : 0;
+  return {std::clamp<int64_t>(lo - j0, 0, n), std::clamp<int64_t>(pos + 1 - j0, 0, n)};
 }
 
-// One tile of n keys, rows given as pointers to `padded_dim` values (cache rows in place, or packed fp32 rows) of
-// the unit's first kv head; head h's row is h * head_dim further. Scratch rows are head-major: [num_heads][rows].
-// A unit of several heads walks the keys in order, 4 positions of every head at a time, so that each page's K and V
-// are read front to back (see forward_typed).
+// Online softmax of rows [r0, r1) over a tile of n keys starting at key j0, whose scores s.scores hold (row r at
+// r * ld) times score_scale: p replaces the scores of each row's visible keys (0 elsewhere in [0, n)), and m, l and
+// acc are updated. Returns the visible span [a_min, b_max) over the rows (empty: nothing to accumulate).
+template <typename T>
+std::pair<int64_t, int64_t> softmax_tile(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, int64_t ld,
+                                         float score_scale, int64_t r0, int64_t r1, Scratch<T>& s) {
+  const int64_t dim = pb.padded_dim;
+  // Without a soft-cap, a positive scale folds into the exponent: exp(scale * x - m), m the scaled maximum.
+  const bool fold = pb.logit_cap == 0 && score_scale > 0;
+  const float k = fold ? score_scale : 1.f;
+  int64_t a_min = n, b_max = 0;
+  for (int64_t r = r0; r < r1; ++r) {
+    const auto [a, b] = visible(pb, u, r, j0, n);
+    float* sc = s.scores.data() + r * ld;
+    s.tile_max[r] = NEG_INF;
+    if (a >= b) continue;
+    a_min = std::min(a_min, a);
+    b_max = std::max(b_max, b);
+    if (!fold && score_scale != 1.f) {
+      for (int64_t j = a; j < b; ++j) sc[j] *= score_scale;
+    }
+    if (pb.logit_cap > 0) {
+      for (int64_t j = a; j < b; ++j) sc[j] = pb.logit_cap * std::tanh(sc[j] / pb.logit_cap);
+    }
+    // Whole vectors, then the tail as a partial one (lanes past b: -inf).
+    Vec mv(NEG_INF);
+    int64_t j = a;
+    for (; j + VEC <= b; j += VEC) mv = at::vec::clamp_min(mv, Vec::loadu(sc + j));
+    if (j < b) mv = at::vec::clamp_min(mv, Vec::set(Vec(NEG_INF), Vec::loadu(sc + j, b - j), b - j));
+    s.tile_max[r] = k * at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, mv);
+  }
+  // New maxima and the factors of the old sums, VEC rows at a time; rows that see no key keep theirs (factor 1).
+  for (int64_t r = r0; r < r1; r += VEC) {
+    const int64_t c = std::min(VEC, r1 - r);
+    const Vec m_old = Vec::loadu(s.m.data() + r, c), mx = Vec::loadu(s.tile_max.data() + r, c);
+    const Vec m_new = at::vec::maximum(m_old, mx);
+    const Vec alpha = Vec::blendv((m_old - m_new).exp(), Vec(1.f), mx == Vec(NEG_INF));  // exp(-inf) = 0: first keys
+    Vec::blendv(m_new, m_old, mx == Vec(NEG_INF)).store(s.m.data() + r, c);
+    alpha.store(s.alpha.data() + r, c);
+  }
+  for (int64_t r = r0; r < r1; ++r) {
+    const auto [a, b] = visible(pb, u, r, j0, n);
+    float* sc = s.scores.data() + r * ld;
+    std::fill(sc, sc + a, 0.f);
+    std::fill(sc + std::max(a, b), sc + n, 0.f);
+    if (a >= b) continue;
+    const Vec scale(k), m_new(-s.m[r]);
+    Vec sum_v(0.f);
+    int64_t j = a;
+    for (; j + VEC <= b; j += VEC) {
+      const Vec e = at::vec::fmadd(Vec::loadu(sc + j), scale, m_new).exp_u20();
+      sum_v = sum_v + e;
+      e.store(sc + j);
+    }
+    if (j < b) {
+      const Vec e = Vec::set(Vec(0.f), at::vec::fmadd(Vec::loadu(sc + j, b - j), scale, m_new).exp_u20(), b - j);
+      sum_v = sum_v + e;
+      e.store(sc + j, b - j);
+    }
+    const float alpha = s.alpha[r];
+    s.l[r] = s.l[r] * alpha + hsum(sum_v);
+    if (alpha != 1.f) {
+      float* acc = s.acc.data() + r * dim;
+      for (int64_t d = 0; d < dim; d += VEC) (Vec::loadu(acc + d) * Vec(alpha)).store(acc + d);
+    }
+  }
+  return {a_min, b_max};
+}
+
+// One tile of n keys for few rows per kv head, rows given as pointers to `padded_dim` values (cache rows in place, or
+// packed fp32 rows) of the unit's first kv head; head h's row is h * head_dim further. Scratch rows are head-major:
+// [num_heads][rows]. A unit of several heads walks the positions in order, 4 at a time for every head, so that each
+// page's K and V are read front to back (see forward_typed).
 template <typename T, typename R>
 void attend_tile(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, const R* const* k, const R* const* v,
-                 int64_t rows, Scratch& s) {
-  const int64_t dim = pb.padded_dim, group = pb.group, heads = u.num_heads;
-  const int64_t prefix = pb.md.lens[u.request] - (pb.md.cu[u.request + 1] - pb.md.cu[u.request]);
-  const int64_t step = heads > 1 ? 4 : BLOCK_N;
-  if (rows >= GEMM_ROWS) {  // one head (forward_typed)
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t d = 0; d < pb.head_dim; ++d) s.kt[d * BLOCK_N + j] = static_cast<float>(k[j][d]);
-    for (int64_t j = n; j < BLOCK_N; ++j)
-      for (int64_t d = 0; d < pb.head_dim; ++d) s.kt[d * BLOCK_N + j] = 0.f;
-    for_row_blocks(rows, [&](auto rb, int64_t r) {
-      scores_gemm<decltype(rb)::value>(s.q.data() + r * dim, dim, pb.head_dim, s.kt.data(),
-                                       s.scores.data() + r * BLOCK_N);
-    });
-  } else {
-    for (int64_t j = 0; j < n; j += step) {
-      for (int64_t h = 0; h < heads; ++h) {
-        for_row_blocks(rows, [&](auto rb, int64_t r) {
-          scores_dot<decltype(rb)::value>(s.q.data() + (h * rows + r) * dim, dim, k, j, std::min(j + step, n),
-                                          h * pb.head_dim, s.scores.data() + (h * rows + r) * BLOCK_N);
-        });
-      }
-    }
-  }
-  // Each row's visible keys [a, b) of the tile (the same for every head).
-  int64_t a_min = n, b_max = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t pos = prefix + u.t0 + r / group;
-    const int64_t lo = pb.window > 0 ? std::max<int64_t>(0, pos + 1 - pb.window) : 0;
-    const int64_t a = std::clamp<int64_t>(lo - j0, 0, n), b = std::clamp<int64_t>(pos + 1 - j0, 0, n);
+                 int64_t rows, Scratch<T>& s) {
+  const int64_t dim = pb.padded_dim, heads = u.num_heads, step = heads > 1 ? 4 : BLOCK_N;
+  for (int64_t j = 0; j < n; j += step) {
     for (int64_t h = 0; h < heads; ++h) {
-      const int64_t row = h * rows + r;
-      float* sc = s.scores.data() + row * BLOCK_N;
-      if (a >= b) {
-        std::fill(sc, sc + n, 0.f);
-        continue;
-      }
-      softmax_row(sc, n, a, b, pb.logit_cap, s.m[row], s.l[row], s.acc.data() + row * dim, dim);
-    }
-    if (a < b) {
-      a_min = std::min(a_min, a);
-      b_max = std::max(b_max, b);
+      for_row_blocks(rows, [&](auto rb, int64_t r) {
+        scores_dot<decltype(rb)::value>(s.q.data() + (h * rows + r) * dim, dim, k, j, std::min(j + step, n),
+                                        h * pb.head_dim, s.scores.data() + (h * rows + r) * BLOCK_N);
+      });
     }
   }
+  const auto [a_min, b_max] = softmax_tile(pb, u, j0, n, BLOCK_N, 1.f, 0, heads * rows, s);
   for (int64_t j = a_min; j < b_max; j += step) {
     const int64_t jb = std::min(j + step, b_max);
     for (int64_t h = 0; h < heads; ++h) {
@@ -298,6 +340,92 @@ void attend_tile(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, con
         if (d < dim) accumulate_pv<RB, 1>(p, v, j, jb, offset, d, dim, acc);
       });
     }
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// AMX-BF16 comes with AVX512-BF16 (oneDNN's AMX level includes it): one instruction rounds 32 values (to nearest
+// even, as at::vec does).
+__attribute__((target("avx512bf16"))) void round_bf16(const float* src, at::BFloat16* dst, int64_t count) {
+  for (int64_t i = 0; i < count; i += 32) {
+    const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16), _mm512_loadu_ps(src + i));
+    _mm512_storeu_si512(dst + i, (__m512i)h);
+  }
+}
+#endif
+
+// Probabilities in the products' 16-bit type; count a multiple of 32.
+template <typename G>
+void round_probs(const float* src, G* dst, int64_t count) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<G, at::BFloat16>) return round_bf16(src, dst, count);
+#endif
+  at::vec::convert(src, dst, count);
+}
+
+template <typename S, typename D>
+void copy_row(const S* src, D* dst, int64_t n) {
+  if constexpr (std::is_same_v<S, D>) {
+    std::memcpy(dst, src, n * sizeof(S));
+  } else {
+    at::vec::convert(src, dst, n);
+  }
+}
+
+// One tile of n <= GEMM_BLOCK_N keys for many rows, by brgemm in G: S = Q K^T, online softmax in fp32, acc += P V.
+// Q, K^T and V are packed into the tiles (zero past n keys and the head dim) and the scale is applied to the fp32
+// scores; in 16-bit (AMX), P is rounded to the cache dtype for its product, as flash attention does.
+template <typename G, typename T>
+void attend_tile_brgemm(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, const T* const* k,
+                        const T* const* v, int64_t rows, Scratch<T>& s) {
+  constexpr bool vnni = !std::is_same_v<G, float>;
+  GemmTiles<G>& g = s.template tiles<G>();
+  const int64_t dim = pb.padded_dim;
+  // K^T is the transpose of the staged rows; in VNNI pairs, of the rows read as 32-bit words.
+  for (int64_t j = 0; j < n; ++j) copy_row(k[j], g.k_rows.data() + j * dim, pb.head_dim);
+  constexpr int64_t per_word = vnni ? 2 : 1;
+  at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(g.k_rows.data()), dim / per_word,
+                                reinterpret_cast<float*>(g.kt.data()), GEMM_BLOCK_N, n, dim / per_word);
+  if constexpr (vnni) {
+    auto* vp = reinterpret_cast<uint32_t*>(g.v.data());
+    for (int64_t j = 0; j < n; j += 2) {
+      const auto* __restrict lo = reinterpret_cast<const uint16_t*>(v[j]);
+      const auto* __restrict hi = reinterpret_cast<const uint16_t*>(j + 1 < n ? v[j + 1] : v[j]);
+      const uint32_t hi_mask = j + 1 < n ? 0xffff0000u : 0u;  // an odd tile's last pair: 0 as its second key
+      uint32_t* __restrict dst = vp + (j / 2) * dim;
+      for (int64_t d = 0; d < pb.head_dim; ++d) dst[d] = lo[d] | (static_cast<uint32_t>(hi[d]) << 16 & hi_mask);
+    }
+  } else {
+    for (int64_t j = 0; j < n; ++j) copy_row(v[j], g.v.data() + j * dim, pb.head_dim);
+  }
+  if (n < GEMM_BLOCK_N) {  // the last tile of a unit: zero the keys past n (later tiles of other units refill them)
+    auto* kt = reinterpret_cast<float*>(g.kt.data());
+    for (int64_t i = 0; i < dim / per_word; ++i) {
+      std::fill(kt + i * GEMM_BLOCK_N + n, kt + (i + 1) * GEMM_BLOCK_N, 0.f);
+    }
+    std::fill(g.v.begin() + round_up(n, per_word) * dim, g.v.end(), G(0.f));
+  }
+  // Rows in chunks whose scores and accumulators stay in cache between the two products. A chunk takes the keys its
+  // last row sees (rounded up to GEMM_N: on the causal diagonal, fewer), and none when it sees none of the tile (the
+  // diagonal, a window's start).
+  for (int64_t r0 = 0; r0 < rows; r0 += GEMM_CHUNK) {
+    const int64_t r1 = std::min(rows, r0 + GEMM_CHUNK), m = round_up(r1 - r0, GEMM_M);
+    const int64_t seen = visible(pb, u, r1 - 1, j0, n).second, cols = round_up(seen, GEMM_N);
+    if (seen == 0 || visible(pb, u, r0, j0, n).first == n) continue;
+    float* scores = s.scores.data() + r0 * GEMM_BLOCK_N;
+    at::native::cpublas::brgemm(m, cols, dim, dim, GEMM_BLOCK_N, GEMM_BLOCK_N, false, g.q.data() + r0 * dim,
+                                g.kt.data(), scores, vnni);
+    // Columns past n hold scores against K's zero columns (0), which meet V's zero rows.
+    softmax_tile(pb, u, j0, n, GEMM_BLOCK_N, pb.scale, r0, r1, s);
+    const G* p;
+    if constexpr (vnni) {
+      p = g.p.data() + r0 * GEMM_BLOCK_N;
+      round_probs(scores, g.p.data() + r0 * GEMM_BLOCK_N, (r1 - r0) * GEMM_BLOCK_N);
+    } else {
+      p = scores;
+    }
+    at::native::cpublas::brgemm(m, dim, cols, GEMM_BLOCK_N, dim, dim, true, p, g.v.data(),
+                                s.acc.data() + r0 * dim, vnni);
   }
 }
 
@@ -327,19 +455,35 @@ void prefetch_rows(const T* const* rows, int64_t n, int64_t row_bytes) {
     for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(rows[j]) + b, 0, 2);
 }
 
-// Rows in place when the head dim is whole vectors; else copied (fp32, zero-padded) into the scratch tile.
-template <typename T>
-void run_unit(const Problem<T>& pb, const Unit& u, Scratch& s) {
+// A unit with brgemm in G, or (fp32) with the dot products and the register-blocked product.
+template <typename G, typename T>
+void run_unit_typed(const Problem<T>& pb, const Unit& u, Scratch<T>& s, bool brgemm) {
   const int64_t dim = pb.padded_dim, group = pb.group, rows = u.num_tokens * group, all_rows = u.num_heads * rows;
   const int64_t q_start = pb.md.cu[u.request] + u.t0;
-  // Scratch row h * rows + r: query token r / group, query head (u.head + h) * group + r % group.
-  const auto q_head = [&](int64_t row) { return (u.head + row / rows) * group + row % rows % group; };
-  const auto q_token = [&](int64_t row) { return q_start + row % rows / group; };
-  for (int64_t row = 0; row < all_rows; ++row) {
-    const T* src = pb.q + q_token(row) * pb.q_strides[0] + q_head(row) * pb.q_strides[1];
-    float* dst = s.q.data() + row * dim;
+  const int64_t block_n = brgemm ? GEMM_BLOCK_N : BLOCK_N;
+  // Scratch row r (head-major): query token r % rows / group, query head (u.head + r / rows) * group + r % group.
+  const auto q_token = [&](int64_t r) { return q_start + r % rows / group; };
+  const auto q_head = [&](int64_t r) { return (u.head + r / rows) * group + r % group; };
+  for (int64_t r = 0; r < all_rows; ++r) {
+    const T* src = pb.q + q_token(r) * pb.q_strides[0] + q_head(r) * pb.q_strides[1];
+    if (brgemm) {  // unscaled (the scale applies to the scores); dims past head_dim stay 0
+      G* dst = s.template tiles<G>().q.data() + r * dim;
+      if (pb.q_strides[2] == 1) {
+        copy_row(src, dst, pb.head_dim);
+      } else {
+        for (int64_t d = 0; d < pb.head_dim; ++d) dst[d] = static_cast<G>(src[d * pb.q_strides[2]]);
+      }
+      continue;
+    }
+    float* dst = s.q.data() + r * dim;
     for (int64_t d = 0; d < pb.head_dim; ++d) dst[d] = static_cast<float>(src[d * pb.q_strides[2]]) * pb.scale;
     std::fill(dst + pb.head_dim, dst + dim, 0.f);
+  }
+  if (brgemm) {  // rows up to the products' padded count: zero queries (and 16-bit probabilities) add nothing
+    auto& g = s.template tiles<G>();
+    const int64_t m = round_up(rows, GEMM_M);
+    std::fill(g.q.begin() + rows * dim, g.q.begin() + m * dim, G(0.f));
+    if (!g.p.empty()) std::fill(g.p.begin() + rows * GEMM_BLOCK_N, g.p.begin() + m * GEMM_BLOCK_N, G(0.f));
   }
   std::fill(s.acc.begin(), s.acc.begin() + all_rows * dim, 0.f);
   std::fill(s.m.begin(), s.m.begin() + all_rows, NEG_INF);
@@ -347,24 +491,29 @@ void run_unit(const Problem<T>& pb, const Unit& u, Scratch& s) {
 
   const bool in_place = pb.head_dim == dim;  // always for a unit of several heads (forward_typed)
   const int64_t row_bytes = pb.head_dim * static_cast<int64_t>(sizeof(T));
-  const T* k_tiles[2][BLOCK_N];
-  const T* v_tiles[2][BLOCK_N];
+  const T* k_tiles[2][GEMM_BLOCK_N];
+  const T* v_tiles[2][GEMM_BLOCK_N];
   const float* k_packed[BLOCK_N];
   const float* v_packed[BLOCK_N];
-  tile_rows(pb, u, u.lo, std::min(BLOCK_N, u.hi - u.lo), k_tiles[0], v_tiles[0]);
-  for (int64_t j0 = u.lo, t = 0; j0 < u.hi; j0 += BLOCK_N, t ^= 1) {
-    const int64_t n = std::min(BLOCK_N, u.hi - j0), next = j0 + BLOCK_N;
+  tile_rows(pb, u, u.lo, std::min(block_n, u.hi - u.lo), k_tiles[0], v_tiles[0]);
+  for (int64_t j0 = u.lo, t = 0; j0 < u.hi; j0 += block_n, t ^= 1) {
+    const int64_t n = std::min(block_n, u.hi - j0), next = j0 + block_n;
     const T** k_rows = k_tiles[t];
     const T** v_rows = v_tiles[t];
-    // One kv head's rows lie Hkv * D apart (not one stream): prefetch the next tile's while this one computes. A
-    // unit of every head reads its pages front to back, which the hardware prefetcher follows better on its own.
+    // One kv head's rows lie Hkv * D apart (not one stream): prefetch the next tile's while this one computes. Not
+    // worth it for the products, whose packing streams each row, nor for a unit of every head, which reads its pages
+    // front to back: the hardware prefetcher follows that better on its own.
     if (next < u.hi) {
-      const int64_t n_next = std::min(BLOCK_N, u.hi - next);
+      const int64_t n_next = std::min(block_n, u.hi - next);
       tile_rows(pb, u, next, n_next, k_tiles[t ^ 1], v_tiles[t ^ 1]);
-      if (u.num_heads == 1) {
+      if (!brgemm && u.num_heads == 1) {
         prefetch_rows(k_tiles[t ^ 1], n_next, row_bytes);
         prefetch_rows(v_tiles[t ^ 1], n_next, row_bytes);
       }
+    }
+    if (brgemm) {
+      attend_tile_brgemm<G>(pb, u, j0, n, k_rows, v_rows, rows, s);
+      continue;
     }
     if (in_place) {
       attend_tile(pb, u, j0, n, k_rows, v_rows, rows, s);
@@ -382,19 +531,31 @@ void run_unit(const Problem<T>& pb, const Unit& u, Scratch& s) {
     }
     attend_tile(pb, u, j0, n, k_packed, v_packed, rows, s);
   }
+  if (!std::is_same_v<G, float>) at::native::cpublas::brgemm_release();  // AMX's tile state, freed per unit
 
-  for (int64_t row = 0; row < all_rows; ++row) {
-    const float* acc = s.acc.data() + row * dim;
-    const float inv = s.l[row] > 0 ? 1.f / s.l[row] : 0.f;
+  for (int64_t r = 0; r < all_rows; ++r) {
+    const float* acc = s.acc.data() + r * dim;
+    const float inv = s.l[r] > 0 ? 1.f / s.l[r] : 0.f;
     if (u.partial < 0) {
-      T* dst = pb.out + (q_token(row) * pb.num_kv_heads * group + q_head(row)) * pb.head_dim;
+      T* dst = pb.out + (q_token(r) * pb.num_kv_heads * group + q_head(r)) * pb.head_dim;
       for (int64_t d = 0; d < pb.head_dim; ++d) dst[d] = static_cast<T>(acc[d] * inv);
     } else {
-      float* dst = pb.partial_out + (u.partial + row) * pb.head_dim;
+      float* dst = pb.partial_out + (u.partial + r) * pb.head_dim;
       for (int64_t d = 0; d < pb.head_dim; ++d) dst[d] = acc[d] * inv;
-      pb.partial_lse[u.partial + row] = s.l[row] > 0 ? s.m[row] + std::log(s.l[row]) : NEG_INF;
+      pb.partial_lse[u.partial + r] = s.l[r] > 0 ? s.m[r] + std::log(s.l[r]) : NEG_INF;
     }
   }
+}
+
+// Few rows: K/V rows in place when the head dim is whole vectors, else copied (fp32, zero-padded) into the scratch
+// tile. Many rows: brgemm over tiles packed in fp32, or in the cache's 16-bit type on AMX.
+template <typename T>
+void run_unit(const Problem<T>& pb, const Unit& u, Scratch<T>& s) {
+  if (u.num_tokens * pb.group < GEMM_ROWS) return run_unit_typed<float>(pb, u, s, false);
+  if constexpr (!std::is_same_v<T, float>) {
+    if (s.amx) return run_unit_typed<T>(pb, u, s, true);
+  }
+  run_unit_typed<float>(pb, u, s, true);
 }
 
 // Combines a request's key slices: out = sum_s exp(lse_s - max) out_s / sum_s exp(lse_s - max).
@@ -464,7 +625,7 @@ at::Tensor forward_typed(const at::Tensor& q, const at::Tensor& k, const at::Ten
   std::vector<Unit> units;
   std::vector<Merge> merges;
   std::vector<int64_t> request_of(num_tokens);
-  int64_t partial_rows = 0, max_rows = 0;
+  int64_t partial_rows = 0, max_rows = 0, max_gemm_rows = 0;
   for (int64_t i = 0; i < md.num_requests; ++i) {
     const int64_t q_len = md.cu[i + 1] - md.cu[i], len = md.lens[i], prefix = len - q_len;
     std::fill(request_of.begin() + md.cu[i], request_of.begin() + md.cu[i + 1], i);
@@ -477,6 +638,7 @@ at::Tensor forward_typed(const at::Tensor& q, const at::Tensor& k, const at::Ten
       const int64_t split = heads > 1 ? KV_SPLIT_ALL_HEADS : KV_SPLIT;
       const int64_t splits = q_len <= block_tokens ? (hi - lo + split - 1) / split : 1;
       max_rows = std::max(max_rows, heads * rows);
+      if (rows >= GEMM_ROWS) max_gemm_rows = std::max(max_gemm_rows, rows);
       for (int64_t h = 0; h < num_kv_heads; h += heads) {
         if (splits <= 1) {
           units.push_back({i, h, heads, t0, nt, lo, hi, -1});
@@ -504,10 +666,10 @@ at::Tensor forward_typed(const at::Tensor& q, const at::Tensor& k, const at::Ten
                 (head_dim + VEC - 1) / VEC * VEC, static_cast<float>(scale), static_cast<float>(logit_cap), window,
                 num_kv_heads * head_dim};
   const int64_t num_threads = at::get_num_threads();
-  std::vector<std::unique_ptr<Scratch>> scratch(num_threads);
+  std::vector<std::unique_ptr<Scratch<T>>> scratch(num_threads);
   parallel_dynamic(static_cast<int64_t>(units.size()), [&](int64_t i) {
     auto& s = scratch[at::get_thread_num()];
-    if (!s) s = std::make_unique<Scratch>(max_rows, pb.padded_dim);
+    if (!s) s = std::make_unique<Scratch<T>>(max_rows, max_gemm_rows, pb.padded_dim);
     run_unit(pb, units[i], *s);
   });
   // parallel_for returns when every unit is done: the merges read finished slices.
