@@ -394,11 +394,13 @@ void attend_tile_brgemm(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t
     at::native::cpublas::brgemm(m, cols, dim, dim, GEMM_BLOCK_N, GEMM_BLOCK_N, false, g.q.data() + r0 * dim,
                                 g.kt.data(), scores, vnni);
     // Columns past n hold scores against K's zero columns (0), which meet V's zero rows.
-    softmax_tile(pb, u, j0, n, GEMM_BLOCK_N, pb.scale, r0, r1, s);
+    softmax_tile(pb, u, j0, std::min(n, cols), GEMM_BLOCK_N, pb.scale, r0, r1, s);
     const G* p;
     if constexpr (vnni) {
       p = g.p.data() + r0 * GEMM_BLOCK_N;
-      round_probs(scores, g.p.data() + r0 * GEMM_BLOCK_N, (r1 - r0) * GEMM_BLOCK_N);
+      for (int64_t r = r0; r < r1; ++r) {
+        round_probs(s.scores.data() + r * GEMM_BLOCK_N, g.p.data() + r * GEMM_BLOCK_N, cols);
+      }
     } else {
       p = scores;
     }
