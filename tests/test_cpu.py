@@ -1,5 +1,5 @@
 """The native CPU backend on long contexts: past its key-slice boundaries (256 keys for units of every kv head, 512 for
-units of one), tile boundaries (64 keys for few rows, 128 for many), query blocks (512 rows), row chunks of its
+units of one), tile boundaries (64 keys for few rows, 256 for many), query blocks (512 rows), row chunks of its
 products (64 rows, padded to 16) and page boundaries, both row paths (few rows: dot products over every kv head; many:
 brgemm per kv head, in fp32 or in 16-bit on AMX), head dims 64, 80 and 128 (read in place, or copied and padded), with
 -1 past each request's pages."""

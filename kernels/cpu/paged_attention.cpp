@@ -44,7 +44,7 @@ constexpr int64_t KV_SPLIT = 512;    // keys per slice of a request with one que
 constexpr int64_t KV_SPLIT_ALL_HEADS = 256;  // the same for a unit of every kv head
 constexpr int64_t BLOCK_ROWS = 512;  // query rows (tokens x group) per unit of a longer prefill
 constexpr int64_t GEMM_ROWS = 16;    // from this many rows, the products go through brgemm (see attend_tile_brgemm)
-constexpr int64_t GEMM_BLOCK_N = 128;  // keys per tile of the brgemm path (see attend_tile_brgemm)
+constexpr int64_t GEMM_BLOCK_N = 256;  // keys per tile of the brgemm path (see attend_tile_brgemm)
 constexpr int64_t GEMM_M = 16;         // its products' row counts are multiples of this (AMX tile rows): few shapes
 constexpr int64_t GEMM_N = 32;         // and their key counts (a divisor of GEMM_BLOCK_N)
 constexpr int64_t GEMM_CHUNK = 64;     // rows per pair of its products (a multiple of GEMM_M)
@@ -398,12 +398,13 @@ void attend_tile_brgemm(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t
   } else {
     for (int64_t j = 0; j < n; ++j) copy_row(v[j], g.v.data() + j * dim, pb.head_dim);
   }
-  if (n < GEMM_BLOCK_N) {  // the last tile of a unit: zero the keys past n (later tiles of other units refill them)
+  const int64_t n_padded = round_up(n, GEMM_N);  // the products read keys up to here
+  if (n < n_padded) {  // zero the keys past n (the last tile of a unit; later tiles refill them)
     auto* kt = reinterpret_cast<float*>(g.kt.data());
     for (int64_t i = 0; i < dim / per_word; ++i) {
-      std::fill(kt + i * GEMM_BLOCK_N + n, kt + (i + 1) * GEMM_BLOCK_N, 0.f);
+      std::fill(kt + i * GEMM_BLOCK_N + n, kt + i * GEMM_BLOCK_N + n_padded, 0.f);
     }
-    std::fill(g.v.begin() + round_up(n, per_word) * dim, g.v.end(), G(0.f));
+    std::fill(g.v.begin() + round_up(n, per_word) * dim, g.v.begin() + n_padded * dim, G(0.f));
   }
   // Rows in chunks whose scores and accumulators stay in cache between the two products. A chunk takes the keys its
   // last row sees (rounded up to GEMM_N: on the causal diagonal, fewer), and none when it sees none of the tile (the
@@ -416,11 +417,13 @@ void attend_tile_brgemm(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t
     at::native::cpublas::brgemm(m, cols, dim, dim, GEMM_BLOCK_N, GEMM_BLOCK_N, false, g.q.data() + r0 * dim,
                                 g.kt.data(), scores, vnni);
     // Columns past n hold scores against K's zero columns (0), which meet V's zero rows.
-    softmax_tile(pb, u, j0, n, GEMM_BLOCK_N, pb.scale, r0, r1, s);
+    softmax_tile(pb, u, j0, std::min(n, cols), GEMM_BLOCK_N, pb.scale, r0, r1, s);
     const G* p;
     if constexpr (vnni) {
       p = g.p.data() + r0 * GEMM_BLOCK_N;
-      round_probs(scores, g.p.data() + r0 * GEMM_BLOCK_N, (r1 - r0) * GEMM_BLOCK_N);
+      for (int64_t r = r0; r < r1; ++r) {
+        round_probs(s.scores.data() + r * GEMM_BLOCK_N, g.p.data() + r * GEMM_BLOCK_N, cols);
+      }
     } else {
       p = scores;
     }
