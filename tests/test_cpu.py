@@ -68,9 +68,10 @@ def test_long_contexts_against_float64(name, option, dtype):
     assert torch.equal(case.k_cache, k_ref) and torch.equal(case.v_cache, v_ref)
 
 
-def test_thread_count_does_not_change_the_result():
+@pytest.mark.parametrize("num_kv_heads", [1, 2])  # units of one kv head; of every kv head
+def test_thread_count_does_not_change_the_result(num_kv_heads):
     """A batch of one: its key slices run on several threads, or all on one, with the same result bit for bit."""
-    case = make_case([1], [2000], num_q_heads=4, num_kv_heads=1, head_dim=128, page_size=16, seed=8)
+    case = make_case([1], [2000], num_q_heads=4, num_kv_heads=num_kv_heads, head_dim=128, page_size=16, seed=8)
     threads = torch.get_num_threads()
     outs = []
     for n in (max(threads, 2), 1):
