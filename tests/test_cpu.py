@@ -1,8 +1,8 @@
 """The native CPU backend on long contexts: past its key-slice boundaries (256 keys for units of every kv head, 512 for
 units of one), tile boundaries (64 keys for few rows, 256 for many), query blocks (512 rows), row chunks of its
 products (64 rows, padded to 16) and page boundaries, both row paths (few rows: dot products over every kv head; many:
-brgemm per kv head, in fp32 or in 16-bit on AMX), head dims 64, 80 and 128 (read in place, or copied and padded), with
--1 past each request's pages."""
+brgemm per kv head, in fp32 or in 16-bit on AMX), head dims 20, 64, 80 and 128 (read in place, or copied and
+padded), with -1 past each request's pages."""
 
 import math
 import re
@@ -33,6 +33,9 @@ CASES = {  # op, make_case arguments
     # 128 tokens a block; 600 rows).
     "chunk_over_prefix": ("prefill", dict(q_lens=[9, 150], prefix_lens=[1200, 100], num_q_heads=8, num_kv_heads=2,
                                           head_dim=64, page_size=16)),
+    # A head dim of no whole vectors (zero-padded in every tile), a prefix that ends mid-page, pages of 3.
+    "head_dim_20": ("prefill", dict(q_lens=[40, 150], prefix_lens=[37, 0], num_q_heads=4, num_kv_heads=2, head_dim=20,
+                                    page_size=3)),
     # Fresh prefills, one of two query blocks (group 1: 512 tokens a block), page 1.
     "prefill": ("prefill", dict(q_lens=[600, 70], prefix_lens=[0, 0], num_q_heads=2, num_kv_heads=2, head_dim=128,
                                 page_size=1)),
