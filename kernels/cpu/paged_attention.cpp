@@ -42,6 +42,11 @@ constexpr int64_t VEC = Vec::size();
 constexpr int64_t BLOCK_N = 64;      // keys per tile (a multiple of VEC)
 constexpr int64_t KV_SPLIT = 512;    // keys per slice of a request with one query block (a multiple of BLOCK_N)
 constexpr int64_t KV_SPLIT_ALL_HEADS = 256;  // the same for a unit of every kv head
+// A unit of every kv head reads each position's rows head by head. When a position fills a 4 KiB page of memory, that
+// order rises within the page and the hardware prefetcher (which follows streams within such a page) keeps up;
+// when several positions share one, it falls back at every head, and the kernel prefetches PREFETCH_POSITIONS ahead.
+constexpr int64_t PAGE_BYTES = 4096;
+constexpr int64_t PREFETCH_POSITIONS = 8;
 constexpr int64_t BLOCK_ROWS = 512;  // query rows (tokens x group) per unit of a longer prefill
 constexpr int64_t GEMM_ROWS = 16;    // from this many rows, the products go through brgemm (see attend_tile_brgemm)
 constexpr int64_t GEMM_BLOCK_N = 256;  // keys per tile of the brgemm path (see attend_tile_brgemm)
@@ -312,6 +317,12 @@ std::pair<int64_t, int64_t> softmax_tile(const Problem<T>& pb, const Unit& u, in
   return {a_min, b_max};
 }
 
+template <typename T>
+void prefetch_rows(const T* const* rows, int64_t n, int64_t row_bytes) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(rows[j]) + b, 0, 2);
+}
+
 // One tile of n keys for few rows per kv head, rows given as pointers to `padded_dim` values (cache rows in place, or
 // packed fp32 rows) of the unit's first kv head; head h's row is h * head_dim further. Scratch rows are head-major:
 // [num_heads][rows]. A unit of several heads walks the positions in order, 4 at a time for every head, so that each
@@ -320,7 +331,13 @@ template <typename T, typename R>
 void attend_tile(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, const R* const* k, const R* const* v,
                  int64_t rows, Scratch<T>& s) {
   const int64_t dim = pb.padded_dim, heads = u.num_heads, step = heads > 1 ? 4 : BLOCK_N;
+  const int64_t position_bytes = heads * pb.head_dim * static_cast<int64_t>(sizeof(R));
   for (int64_t j = 0; j < n; j += step) {
+    if (heads > 1 && position_bytes < PAGE_BYTES && j + PREFETCH_POSITIONS < n) {
+      const int64_t count = std::min(step, n - j - PREFETCH_POSITIONS);
+      prefetch_rows(k + j + PREFETCH_POSITIONS, count, position_bytes);
+      prefetch_rows(v + j + PREFETCH_POSITIONS, count, position_bytes);
+    }
     for (int64_t h = 0; h < heads; ++h) {
       for_row_blocks(rows, [&](auto rb, int64_t r) {
         scores_dot<decltype(rb)::value>(s.q.data() + (h * rows + r) * dim, dim, k, j, std::min(j + step, n),
@@ -454,11 +471,6 @@ void tile_rows(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, const
   }
 }
 
-template <typename T>
-void prefetch_rows(const T* const* rows, int64_t n, int64_t row_bytes) {
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(rows[j]) + b, 0, 2);
-}
 
 // A unit with brgemm in G, or (fp32) with the dot products and the register-blocked product.
 template <typename G, typename T>
@@ -514,6 +526,9 @@ void run_unit_typed(const Problem<T>& pb, const Unit& u, Scratch<T>& s, bool brg
       if (!brgemm && u.num_heads == 1) {
         prefetch_rows(k_tiles[t ^ 1], n_next, row_bytes);
         prefetch_rows(v_tiles[t ^ 1], n_next, row_bytes);
+      } else if (!brgemm && u.num_heads * row_bytes < PAGE_BYTES) {
+        prefetch_rows(k_tiles[t ^ 1], std::min(PREFETCH_POSITIONS, n_next), u.num_heads * row_bytes);
+        prefetch_rows(v_tiles[t ^ 1], std::min(PREFETCH_POSITIONS, n_next), u.num_heads * row_bytes);
       }
     }
     if (brgemm) {
