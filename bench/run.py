@@ -30,8 +30,9 @@ STATIC_CACHE_LEN = 4096
 SECTIONS = ["op", "dispatch", "e2e", "plot"]
 
 
-def timeit(fn, reps=7, warmup=2):
-    """Median seconds of `fn()`."""
+def timeit(fn, reps=7, warmup=5):
+    """Median seconds of `fn()`, after `warmup` calls (oneDNN generates its kernels over the first few: brgemm in the
+    cpu backend's prefill, SDPA's on the CPU)."""
     for _ in range(warmup):
         fn()
     times = []
