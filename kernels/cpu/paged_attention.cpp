@@ -471,8 +471,7 @@ void tile_rows(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, const
   }
 }
 
-
-// A unit with brgemm in G, or (fp32) with the dot products and the register-blocked product.
+// A unit with brgemm in G, or (G = float) with the dot products.
 template <typename G, typename T>
 void run_unit_typed(const Problem<T>& pb, const Unit& u, Scratch<T>& s, bool brgemm) {
   const int64_t dim = pb.padded_dim, group = pb.group, rows = u.num_tokens * group, all_rows = u.num_heads * rows;
@@ -517,9 +516,9 @@ void run_unit_typed(const Problem<T>& pb, const Unit& u, Scratch<T>& s, bool brg
     const int64_t n = std::min(block_n, u.hi - j0), next = j0 + block_n;
     const T** k_rows = k_tiles[t];
     const T** v_rows = v_tiles[t];
-    // One kv head's rows lie Hkv * D apart (not one stream): prefetch the next tile's while this one computes. Not
-    // worth it for the products, whose packing streams each row, nor for a unit of every head, which reads its pages
-    // front to back: the hardware prefetcher follows that better on its own.
+    // Prefetch what the hardware prefetcher misses (see PAGE_BYTES). A unit of one kv head reads rows Hkv * D apart:
+    // the whole next tile. A unit of every head whose positions share pages: the next tile's first positions
+    // (attend_tile prefetches the rest as it goes). The products' packing streams each row and needs none.
     if (next < u.hi) {
       const int64_t n_next = std::min(block_n, u.hi - next);
       tile_rows(pb, u, next, n_next, k_tiles[t ^ 1], v_tiles[t ^ 1]);
