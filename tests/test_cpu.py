@@ -30,11 +30,12 @@ CASES = {  # op, make_case arguments
     "verify": ("decode", dict(q_lens=[4] * 2, prefix_lens=[700, 1030], num_q_heads=16, num_kv_heads=2, head_dim=80,
                               page_size=5)),
     # A short chunk over a long prefix (one query block: sliced keys) beside a chunk of two query blocks (group 4:
-    # 128 tokens a block; 600 rows).
-    "chunk_over_prefix": ("prefill", dict(q_lens=[9, 150], prefix_lens=[1200, 100], num_q_heads=8, num_kv_heads=2,
+    # 128 tokens a block; 600 rows), whose tiles are packed once: from key 0, or (window 77) from the second tile.
+    "chunk_over_prefix": ("prefill", dict(q_lens=[9, 150], prefix_lens=[1200, 400], num_q_heads=8, num_kv_heads=2,
                                           head_dim=64, page_size=16)),
-    # A head dim of no whole vectors (zero-padded in every tile), a prefix that ends mid-page, pages of 3.
-    "head_dim_20": ("prefill", dict(q_lens=[40, 150], prefix_lens=[37, 0], num_q_heads=4, num_kv_heads=2, head_dim=20,
+    # A head dim of no whole vectors (zero-padded in every tile), a prefix that ends mid-page, pages of 3; a chunk of
+    # two query blocks (group 2: 256 tokens a block), whose tiles are packed once.
+    "head_dim_20": ("prefill", dict(q_lens=[40, 300], prefix_lens=[37, 0], num_q_heads=4, num_kv_heads=2, head_dim=20,
                                     page_size=3)),
     # Fresh prefills, one of two query blocks (group 1: 512 tokens a block), page 1.
     "prefill": ("prefill", dict(q_lens=[600, 70], prefix_lens=[0, 0], num_q_heads=2, num_kv_heads=2, head_dim=128,

@@ -94,6 +94,13 @@ struct Unit {
   int64_t t0, num_tokens;            // query tokens t0 .. t0 + num_tokens - 1 of the request
   int64_t lo, hi;                    // keys [lo, hi) of the request
   int64_t partial;                   // first row in the split partials, or -1: write the output directly
+  int64_t packed, packed_from;       // its packed tile of keys [packed_from, + GEMM_BLOCK_N), or -1: packs its own
+};
+
+// A tile of keys [j0, j0 + n) of a request's kv head, packed before the units; the i-th job's tile is the i-th of
+// Problem::packed.
+struct PackJob {
+  int64_t request, head, j0, n;
 };
 
 // One kv head's rows of a request's slices: slice s's rows start at partial + s * split_stride.
@@ -107,6 +114,7 @@ struct Problem {
   const T *q, *k_cache, *v_cache;
   T* out;  // [T, Hq, D] contiguous
   float *partial_out, *partial_lse;  // [rows, D], [rows]
+  void* packed;  // tiles of PackJobs in the products' type: K^T then V, GEMM_BLOCK_N * padded_dim elements each
   Metadata md;
   int64_t q_strides[3], page_size, num_kv_heads, group, head_dim, padded_dim;
   float scale, logit_cap;
@@ -391,22 +399,21 @@ void copy_row(const S* src, D* dst, int64_t n) {
   }
 }
 
-// One tile of n <= GEMM_BLOCK_N keys for many rows, by brgemm in G: S = Q K^T, online softmax in fp32, acc += P V.
-// Q, K^T and V are packed into the tiles (zero past n keys and the head dim) and the scale is applied to the fp32
-// scores; in 16-bit (AMX), P is rounded to the cache dtype for its product, as flash attention does.
+// K^T and V of a tile of n <= GEMM_BLOCK_N keys in G, as the products take them (see GemmTiles): kt
+// [D / per_word, GEMM_BLOCK_N, per_word], v [GEMM_BLOCK_N / per_word, D, per_word], zero past n keys (up to the
+// products' padded key count). K^T is zero past the head dim (g.k_rows stages the K rows for the transpose, zero
+// there); V is not written there, as those columns of the accumulators are never read.
 template <typename G, typename T>
-void attend_tile_brgemm(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, const T* const* k,
-                        const T* const* v, int64_t rows, Scratch<T>& s) {
+void pack_tile(const Problem<T>& pb, const T* const* k, const T* const* v, int64_t n, GemmTiles<G>& g, G* kt, G* vt) {
   constexpr bool vnni = !std::is_same_v<G, float>;
-  GemmTiles<G>& g = s.template tiles<G>();
   const int64_t dim = pb.padded_dim;
-  // K^T is the transpose of the staged rows; in VNNI pairs, of the rows read as 32-bit words.
+  // K^T is the transpose of the staged rows (zero past the head dim); in VNNI pairs, of the rows read as 32-bit words.
   for (int64_t j = 0; j < n; ++j) copy_row(k[j], g.k_rows.data() + j * dim, pb.head_dim);
   constexpr int64_t per_word = vnni ? 2 : 1;
   at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(g.k_rows.data()), dim / per_word,
-                                reinterpret_cast<float*>(g.kt.data()), GEMM_BLOCK_N, n, dim / per_word);
+                                reinterpret_cast<float*>(kt), GEMM_BLOCK_N, n, dim / per_word);
   if constexpr (vnni) {
-    auto* vp = reinterpret_cast<uint32_t*>(g.v.data());
+    auto* vp = reinterpret_cast<uint32_t*>(vt);
     for (int64_t j = 0; j < n; j += 2) {
       const auto* __restrict lo = reinterpret_cast<const uint16_t*>(v[j]);
       const auto* __restrict hi = reinterpret_cast<const uint16_t*>(j + 1 < n ? v[j + 1] : v[j]);
@@ -415,16 +422,27 @@ void attend_tile_brgemm(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t
       for (int64_t d = 0; d < pb.head_dim; ++d) dst[d] = lo[d] | (static_cast<uint32_t>(hi[d]) << 16 & hi_mask);
     }
   } else {
-    for (int64_t j = 0; j < n; ++j) copy_row(v[j], g.v.data() + j * dim, pb.head_dim);
+    for (int64_t j = 0; j < n; ++j) copy_row(v[j], vt + j * dim, pb.head_dim);
   }
   const int64_t n_padded = round_up(n, GEMM_N);  // the products read keys up to here
-  if (n < n_padded) {  // zero the keys past n (the last tile of a unit; later tiles refill them)
-    auto* kt = reinterpret_cast<float*>(g.kt.data());
+  if (n < n_padded) {  // zero the keys past n (the last tile of a request or unit)
+    auto* kt_words = reinterpret_cast<float*>(kt);
     for (int64_t i = 0; i < dim / per_word; ++i) {
-      std::fill(kt + i * GEMM_BLOCK_N + n, kt + i * GEMM_BLOCK_N + n_padded, 0.f);
+      std::fill(kt_words + i * GEMM_BLOCK_N + n, kt_words + i * GEMM_BLOCK_N + n_padded, 0.f);
     }
-    std::fill(g.v.begin() + round_up(n, per_word) * dim, g.v.begin() + n_padded * dim, G(0.f));
+    std::fill(vt + round_up(n, per_word) * dim, vt + n_padded * dim, G(0.f));
   }
+}
+
+// One tile of n <= GEMM_BLOCK_N keys starting at key j0 for many rows, by brgemm in G over the packed kt and vt
+// (pack_tile): S = Q K^T, online softmax in fp32, acc += P V. The scale is applied to the fp32 scores; in 16-bit
+// (AMX), P is rounded to the cache dtype for its product, as flash attention does.
+template <typename G, typename T>
+void attend_tile_brgemm(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, const G* kt, const G* vt,
+                        int64_t rows, Scratch<T>& s) {
+  constexpr bool vnni = !std::is_same_v<G, float>;
+  GemmTiles<G>& g = s.template tiles<G>();
+  const int64_t dim = pb.padded_dim;
   // Rows in chunks whose scores and accumulators stay in cache between the two products. A chunk takes the keys its
   // last row sees (rounded up to GEMM_N: on the causal diagonal, fewer), and none when it sees none of the tile (the
   // diagonal, a window's start).
@@ -433,9 +451,10 @@ void attend_tile_brgemm(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t
     const int64_t seen = visible(pb, u, r1 - 1, j0, n).second, cols = round_up(seen, GEMM_N);
     if (seen == 0 || visible(pb, u, r0, j0, n).first == n) continue;
     float* scores = s.scores.data() + r0 * GEMM_BLOCK_N;
-    at::native::cpublas::brgemm(m, cols, dim, dim, GEMM_BLOCK_N, GEMM_BLOCK_N, false, g.q.data() + r0 * dim,
-                                g.kt.data(), scores, vnni);
-    // Columns past n hold scores against K's zero columns (0), which meet V's zero rows.
+    at::native::cpublas::brgemm(m, cols, dim, dim, GEMM_BLOCK_N, GEMM_BLOCK_N, false, g.q.data() + r0 * dim, kt,
+                                scores, vnni);
+    // Columns past n hold scores against K's zero columns (0), which meet V's zero rows; columns past the last
+    // visible key get probability 0.
     softmax_tile(pb, u, j0, std::min(n, cols), GEMM_BLOCK_N, pb.scale, r0, r1, s);
     const G* p;
     if constexpr (vnni) {
@@ -446,15 +465,15 @@ void attend_tile_brgemm(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t
     } else {
       p = scores;
     }
-    at::native::cpublas::brgemm(m, dim, cols, GEMM_BLOCK_N, dim, dim, true, p, g.v.data(),
-                                s.acc.data() + r0 * dim, vnni);
+    at::native::cpublas::brgemm(m, dim, cols, GEMM_BLOCK_N, dim, dim, true, p, vt, s.acc.data() + r0 * dim, vnni);
   }
 }
 
-// Pointers to the rows of keys j0 .. j0 + n - 1 of the unit's request and kv head. Walks the pages instead of
-// dividing per key; table entries past the request's last key are never read.
+// Pointers to the rows of keys j0 .. j0 + n - 1 of a request's kv head. Walks the pages instead of dividing per key;
+// table entries past the request's last key are never read.
 template <typename T>
-void tile_rows(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, const T** k_rows, const T** v_rows) {
+void tile_rows(const Problem<T>& pb, int64_t request, int64_t head, int64_t j0, int64_t n, const T** k_rows,
+               const T** v_rows) {
   int64_t page = j0 / pb.page_size, in_page = j0 % pb.page_size;
   for (int64_t j = 0; j < n; ++j, ++in_page) {
     if (in_page == pb.page_size) {
@@ -462,12 +481,58 @@ void tile_rows(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, const
       in_page = 0;
     }
     if (j == 0 || in_page == 0) {
-      k_rows[j] = pb.row(pb.k_cache, u.request, page, in_page, u.head);
-      v_rows[j] = pb.row(pb.v_cache, u.request, page, in_page, u.head);
+      k_rows[j] = pb.row(pb.k_cache, request, page, in_page, head);
+      v_rows[j] = pb.row(pb.v_cache, request, page, in_page, head);
     } else {
       k_rows[j] = k_rows[j - 1] + pb.row_stride;
       v_rows[j] = v_rows[j - 1] + pb.row_stride;
     }
+  }
+}
+
+// A unit's tiles for few rows (attend_tile): K/V rows in place when the head dim is whole vectors (always for a unit
+// of several heads, see forward_typed), else copied (fp32, zero-padded) into the scratch tile.
+template <typename T>
+void attend_dot(const Problem<T>& pb, const Unit& u, int64_t rows, Scratch<T>& s) {
+  const int64_t dim = pb.padded_dim, row_bytes = pb.head_dim * static_cast<int64_t>(sizeof(T));
+  const T* k_tiles[2][BLOCK_N];
+  const T* v_tiles[2][BLOCK_N];
+  const float* k_packed[BLOCK_N];
+  const float* v_packed[BLOCK_N];
+  tile_rows(pb, u.request, u.head, u.lo, std::min(BLOCK_N, u.hi - u.lo), k_tiles[0], v_tiles[0]);
+  for (int64_t j0 = u.lo, t = 0; j0 < u.hi; j0 += BLOCK_N, t ^= 1) {
+    const int64_t n = std::min(BLOCK_N, u.hi - j0), next = j0 + BLOCK_N;
+    const T** k_rows = k_tiles[t];
+    const T** v_rows = v_tiles[t];
+    // Prefetch what the hardware prefetcher misses (see PAGE_BYTES). A unit of one kv head reads rows Hkv * D apart:
+    // the whole next tile. A unit of every head whose positions share pages: the next tile's first positions
+    // (attend_tile prefetches the rest as it goes).
+    if (next < u.hi) {
+      const int64_t n_next = std::min(BLOCK_N, u.hi - next);
+      tile_rows(pb, u.request, u.head, next, n_next, k_tiles[t ^ 1], v_tiles[t ^ 1]);
+      if (u.num_heads == 1) {
+        prefetch_rows(k_tiles[t ^ 1], n_next, row_bytes);
+        prefetch_rows(v_tiles[t ^ 1], n_next, row_bytes);
+      } else if (u.num_heads * row_bytes < PAGE_BYTES) {
+        prefetch_rows(k_tiles[t ^ 1], std::min(PREFETCH_POSITIONS, n_next), u.num_heads * row_bytes);
+        prefetch_rows(v_tiles[t ^ 1], std::min(PREFETCH_POSITIONS, n_next), u.num_heads * row_bytes);
+      }
+    }
+    if (pb.head_dim == dim) {
+      attend_tile(pb, u, j0, n, k_rows, v_rows, rows, s);
+      continue;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      float* kd = s.packed_k.data() + j * dim;
+      float* vd = s.packed_v.data() + j * dim;
+      for (int64_t d = 0; d < pb.head_dim; ++d) {
+        kd[d] = static_cast<float>(k_rows[j][d]);
+        vd[d] = static_cast<float>(v_rows[j][d]);
+      }
+      k_packed[j] = kd;
+      v_packed[j] = vd;
+    }
+    attend_tile(pb, u, j0, n, k_packed, v_packed, rows, s);
   }
 }
 
@@ -476,7 +541,6 @@ template <typename G, typename T>
 void run_unit_typed(const Problem<T>& pb, const Unit& u, Scratch<T>& s, bool brgemm) {
   const int64_t dim = pb.padded_dim, group = pb.group, rows = u.num_tokens * group, all_rows = u.num_heads * rows;
   const int64_t q_start = pb.md.cu[u.request] + u.t0;
-  const int64_t block_n = brgemm ? GEMM_BLOCK_N : BLOCK_N;
   // Scratch row r (head-major): query token r % rows / group, query head (u.head + r / rows) * group + r % group.
   const auto q_token = [&](int64_t r) { return q_start + r % rows / group; };
   const auto q_head = [&](int64_t r) { return (u.head + r / rows) * group + r % group; };
@@ -505,50 +569,27 @@ void run_unit_typed(const Problem<T>& pb, const Unit& u, Scratch<T>& s, bool brg
   std::fill(s.m.begin(), s.m.begin() + all_rows, NEG_INF);
   std::fill(s.l.begin(), s.l.begin() + all_rows, 0.f);
 
-  const bool in_place = pb.head_dim == dim;  // always for a unit of several heads (forward_typed)
-  const int64_t row_bytes = pb.head_dim * static_cast<int64_t>(sizeof(T));
-  const T* k_tiles[2][GEMM_BLOCK_N];
-  const T* v_tiles[2][GEMM_BLOCK_N];
-  const float* k_packed[BLOCK_N];
-  const float* v_packed[BLOCK_N];
-  tile_rows(pb, u, u.lo, std::min(block_n, u.hi - u.lo), k_tiles[0], v_tiles[0]);
-  for (int64_t j0 = u.lo, t = 0; j0 < u.hi; j0 += block_n, t ^= 1) {
-    const int64_t n = std::min(block_n, u.hi - j0), next = j0 + block_n;
-    const T** k_rows = k_tiles[t];
-    const T** v_rows = v_tiles[t];
-    // Prefetch what the hardware prefetcher misses (see PAGE_BYTES). A unit of one kv head reads rows Hkv * D apart:
-    // the whole next tile. A unit of every head whose positions share pages: the next tile's first positions
-    // (attend_tile prefetches the rest as it goes). The products' packing streams each row and needs none.
-    if (next < u.hi) {
-      const int64_t n_next = std::min(block_n, u.hi - next);
-      tile_rows(pb, u, next, n_next, k_tiles[t ^ 1], v_tiles[t ^ 1]);
-      if (!brgemm && u.num_heads == 1) {
-        prefetch_rows(k_tiles[t ^ 1], n_next, row_bytes);
-        prefetch_rows(v_tiles[t ^ 1], n_next, row_bytes);
-      } else if (!brgemm && u.num_heads * row_bytes < PAGE_BYTES) {
-        prefetch_rows(k_tiles[t ^ 1], std::min(PREFETCH_POSITIONS, n_next), u.num_heads * row_bytes);
-        prefetch_rows(v_tiles[t ^ 1], std::min(PREFETCH_POSITIONS, n_next), u.num_heads * row_bytes);
+  if (brgemm) {
+    // Tiles packed before the units (a request of several query blocks: packed once, not once per block), aligned at
+    // u.packed_from, the first reaching u.lo; else packed here, from u.lo.
+    GemmTiles<G>& g = s.template tiles<G>();
+    const int64_t tile_elems = GEMM_BLOCK_N * dim, len = pb.md.lens[u.request];
+    const int64_t start = u.packed < 0 ? u.lo : u.packed_from + (u.lo - u.packed_from) / GEMM_BLOCK_N * GEMM_BLOCK_N;
+    for (int64_t j0 = start; j0 < u.hi; j0 += GEMM_BLOCK_N) {
+      if (u.packed >= 0) {
+        const G* kt = static_cast<const G*>(pb.packed) + (u.packed + (j0 - u.packed_from) / GEMM_BLOCK_N) * 2 * tile_elems;
+        attend_tile_brgemm<G>(pb, u, j0, std::min(GEMM_BLOCK_N, len - j0), kt, kt + tile_elems, rows, s);
+        continue;
       }
+      const int64_t n = std::min(GEMM_BLOCK_N, u.hi - j0);
+      const T* k_rows[GEMM_BLOCK_N];
+      const T* v_rows[GEMM_BLOCK_N];
+      tile_rows(pb, u.request, u.head, j0, n, k_rows, v_rows);
+      pack_tile(pb, k_rows, v_rows, n, g, g.kt.data(), g.v.data());
+      attend_tile_brgemm<G>(pb, u, j0, n, g.kt.data(), g.v.data(), rows, s);
     }
-    if (brgemm) {
-      attend_tile_brgemm<G>(pb, u, j0, n, k_rows, v_rows, rows, s);
-      continue;
-    }
-    if (in_place) {
-      attend_tile(pb, u, j0, n, k_rows, v_rows, rows, s);
-      continue;
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      float* kd = s.packed_k.data() + j * dim;
-      float* vd = s.packed_v.data() + j * dim;
-      for (int64_t d = 0; d < pb.head_dim; ++d) {
-        kd[d] = static_cast<float>(k_rows[j][d]);
-        vd[d] = static_cast<float>(v_rows[j][d]);
-      }
-      k_packed[j] = kd;
-      v_packed[j] = vd;
-    }
-    attend_tile(pb, u, j0, n, k_packed, v_packed, rows, s);
+  } else {
+    attend_dot(pb, u, rows, s);
   }
   if (!std::is_same_v<G, float>) at::native::cpublas::brgemm_release();  // AMX's tile state, freed per unit
 
@@ -575,6 +616,25 @@ void run_unit(const Problem<T>& pb, const Unit& u, Scratch<T>& s) {
     if (s.amx) return run_unit_typed<T>(pb, u, s, true);
   }
   run_unit_typed<float>(pb, u, s, true);
+}
+
+// A PackJob, in the type G the products take.
+template <typename G, typename T>
+void run_pack_typed(const Problem<T>& pb, const PackJob& job, int64_t index, Scratch<T>& s) {
+  const T* k_rows[GEMM_BLOCK_N];
+  const T* v_rows[GEMM_BLOCK_N];
+  tile_rows(pb, job.request, job.head, job.j0, job.n, k_rows, v_rows);
+  const int64_t tile_elems = GEMM_BLOCK_N * pb.padded_dim;
+  G* kt = static_cast<G*>(pb.packed) + index * 2 * tile_elems;
+  pack_tile(pb, k_rows, v_rows, job.n, s.template tiles<G>(), kt, kt + tile_elems);
+}
+
+template <typename T>
+void run_pack(const Problem<T>& pb, const PackJob& job, int64_t index, Scratch<T>& s) {
+  if constexpr (!std::is_same_v<T, float>) {
+    if (s.amx) return run_pack_typed<T>(pb, job, index, s);
+  }
+  run_pack_typed<float>(pb, job, index, s);
 }
 
 // Combines a request's key slices: out = sum_s exp(lse_s - max) out_s / sum_s exp(lse_s - max).
@@ -639,18 +699,30 @@ at::Tensor forward_typed(const at::Tensor& q, const at::Tensor& k, const at::Ten
   auto out = at::empty({num_tokens, num_q_heads, head_dim}, q.options());
   if (num_tokens == 0) return out;
 
-  // Units and merges, from the metadata alone (the same for a request in any batch).
+  // Units, merges and packed tiles, from the metadata alone (the same for a request in any batch).
   const int64_t block_tokens = std::max<int64_t>(1, BLOCK_ROWS / group);
   std::vector<Unit> units;
   std::vector<Merge> merges;
+  std::vector<PackJob> pack_jobs;
   std::vector<int64_t> request_of(num_tokens);
   int64_t partial_rows = 0, max_rows = 0, max_gemm_rows = 0;
   for (int64_t i = 0; i < md.num_requests; ++i) {
     const int64_t q_len = md.cu[i + 1] - md.cu[i], len = md.lens[i], prefix = len - q_len;
     std::fill(request_of.begin() + md.cu[i], request_of.begin() + md.cu[i + 1], i);
+    const auto first_key = [&](int64_t t0) { return window > 0 ? std::max<int64_t>(0, prefix + t0 + 1 - window) : 0; };
+    // Several query blocks (the first through brgemm) share their keys: each kv head's tiles are packed once, from
+    // the tile of the first block's first key.
+    const int64_t packed_from = first_key(0) / GEMM_BLOCK_N * GEMM_BLOCK_N;
+    const int64_t num_tiles = (len - packed_from + GEMM_BLOCK_N - 1) / GEMM_BLOCK_N;
+    const int64_t packed = q_len > block_tokens ? static_cast<int64_t>(pack_jobs.size()) : -1;
+    for (int64_t h = 0; packed >= 0 && h < num_kv_heads; ++h) {
+      for (int64_t t = 0; t < num_tiles; ++t) {
+        const int64_t j0 = packed_from + t * GEMM_BLOCK_N;
+        pack_jobs.push_back({i, h, j0, std::min(GEMM_BLOCK_N, len - j0)});
+      }
+    }
     for (int64_t t0 = 0; t0 < q_len; t0 += block_tokens) {
-      const int64_t nt = std::min(block_tokens, q_len - t0);
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, prefix + t0 + 1 - window) : 0, hi = prefix + t0 + nt;
+      const int64_t nt = std::min(block_tokens, q_len - t0), lo = first_key(t0), hi = prefix + t0 + nt;
       // Few rows per kv head, whole-vector rows: a unit takes every kv head, so that it reads each position's
       // Hkv * D elements together (one stream per page); else a unit per kv head.
       const int64_t rows = nt * group, heads = rows < GEMM_ROWS && head_dim % VEC == 0 ? num_kv_heads : 1;
@@ -660,14 +732,16 @@ at::Tensor forward_typed(const at::Tensor& q, const at::Tensor& k, const at::Ten
       if (rows >= GEMM_ROWS) max_gemm_rows = std::max(max_gemm_rows, rows);
       for (int64_t h = 0; h < num_kv_heads; h += heads) {
         if (splits <= 1) {
-          units.push_back({i, h, heads, t0, nt, lo, hi, -1});
+          const int64_t tiles = packed >= 0 && rows >= GEMM_ROWS ? packed + h * num_tiles : -1;
+          units.push_back({i, h, heads, t0, nt, lo, hi, -1, tiles, packed_from});
           continue;
         }
         for (int64_t g = 0; g < heads; ++g) {
           merges.push_back({i, h + g, nt, splits, partial_rows + g * rows, heads * rows});
         }
         for (int64_t sp = 0; sp < splits; ++sp) {
-          units.push_back({i, h, heads, t0, nt, lo + sp * split, std::min(hi, lo + (sp + 1) * split), partial_rows});
+          units.push_back(
+              {i, h, heads, t0, nt, lo + sp * split, std::min(hi, lo + (sp + 1) * split), partial_rows, -1, 0});
           partial_rows += heads * rows;
         }
       }
@@ -677,20 +751,24 @@ at::Tensor forward_typed(const at::Tensor& q, const at::Tensor& k, const at::Ten
   store_kv<T>(k, k_cache, md, request_of, page_size);
   store_kv<T>(v, v_cache, md, request_of, page_size);
 
+  const int64_t padded_dim = (head_dim + VEC - 1) / VEC * VEC;
   auto partial_out = at::empty({partial_rows, head_dim}, q.options().dtype(at::kFloat));
   auto partial_lse = at::empty({partial_rows}, q.options().dtype(at::kFloat));
+  auto packed = at::empty({static_cast<int64_t>(pack_jobs.size()) * 2 * GEMM_BLOCK_N * padded_dim},
+                          q.options().dtype(amx_available<T>() ? q.scalar_type() : at::kFloat));
   Problem<T> pb{q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), out.data_ptr<T>(),
-                partial_out.data_ptr<float>(), partial_lse.data_ptr<float>(), md,
-                {q.stride(0), q.stride(1), q.stride(2)}, page_size, num_kv_heads, group, head_dim,
-                (head_dim + VEC - 1) / VEC * VEC, static_cast<float>(scale), static_cast<float>(logit_cap), window,
-                num_kv_heads * head_dim};
-  const int64_t num_threads = at::get_num_threads();
-  std::vector<std::unique_ptr<Scratch<T>>> scratch(num_threads);
-  parallel_dynamic(static_cast<int64_t>(units.size()), [&](int64_t i) {
+                partial_out.data_ptr<float>(), partial_lse.data_ptr<float>(), packed.data_ptr(), md,
+                {q.stride(0), q.stride(1), q.stride(2)}, page_size, num_kv_heads, group, head_dim, padded_dim,
+                static_cast<float>(scale), static_cast<float>(logit_cap), window, num_kv_heads * head_dim};
+  std::vector<std::unique_ptr<Scratch<T>>> scratch(at::get_num_threads());
+  const auto thread_scratch = [&]() -> Scratch<T>& {
     auto& s = scratch[at::get_thread_num()];
-    if (!s) s = std::make_unique<Scratch<T>>(max_rows, max_gemm_rows, pb.padded_dim);
-    run_unit(pb, units[i], *s);
-  });
+    if (!s) s = std::make_unique<Scratch<T>>(max_rows, max_gemm_rows, padded_dim);
+    return *s;
+  };
+  parallel_dynamic(static_cast<int64_t>(pack_jobs.size()),
+                   [&](int64_t i) { run_pack(pb, pack_jobs[i], i, thread_scratch()); });
+  parallel_dynamic(static_cast<int64_t>(units.size()), [&](int64_t i) { run_unit(pb, units[i], thread_scratch()); });
   // parallel_for returns when every unit is done: the merges read finished slices.
   parallel_dynamic(static_cast<int64_t>(merges.size()), [&](int64_t i) { run_merge(pb, merges[i]); });
   return out;
