@@ -42,11 +42,9 @@ constexpr int64_t VEC = Vec::size();
 constexpr int64_t BLOCK_N = 64;      // keys per tile (a multiple of VEC)
 constexpr int64_t KV_SPLIT = 512;    // keys per slice of a request with one query block (a multiple of BLOCK_N)
 constexpr int64_t KV_SPLIT_ALL_HEADS = 256;  // the same for a unit of every kv head
-// A unit of every kv head reads each position's rows head by head. When a position fills a 4 KiB page of memory, that
-// order rises within the page and the hardware prefetcher (which follows streams within such a page) keeps up;
-// when several positions share one, it falls back at every head, and the kernel prefetches PREFETCH_POSITIONS ahead.
+// The hardware prefetcher follows streams that rise within a 4 KiB page of memory: units of every kv head read each
+// such page in order (attend_tile); units of one kv head, whose rows lie Hkv * D apart, prefetch in software.
 constexpr int64_t PAGE_BYTES = 4096;
-constexpr int64_t PREFETCH_POSITIONS = 8;
 constexpr int64_t BLOCK_ROWS = 512;  // query rows (tokens x group) per unit of a longer prefill
 constexpr int64_t GEMM_ROWS = 16;    // from this many rows, the products go through brgemm (see attend_tile_brgemm)
 constexpr int64_t GEMM_BLOCK_N = 256;  // keys per tile of the brgemm path (see attend_tile_brgemm)
@@ -54,6 +52,15 @@ constexpr int64_t GEMM_M = 16;         // its products' row counts are multiples
 constexpr int64_t GEMM_N = 32;         // and their key counts (a divisor of GEMM_BLOCK_N)
 constexpr int64_t GEMM_CHUNK = 64;     // rows per pair of its products (a multiple of GEMM_M)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+// Built for AVX512-BF16 (native.py adds it where the CPU has it): few rows over a bf16 cache read in place take their
+// dot products with K in bf16 pairs, q kept in bf16 (exact: q is bf16) and the scale applied to the fp32 scores.
+#if defined(__AVX512BF16__)
+constexpr bool BF16_DOTS = true;
+#else
+constexpr bool BF16_DOTS = false;
+#endif
+template <typename R>
+constexpr bool bf16_dots = BF16_DOTS && std::is_same_v<R, at::BFloat16>;
 
 inline Vec load_row(const float* p) { return Vec::loadu(p); }
 template <typename T>
@@ -159,13 +166,15 @@ template <typename T>
 struct Scratch {
   const bool amx;
   std::vector<float> q, acc, scores, m, l, tile_max, alpha, packed_k, packed_v;
+  std::vector<T> q16;  // the unscaled query rows of bf16 dot products
   GemmTiles<float> f32;
   GemmTiles<T> amx16;
   // rows: the most rows of a unit; gemm_rows: of a unit whose products go through brgemm (0: none).
   Scratch(int64_t rows, int64_t gemm_rows, int64_t padded_dim)
       : amx(amx_available<T>()), q(rows * padded_dim), acc(round_up(rows, GEMM_M) * padded_dim),
         scores(round_up(rows, GEMM_M) * GEMM_BLOCK_N), m(rows), l(rows), tile_max(rows), alpha(rows),
-        packed_k(BLOCK_N * padded_dim, 0.f), packed_v(BLOCK_N * padded_dim, 0.f) {
+        packed_k(BLOCK_N * padded_dim, 0.f), packed_v(BLOCK_N * padded_dim, 0.f),
+        q16(bf16_dots<T> ? rows * padded_dim : 0) {
     if (gemm_rows < GEMM_ROWS) return;
     if (amx) {
       amx16.allocate(gemm_rows, padded_dim);
@@ -183,45 +192,102 @@ struct Scratch {
   }
 };
 
-// scores[r, j] = q[r] . k_j for RB rows (few rows: decode, verify), KB keys at a time: one load of each K chunk
-// serves the RB rows, and RB x KB independent accumulators keep the FMA units busy. Key j's row is at k[j] + offset
-// (offset: a kv head's place in the rows of every head). Always inlined, as accumulate_pv: called from a unit's loop
-// beside the brgemm path, they are not otherwise (decode 4% slower).
-template <int RB, int KB, typename R>
-[[gnu::always_inline]] inline void scores_dot_keys(const float* q, int64_t dim, const R* const* k, int64_t j,
+// scores[r * BLOCK_N + c * ks] = the sum of acc[r][c]'s lanes.
+template <int RB, int KB>
+[[gnu::always_inline]] inline void store_sums(const Vec (&acc)[RB][KB], int64_t ks, float* scores) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (RB == 4 && KB == 4) {
+    // 16 sums by a tree of shuffles and adds over the 16 vectors: about 45 instructions, where 16 reductions of one
+    // vector each take about 160, as many as the products themselves.
+    const auto pairs = [](__m512 a, __m512 b) {  // per 128-bit lane: [a, b, a, b] partial sums
+      return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    };
+    const auto quads = [](__m512 ab, __m512 cd) {  // per 128-bit lane: [a, b, c, d] partial sums
+      const __m512d x = _mm512_castps_pd(ab), y = _mm512_castps_pd(cd);
+      return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    };
+    const auto lanes = [](__m512 x, __m512 y) {  // [x0 + x1, x2 + x3, y0 + y1, y2 + y3] of the 128-bit lanes
+      return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+    };
+    __m512 rows[4];
+    for (int r = 0; r < 4; ++r) rows[r] = quads(pairs(acc[r][0], acc[r][1]), pairs(acc[r][2], acc[r][3]));
+    const __m512 sums = lanes(lanes(rows[0], rows[1]), lanes(rows[2], rows[3]));  // 128-bit lane r: row r's sums
+    if (ks == 1) {
+      _mm_storeu_ps(scores, _mm512_extractf32x4_ps(sums, 0));
+      _mm_storeu_ps(scores + BLOCK_N, _mm512_extractf32x4_ps(sums, 1));
+      _mm_storeu_ps(scores + 2 * BLOCK_N, _mm512_extractf32x4_ps(sums, 2));
+      _mm_storeu_ps(scores + 3 * BLOCK_N, _mm512_extractf32x4_ps(sums, 3));
+      return;
+    }
+    alignas(64) float out[16];
+    _mm512_store_ps(out, sums);
+    for (int r = 0; r < 4; ++r)
+      for (int c = 0; c < 4; ++c) scores[r * BLOCK_N + c * ks] = out[4 * r + c];
+    return;
+  }
+#endif
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < KB; ++c) scores[r * BLOCK_N + c * ks] = hsum(acc[r][c]);
+}
+
+// scores[r, j] = q[r] . k_j for RB rows (few rows: decode, verify), KB keys j + c * ks at a time: one load of each K
+// chunk serves the RB rows, and RB x KB independent accumulators keep the FMA units busy. Key j's row is at k[j] +
+// offset (offset: a kv head's place in the rows of every head). q is fp32 (scaled), or with bf16_dots, bf16 (unscaled).
+// Always inlined, as accumulate_pv: called from a unit's loop beside the brgemm path, they are not otherwise (decode
+// 4% slower).
+template <int RB, int KB, typename Q, typename R>
+[[gnu::always_inline]] inline void scores_dot_keys(const Q* q, int64_t dim, const R* const* k, int64_t j, int64_t ks,
                                                    int64_t offset, float* scores) {
   Vec acc[RB][KB];
   for (int r = 0; r < RB; ++r)
     for (int c = 0; c < KB; ++c) acc[r][c] = Vec(0.f);
+#if defined(__AVX512BF16__)
+  if constexpr (bf16_dots<R>) {
+    // 32 elements a step; a head dim of 16 modulo 32 ends with a step of 16 (the upper half masked to 0).
+    const auto step = [&](int64_t d, __mmask32 mask) {
+      __m512bh kv[KB];
+      for (int c = 0; c < KB; ++c) kv[c] = (__m512bh)_mm512_maskz_loadu_epi16(mask, k[j + c * ks] + offset + d);
+      for (int r = 0; r < RB; ++r) {
+        const auto qv = (__m512bh)_mm512_maskz_loadu_epi16(mask, q + r * dim + d);
+        for (int c = 0; c < KB; ++c) acc[r][c] = Vec(_mm512_dpbf16_ps(acc[r][c], qv, kv[c]));
+      }
+    };
+    int64_t d = 0;
+    for (; d + 32 <= dim; d += 32) step(d, ~__mmask32(0));
+    if (d < dim) step(d, 0xffff);
+    return store_sums(acc, ks, scores + j);
+  }
+#endif
   for (int64_t d = 0; d < dim; d += VEC) {
     Vec kv[KB];
-    for (int c = 0; c < KB; ++c) kv[c] = load_row(k[j + c] + offset + d);
+    for (int c = 0; c < KB; ++c) kv[c] = load_row(k[j + c * ks] + offset + d);
     for (int r = 0; r < RB; ++r) {
       const Vec qv = Vec::loadu(q + r * dim + d);
       for (int c = 0; c < KB; ++c) acc[r][c] = at::vec::fmadd(qv, kv[c], acc[r][c]);
     }
   }
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < KB; ++c) scores[r * BLOCK_N + j + c] = hsum(acc[r][c]);
+  store_sums(acc, ks, scores + j);
 }
 
-// Keys [a, b).
-template <int RB, typename R>
-void scores_dot(const float* q, int64_t dim, const R* const* k, int64_t a, int64_t b, int64_t offset, float* scores) {
+// Keys a, a + ks, ... below b.
+template <int RB, typename Q, typename R>
+void scores_dot(const Q* q, int64_t dim, const R* const* k, int64_t a, int64_t b, int64_t ks, int64_t offset,
+                float* scores) {
   int64_t j = a;
-  for (; j + 4 <= b; j += 4) scores_dot_keys<RB, 4>(q, dim, k, j, offset, scores);
-  for (; j < b; ++j) scores_dot_keys<RB, 1>(q, dim, k, j, offset, scores);
+  for (; j + 3 * ks < b; j += 4 * ks) scores_dot_keys<RB, 4>(q, dim, k, j, ks, offset, scores);
+  for (; j < b; j += ks) scores_dot_keys<RB, 1>(q, dim, k, j, ks, offset, scores);
 }
 
-// acc[r] += sum_j p[r, j] v_j for RB rows and DB vectors of the head dim, j in [a, b), v_j at v[j] + offset: one
-// load of each V chunk serves the RB rows.
+// acc[r] += sum_j p[r, j] v_j for RB rows and DB vectors of the head dim, j = a, a + ks, ... below b, v_j at v[j] +
+// offset: one load of each V chunk serves the RB rows.
 template <int RB, int DB, typename R>
 [[gnu::always_inline]] inline void accumulate_pv(const float* p, const R* const* v, int64_t a, int64_t b,
-                                                 int64_t offset, int64_t d0, int64_t dim, float* acc) {
+                                                 int64_t ks, int64_t offset, int64_t d0, int64_t dim, float* acc) {
   Vec sum[RB][DB];
   for (int r = 0; r < RB; ++r)
     for (int c = 0; c < DB; ++c) sum[r][c] = Vec::loadu(acc + r * dim + d0 + c * VEC);
-  for (int64_t j = a; j < b; ++j) {
+  for (int64_t j = a; j < b; j += ks) {
     Vec vv[DB];
     for (int c = 0; c < DB; ++c) vv[c] = load_row(v[j] + offset + d0 + c * VEC);
     for (int r = 0; r < RB; ++r) {
@@ -333,47 +399,62 @@ void prefetch_rows(const T* const* rows, int64_t n, int64_t row_bytes) {
 
 // One tile of n keys for few rows per kv head, rows given as pointers to `padded_dim` values (cache rows in place, or
 // packed fp32 rows) of the unit's first kv head; head h's row is h * head_dim further. Scratch rows are head-major:
-// [num_heads][rows]. A unit of several heads walks the positions in order, 4 at a time for every head, so that each
-// page's K and V are read front to back (see forward_typed).
+// [num_heads][rows].
+//
+// A unit of several heads reads each memory page (PAGE_BYTES) front to back, as the hardware prefetcher follows: it
+// takes keys in groups of 4 * per_page positions, per_page positions sharing a memory page, and each group in
+// per_page passes of 4 keys, one from each page (s, s + per_page, ...), every kv head in turn. So pass s reads
+// position s of each page, head by head: within the page, in order.
 template <typename T, typename R>
 void attend_tile(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, const R* const* k, const R* const* v,
                  int64_t rows, Scratch<T>& s) {
-  const int64_t dim = pb.padded_dim, heads = u.num_heads, step = heads > 1 ? 4 : BLOCK_N;
+  const int64_t dim = pb.padded_dim, heads = u.num_heads;
   const int64_t position_bytes = heads * pb.head_dim * static_cast<int64_t>(sizeof(R));
-  for (int64_t j = 0; j < n; j += step) {
-    if (heads > 1 && position_bytes < PAGE_BYTES && j + PREFETCH_POSITIONS < n) {
-      const int64_t count = std::min(step, n - j - PREFETCH_POSITIONS);
-      prefetch_rows(k + j + PREFETCH_POSITIONS, count, position_bytes);
-      prefetch_rows(v + j + PREFETCH_POSITIONS, count, position_bytes);
+  const int64_t per_page = heads > 1 ? std::max<int64_t>(1, PAGE_BYTES / position_bytes) : 1;
+  const int64_t group = heads > 1 ? 4 * per_page : BLOCK_N;
+  const auto* q = [&] {
+    if constexpr (bf16_dots<R>) {
+      return s.q16.data();
+    } else {
+      return s.q.data();
     }
-    for (int64_t h = 0; h < heads; ++h) {
-      for_row_blocks(rows, [&](auto rb, int64_t r) {
-        scores_dot<decltype(rb)::value>(s.q.data() + (h * rows + r) * dim, dim, k, j, std::min(j + step, n),
-                                        h * pb.head_dim, s.scores.data() + (h * rows + r) * BLOCK_N);
-      });
-    }
+  }();
+  // Calls fn(a, b, ks) for the passes over keys [j, jb): whole groups in per_page passes, a partial one in order.
+  const auto passes = [&](int64_t j, int64_t jb, auto&& fn) {
+    if (jb - j < group) return fn(j, jb, int64_t{1});
+    for (int64_t p = 0; p < per_page; ++p) fn(j + p, jb, per_page);
+  };
+  for (int64_t j = 0; j < n; j += group) {
+    passes(j, std::min(j + group, n), [&](int64_t a, int64_t b, int64_t ks) {
+      for (int64_t h = 0; h < heads; ++h) {
+        for_row_blocks(rows, [&](auto rb, int64_t r) {
+          scores_dot<decltype(rb)::value>(q + (h * rows + r) * dim, dim, k, a, b, ks, h * pb.head_dim,
+                                          s.scores.data() + (h * rows + r) * BLOCK_N);
+        });
+      }
+    });
   }
-  const auto [a_min, b_max] = softmax_tile(pb, u, j0, n, BLOCK_N, 1.f, 0, heads * rows, s);
-  for (int64_t j = a_min; j < b_max; j += step) {
-    const int64_t jb = std::min(j + step, b_max);
-    for (int64_t h = 0; h < heads; ++h) {
-      for_row_blocks(rows, [&](auto rb, int64_t r) {
-        constexpr int RB = decltype(rb)::value;
-        const float* p = s.scores.data() + (h * rows + r) * BLOCK_N;
-        float* acc = s.acc.data() + (h * rows + r) * dim;
-        const int64_t offset = h * pb.head_dim;
-        int64_t d = 0;
-        for (; d + 2 * VEC <= dim; d += 2 * VEC) accumulate_pv<RB, 2>(p, v, j, jb, offset, d, dim, acc);
-        if (d < dim) accumulate_pv<RB, 1>(p, v, j, jb, offset, d, dim, acc);
-      });
-    }
+  const auto [a_min, b_max] = softmax_tile(pb, u, j0, n, BLOCK_N, bf16_dots<R> ? pb.scale : 1.f, 0, heads * rows, s);
+  for (int64_t j = a_min; j < b_max; j += group) {
+    passes(j, std::min(j + group, b_max), [&](int64_t a, int64_t b, int64_t ks) {
+      for (int64_t h = 0; h < heads; ++h) {
+        for_row_blocks(rows, [&](auto rb, int64_t r) {
+          constexpr int RB = decltype(rb)::value;
+          const float* p = s.scores.data() + (h * rows + r) * BLOCK_N;
+          float* acc = s.acc.data() + (h * rows + r) * dim;
+          const int64_t offset = h * pb.head_dim;
+          int64_t d = 0;
+          for (; d + 2 * VEC <= dim; d += 2 * VEC) accumulate_pv<RB, 2>(p, v, a, b, ks, offset, d, dim, acc);
+          if (d < dim) accumulate_pv<RB, 1>(p, v, a, b, ks, offset, d, dim, acc);
+        });
+      }
+    });
   }
 }
 
-#if defined(CPU_CAPABILITY_AVX512)
-// AMX-BF16 comes with AVX512-BF16 (oneDNN's AMX level includes it): one instruction rounds 32 values (to nearest
-// even, as at::vec does).
-__attribute__((target("avx512bf16"))) void round_bf16(const float* src, at::BFloat16* dst, int64_t count) {
+#if defined(__AVX512BF16__)
+// One instruction rounds 32 values (to nearest even, as at::vec does). Every AMX-BF16 CPU has AVX512-BF16.
+void round_bf16(const float* src, at::BFloat16* dst, int64_t count) {
   for (int64_t i = 0; i < count; i += 32) {
     const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16), _mm512_loadu_ps(src + i));
     _mm512_storeu_si512(dst + i, (__m512i)h);
@@ -384,7 +465,7 @@ __attribute__((target("avx512bf16"))) void round_bf16(const float* src, at::BFlo
 // Probabilities in the products' 16-bit type; count a multiple of 32.
 template <typename G>
 void round_probs(const float* src, G* dst, int64_t count) {
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<G, at::BFloat16>) return round_bf16(src, dst, count);
 #endif
   at::vec::convert(src, dst, count);
@@ -504,18 +585,13 @@ void attend_dot(const Problem<T>& pb, const Unit& u, int64_t rows, Scratch<T>& s
     const int64_t n = std::min(BLOCK_N, u.hi - j0), next = j0 + BLOCK_N;
     const T** k_rows = k_tiles[t];
     const T** v_rows = v_tiles[t];
-    // Prefetch what the hardware prefetcher misses (see PAGE_BYTES). A unit of one kv head reads rows Hkv * D apart:
-    // the whole next tile. A unit of every head whose positions share pages: the next tile's first positions
-    // (attend_tile prefetches the rest as it goes).
+    // A unit of one kv head prefetches the whole next tile (see PAGE_BYTES).
     if (next < u.hi) {
       const int64_t n_next = std::min(BLOCK_N, u.hi - next);
       tile_rows(pb, u.request, u.head, next, n_next, k_tiles[t ^ 1], v_tiles[t ^ 1]);
       if (u.num_heads == 1) {
         prefetch_rows(k_tiles[t ^ 1], n_next, row_bytes);
         prefetch_rows(v_tiles[t ^ 1], n_next, row_bytes);
-      } else if (u.num_heads * row_bytes < PAGE_BYTES) {
-        prefetch_rows(k_tiles[t ^ 1], std::min(PREFETCH_POSITIONS, n_next), u.num_heads * row_bytes);
-        prefetch_rows(v_tiles[t ^ 1], std::min(PREFETCH_POSITIONS, n_next), u.num_heads * row_bytes);
       }
     }
     if (pb.head_dim == dim) {
@@ -554,6 +630,12 @@ void run_unit_typed(const Problem<T>& pb, const Unit& u, Scratch<T>& s, bool brg
         for (int64_t d = 0; d < pb.head_dim; ++d) dst[d] = static_cast<G>(src[d * pb.q_strides[2]]);
       }
       continue;
+    }
+    if constexpr (bf16_dots<T>) {
+      if (pb.head_dim == dim) {  // read in place: bf16 dot products (the scale applies to the scores)
+        for (int64_t d = 0; d < dim; ++d) s.q16[r * dim + d] = src[d * pb.q_strides[2]];
+        continue;
+      }
     }
     float* dst = s.q.data() + r * dim;
     for (int64_t d = 0; d < pb.head_dim; ++d) dst[d] = static_cast<float>(src[d * pb.q_strides[2]]) * pb.scale;
