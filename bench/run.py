@@ -43,13 +43,28 @@ def timeit(fn, reps=7, warmup=5):
     return statistics.median(times)
 
 
-def guarded_timeit(make_fn, reps):
-    """timeit of `make_fn()`, or None when building or running it fails (a peer that does not support the case)."""
-    try:
-        return timeit(make_fn(), reps)
-    except Exception as e:  # noqa: BLE001 - a failing peer is a result to report, not a reason to stop
-        print(f"    failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
-        return None
+def timeit_side_by_side(make_fns, reps, warmup=5):
+    """Median seconds of each `make_fns[name]()`, timed in `reps` rounds that call every method once: this machine's
+    speed drifts, so methods timed one after the other would compare different moments, and a method called many times
+    in a row would find its data still in the last-level cache, which decode on a serving engine does not (a layer's
+    cache is read once per step). None where building or running a method fails (a peer that does not support the
+    case)."""
+    fns = {}
+    for name, make_fn in make_fns.items():
+        try:
+            fns[name] = make_fn()
+            for _ in range(warmup):
+                fns[name]()
+        except Exception as e:  # noqa: BLE001 - a failing peer is a result to report, not a reason to stop
+            fns.pop(name, None)
+            print(f"    {name} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(times[name]) if name in fns else None for name in make_fns}
 
 
 def read_bandwidth():
@@ -167,21 +182,25 @@ def op_section(quick, bandwidth):
     rows = []
     for name, dtype_name, prefixes, news, dtype, peers in cases:
         prefixes = [p - 1 for p in prefixes] if name == "decode" else prefixes  # context includes the new token
-        for layout in ("consecutive", "scattered"):
-            batch = Batch(prefixes, news, dtype, shuffle_pages=layout == "scattered")
-            op = torch.ops.hybrid.decode if name == "decode" else torch.ops.hybrid.prefill
-            methods = hybrid_methods(batch, op)
+        op = torch.ops.hybrid.decode if name == "decode" else torch.ops.hybrid.prefill
+        batches = {layout: Batch(prefixes, news, dtype, shuffle_pages=layout == "scattered")
+                   for layout in ("consecutive", "scattered")}
+        methods = {}
+        for layout, batch in batches.items():
+            methods |= {(layout, m): fn for m, fn in hybrid_methods(batch, op).items()}
             if layout == "consecutive" or name == "decode":
-                methods |= {m: getattr(batch, PEER_METHODS[m]) for m in peers}
-            times = {m: guarded_timeit(fn, reps) for m, fn in methods.items()}
-            ours = times[f"hybrid_ops {HYBRID_BACKENDS[0]}"]
-            for method, seconds in times.items():
+                methods |= {(layout, m): getattr(batch, PEER_METHODS[m]) for m in peers}
+        times = timeit_side_by_side(methods, reps)
+        for layout, batch in batches.items():
+            ours = times[(layout, f"hybrid_ops {HYBRID_BACKENDS[0]}")]
+            measured = {m: t for (l, m), t in times.items() if l == layout}
+            for method, seconds in measured.items():
                 rows.append(dict(case=name, dtype=dtype_name, pages=layout, method=method,
                                  ms=seconds and seconds * 1e3, kv_gbps=seconds and batch.kv_bytes / seconds / 1e9,
                                  of_read_bandwidth=seconds and batch.kv_bytes / seconds / 1e9 / bandwidth,
                                  vs_hybrid=seconds and ours and seconds / ours))
             print(f"  {name} {dtype_name} {layout}: " + ", ".join(
-                f"{m} {t * 1e3:.1f} ms" if t else f"{m} failed" for m, t in times.items()), flush=True)
+                f"{m} {t * 1e3:.1f} ms" if t else f"{m} failed" for m, t in measured.items()), flush=True)
     return rows
 
 
@@ -192,8 +211,7 @@ def context_sweep(quick):
     for length in lengths:
         batch = Batch([length - 1] * 16, [1] * 16, torch.float32, shuffle_pages=False)
         methods = hybrid_methods(batch, torch.ops.hybrid.decode) | {m: getattr(batch, PEER_METHODS[m]) for m in PEERS}
-        for method, make_fn in methods.items():
-            seconds = guarded_timeit(make_fn, 3)
+        for method, seconds in timeit_side_by_side(methods, 3).items():
             if seconds:
                 series.setdefault(method, []).append((length, seconds * 1e3))
     return series
