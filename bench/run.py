@@ -168,7 +168,7 @@ def hybrid_methods(batch, op):
 
 
 def op_section(quick, bandwidth):
-    reps = 3 if quick else 7
+    reps = 3 if quick else 15
     decode_lens = torch.linspace(256, 2048, 16).long().tolist()
     # case, dtype, prefixes, new tokens, peers measured (pages do not matter to them: consecutive pages only)
     cases = [("decode", "fp32", decode_lens, [1] * 16, torch.float32, PEERS),

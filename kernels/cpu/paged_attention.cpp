@@ -8,12 +8,13 @@
 // at::parallel_for from a shared counter, since units differ in length. One unit keeps the query rows of its kv
 // heads' groups (tokens x GQA group) and streams its keys in tiles: each K/V row is loaded once per tile and serves
 // every query row of its group (online softmax, fp32 accumulation). Few rows per kv head (decode, short verify) take
-// dot products over tiles of BLOCK_N keys read in place, a unit taking every kv head and walking the positions in
-// order, so each page is read front to back (a position's Hkv * D elements lie together). Many rows (prefill) take
-// ATen's brgemm (oneDNN) per kv head over tiles of GEMM_BLOCK_N keys packed into per-thread scratch, in fp32, or in
-// the cache's 16-bit type on AMX. A request with one block of queries (decode, verify, a short chunk over a long
-// prefix) splits its keys into slices, merged by log-sum-exp, so a batch of one still uses several cores. The slicing
-// depends on the request alone, so a request's result is the same in any batch and on any number of threads.
+// dot products over tiles of BLOCK_N keys read in place (bf16 K in bf16 pairs where the build has AVX512-BF16), a
+// unit taking every kv head and reading each 4 KiB page of memory in order (a position's Hkv * D elements lie
+// together; see attend_tile). Many rows (prefill) take ATen's brgemm (oneDNN) per kv head over tiles of GEMM_BLOCK_N
+// keys packed in fp32, or in the cache's 16-bit type on AMX: by the unit, or once for all the query blocks of a
+// request. A request with one block of queries (decode, verify, a short chunk over a long prefix) splits its keys into
+// slices, merged by log-sum-exp, so a batch of one still uses several cores. The slicing depends on the request alone,
+// so a request's result is the same in any batch and on any number of threads.
 //
 // The metadata's values are checked first (before anything is written); on bad values `paged_attention` returns an
 // undefined tensor (None in Python) and the caller reports which value is wrong.
