@@ -23,8 +23,7 @@ CASES = {  # op, make_case arguments
     # Units of every kv head: 5 slices, exactly 2, and a slice boundary at the last key; page 16.
     "decode": ("decode", dict(q_lens=[1] * 3, prefix_lens=[1100, 511, 1536], num_q_heads=8, num_kv_heads=2,
                               head_dim=128, page_size=16)),
-    # 3 draft tokens x group 4 = 12 rows per kv head: units of every kv head; 3 and 2 slices; page 7; head dim 80 (bf16
-    # dot products of 32 elements, then 16).
+    # 3 draft tokens x group 4 = 12 rows per kv head: units of every kv head; 3 and 2 slices; page 7; head dim 80.
     "verify_all_heads": ("decode", dict(q_lens=[3] * 2, prefix_lens=[600, 260], num_q_heads=8, num_kv_heads=2,
                                         head_dim=80, page_size=7)),
     # 4 draft tokens x group 8 = 32 rows (the many-rows path); head dim 80 (copied rows); page 5.

@@ -3,9 +3,9 @@
 One call stores the new k, v and attends, reading the pages where they lie (no gather), split across the threads
 of `at::parallel_for`. The kernels build at first use with `torch.utils.cpp_extension` (g++ or clang, and ninja)
 into torch's extension directory, for the vector instructions ATen detected on this machine
-(`torch.backends.cpu.get_cpu_capability()`: DEFAULT, AVX2 or AVX512, and AVX512-BF16 where the CPU has it), so a
-build never uses instructions the CPU lacks; later processes load the cached library (one per source text). Without
-a compiler, "auto" warns once and takes the torch backend, and `backend="cpu"` is an error.
+(`torch.backends.cpu.get_cpu_capability()`: DEFAULT, AVX2 or AVX512), so a build never uses instructions the CPU
+lacks; later processes load the cached library (one per source text). Without a compiler, "auto" warns once and
+takes the torch backend, and `backend="cpu"` is an error.
 
 The metadata lives on the host, so the kernel checks its values on every call before writing anything
 (`checks_values`); on bad values it returns None and `check_metadata_values` names the culprit.
@@ -66,9 +66,6 @@ def build():
 
     capability = torch.backends.cpu.get_cpu_capability()
     flags = _CAPABILITY_FLAGS.get(capability, [])
-    if capability == "AVX512" and getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
-        # Beyond ATen's levels: bf16 dot products (decode on a bf16 cache) and rounding (AMX prefill).
-        capability, flags = "AVX512_BF16", [*flags, "-mavx512bf16"]
     name = f"hybrid_ops_cpu_{capability.lower()}"
     sources = [_path(n) for n in _SOURCES]
     # One directory per source text: checkouts that share the build root never load each other's kernels.

@@ -8,13 +8,13 @@
 // at::parallel_for from a shared counter, since units differ in length. One unit keeps the query rows of its kv
 // heads' groups (tokens x GQA group) and streams its keys in tiles: each K/V row is loaded once per tile and serves
 // every query row of its group (online softmax, fp32 accumulation). Few rows per kv head (decode, short verify) take
-// dot products over tiles of BLOCK_N keys read in place (bf16 K in bf16 pairs where the build has AVX512-BF16), a
-// unit taking every kv head and reading each 4 KiB page of memory in order (a position's Hkv * D elements lie
-// together; see attend_tile). Many rows (prefill) take ATen's brgemm (oneDNN) per kv head over tiles of GEMM_BLOCK_N
-// keys packed in fp32, or in the cache's 16-bit type on AMX: by the unit, or once for all the query blocks of a
-// request. A request with one block of queries (decode, verify, a short chunk over a long prefix) splits its keys into
-// slices, merged by log-sum-exp, so a batch of one still uses several cores. The slicing depends on the request alone,
-// so a request's result is the same in any batch and on any number of threads.
+// dot products over tiles of BLOCK_N keys read in place, a unit taking every kv head and reading each 4 KiB page of
+// memory in order (a position's Hkv * D elements lie together; see attend_tile). Many rows (prefill) take ATen's
+// brgemm (oneDNN) per kv head over tiles of GEMM_BLOCK_N keys packed in fp32, or in the cache's 16-bit type on AMX:
+// by the unit, or once for all the query blocks of a request. A request with one block of queries (decode, verify, a
+// short chunk over a long prefix) splits its keys into slices, merged by log-sum-exp, so a batch of one still uses
+// several cores. The slicing depends on the request alone, so a request's result is the same in any batch and on any
+// number of threads.
 //
 // The metadata's values are checked first (before anything is written); on bad values `paged_attention` returns an
 // undefined tensor (None in Python) and the caller reports which value is wrong.
@@ -55,15 +55,6 @@ constexpr int64_t GEMM_M = 16;         // its products' row counts are multiples
 constexpr int64_t GEMM_N = 32;         // and their key counts (a divisor of GEMM_BLOCK_N)
 constexpr int64_t GEMM_CHUNK = 64;     // rows per pair of its products (a multiple of GEMM_M)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
-// Built for AVX512-BF16 (native.py adds it where the CPU has it): few rows over a bf16 cache read in place take their
-// dot products with K in bf16 pairs, q kept in bf16 (exact: q is bf16) and the scale applied to the fp32 scores.
-#if defined(__AVX512BF16__)
-constexpr bool BF16_DOTS = true;
-#else
-constexpr bool BF16_DOTS = false;
-#endif
-template <typename R>
-constexpr bool bf16_dots = BF16_DOTS && std::is_same_v<R, at::BFloat16>;
 
 inline Vec load_row(const float* p) { return Vec::loadu(p); }
 template <typename T>
@@ -169,15 +160,13 @@ template <typename T>
 struct Scratch {
   const bool amx;
   std::vector<float> q, acc, scores, m, l, tile_max, alpha, packed_k, packed_v;
-  std::vector<T> q16;  // the unscaled query rows of bf16 dot products
   GemmTiles<float> f32;
   GemmTiles<T> amx16;
   // rows: the most rows of a unit; gemm_rows: of a unit whose products go through brgemm (0: none).
   Scratch(int64_t rows, int64_t gemm_rows, int64_t padded_dim)
       : amx(amx_available<T>()), q(rows * padded_dim), acc(round_up(rows, GEMM_M) * padded_dim),
         scores(round_up(rows, GEMM_M) * GEMM_BLOCK_N), m(rows), l(rows), tile_max(rows), alpha(rows),
-        packed_k(BLOCK_N * padded_dim, 0.f), packed_v(BLOCK_N * padded_dim, 0.f),
-        q16(bf16_dots<T> ? rows * padded_dim : 0) {
+        packed_k(BLOCK_N * padded_dim, 0.f), packed_v(BLOCK_N * padded_dim, 0.f) {
     if (gemm_rows < GEMM_ROWS) return;
     if (amx) {
       amx16.allocate(gemm_rows, padded_dim);
@@ -195,73 +184,16 @@ struct Scratch {
   }
 };
 
-// scores[r * BLOCK_N + c * ks] = the sum of acc[r][c]'s lanes.
-template <int RB, int KB>
-[[gnu::always_inline]] inline void store_sums(const Vec (&acc)[RB][KB], int64_t ks, float* scores) {
-#if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (RB == 4 && KB == 4) {
-    // 16 sums by a tree of shuffles and adds over the 16 vectors: about 45 instructions, where 16 reductions of one
-    // vector each take about 160, as many as the products themselves.
-    const auto pairs = [](__m512 a, __m512 b) {  // per 128-bit lane: [a, b, a, b] partial sums
-      return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-    };
-    const auto quads = [](__m512 ab, __m512 cd) {  // per 128-bit lane: [a, b, c, d] partial sums
-      const __m512d x = _mm512_castps_pd(ab), y = _mm512_castps_pd(cd);
-      return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    };
-    const auto lanes = [](__m512 x, __m512 y) {  // [x0 + x1, x2 + x3, y0 + y1, y2 + y3] of the 128-bit lanes
-      return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
-                           _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
-    };
-    __m512 rows[4];
-    for (int r = 0; r < 4; ++r) rows[r] = quads(pairs(acc[r][0], acc[r][1]), pairs(acc[r][2], acc[r][3]));
-    const __m512 sums = lanes(lanes(rows[0], rows[1]), lanes(rows[2], rows[3]));  // 128-bit lane r: row r's sums
-    if (ks == 1) {
-      _mm_storeu_ps(scores, _mm512_extractf32x4_ps(sums, 0));
-      _mm_storeu_ps(scores + BLOCK_N, _mm512_extractf32x4_ps(sums, 1));
-      _mm_storeu_ps(scores + 2 * BLOCK_N, _mm512_extractf32x4_ps(sums, 2));
-      _mm_storeu_ps(scores + 3 * BLOCK_N, _mm512_extractf32x4_ps(sums, 3));
-      return;
-    }
-    alignas(64) float out[16];
-    _mm512_store_ps(out, sums);
-    for (int r = 0; r < 4; ++r)
-      for (int c = 0; c < 4; ++c) scores[r * BLOCK_N + c * ks] = out[4 * r + c];
-    return;
-  }
-#endif
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < KB; ++c) scores[r * BLOCK_N + c * ks] = hsum(acc[r][c]);
-}
-
 // scores[r, j] = q[r] . k_j for RB rows (few rows: decode, verify), KB keys j + c * ks at a time: one load of each K
 // chunk serves the RB rows, and RB x KB independent accumulators keep the FMA units busy. Key j's row is at k[j] +
-// offset (offset: a kv head's place in the rows of every head). q is fp32 (scaled), or with bf16_dots, bf16 (unscaled).
-// Always inlined, as accumulate_pv: called from a unit's loop beside the brgemm path, they are not otherwise (decode
-// 4% slower).
-template <int RB, int KB, typename Q, typename R>
-[[gnu::always_inline]] inline void scores_dot_keys(const Q* q, int64_t dim, const R* const* k, int64_t j, int64_t ks,
-                                                   int64_t offset, float* scores) {
+// offset (offset: a kv head's place in the rows of every head). Always inlined, as accumulate_pv: called from a
+// unit's loop beside the brgemm path, they are not otherwise (decode 4% slower).
+template <int RB, int KB, typename R>
+[[gnu::always_inline]] inline void scores_dot_keys(const float* q, int64_t dim, const R* const* k, int64_t j,
+                                                   int64_t ks, int64_t offset, float* scores) {
   Vec acc[RB][KB];
   for (int r = 0; r < RB; ++r)
     for (int c = 0; c < KB; ++c) acc[r][c] = Vec(0.f);
-#if defined(__AVX512BF16__)
-  if constexpr (bf16_dots<R>) {
-    // 32 elements a step; a head dim of 16 modulo 32 ends with a step of 16 (the upper half masked to 0).
-    const auto step = [&](int64_t d, __mmask32 mask) {
-      __m512bh kv[KB];
-      for (int c = 0; c < KB; ++c) kv[c] = (__m512bh)_mm512_maskz_loadu_epi16(mask, k[j + c * ks] + offset + d);
-      for (int r = 0; r < RB; ++r) {
-        const auto qv = (__m512bh)_mm512_maskz_loadu_epi16(mask, q + r * dim + d);
-        for (int c = 0; c < KB; ++c) acc[r][c] = Vec(_mm512_dpbf16_ps(acc[r][c], qv, kv[c]));
-      }
-    };
-    int64_t d = 0;
-    for (; d + 32 <= dim; d += 32) step(d, ~__mmask32(0));
-    if (d < dim) step(d, 0xffff);
-    return store_sums(acc, ks, scores + j);
-  }
-#endif
   for (int64_t d = 0; d < dim; d += VEC) {
     Vec kv[KB];
     for (int c = 0; c < KB; ++c) kv[c] = load_row(k[j + c * ks] + offset + d);
@@ -270,12 +202,13 @@ template <int RB, int KB, typename Q, typename R>
       for (int c = 0; c < KB; ++c) acc[r][c] = at::vec::fmadd(qv, kv[c], acc[r][c]);
     }
   }
-  store_sums(acc, ks, scores + j);
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < KB; ++c) scores[r * BLOCK_N + j + c * ks] = hsum(acc[r][c]);
 }
 
 // Keys a, a + ks, ... below b.
-template <int RB, typename Q, typename R>
-void scores_dot(const Q* q, int64_t dim, const R* const* k, int64_t a, int64_t b, int64_t ks, int64_t offset,
+template <int RB, typename R>
+void scores_dot(const float* q, int64_t dim, const R* const* k, int64_t a, int64_t b, int64_t ks, int64_t offset,
                 float* scores) {
   int64_t j = a;
   for (; j + 3 * ks < b; j += 4 * ks) scores_dot_keys<RB, 4>(q, dim, k, j, ks, offset, scores);
@@ -416,13 +349,7 @@ void attend_tile(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, con
   const int64_t per_page = heads > 1 ? std::max<int64_t>(1, PAGE_BYTES / position_bytes) : 1;
   const int64_t pages = std::min(PAGES_PER_PASS, BLOCK_N / per_page);
   const int64_t group = heads > 1 ? pages * per_page : BLOCK_N;
-  const auto* q = [&] {
-    if constexpr (bf16_dots<R>) {
-      return s.q16.data();
-    } else {
-      return s.q.data();
-    }
-  }();
+  const float* q = s.q.data();
   // Calls fn(a, b, ks) for the passes over keys [j, jb): whole groups in per_page passes, a partial one in order.
   const auto passes = [&](int64_t j, int64_t jb, auto&& fn) {
     if (jb - j < group) return fn(j, jb, int64_t{1});
@@ -438,7 +365,7 @@ void attend_tile(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, con
       }
     });
   }
-  const auto [a_min, b_max] = softmax_tile(pb, u, j0, n, BLOCK_N, bf16_dots<R> ? pb.scale : 1.f, 0, heads * rows, s);
+  const auto [a_min, b_max] = softmax_tile(pb, u, j0, n, BLOCK_N, 1.f, 0, heads * rows, s);
   for (int64_t j = a_min; j < b_max; j += group) {
     passes(j, std::min(j + group, b_max), [&](int64_t a, int64_t b, int64_t ks) {
       for (int64_t h = 0; h < heads; ++h) {
@@ -456,9 +383,10 @@ void attend_tile(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, con
   }
 }
 
-#if defined(__AVX512BF16__)
-// One instruction rounds 32 values (to nearest even, as at::vec does). Every AMX-BF16 CPU has AVX512-BF16.
-void round_bf16(const float* src, at::BFloat16* dst, int64_t count) {
+#if defined(CPU_CAPABILITY_AVX512)
+// AMX-BF16 comes with AVX512-BF16 (oneDNN's AMX level includes it): one instruction rounds 32 values (to nearest
+// even, as at::vec does).
+__attribute__((target("avx512bf16"))) void round_bf16(const float* src, at::BFloat16* dst, int64_t count) {
   for (int64_t i = 0; i < count; i += 32) {
     const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16), _mm512_loadu_ps(src + i));
     _mm512_storeu_si512(dst + i, (__m512i)h);
@@ -469,7 +397,7 @@ void round_bf16(const float* src, at::BFloat16* dst, int64_t count) {
 // Probabilities in the products' 16-bit type; count a multiple of 32.
 template <typename G>
 void round_probs(const float* src, G* dst, int64_t count) {
-#if defined(__AVX512BF16__)
+#if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<G, at::BFloat16>) return round_bf16(src, dst, count);
 #endif
   at::vec::convert(src, dst, count);
@@ -635,12 +563,6 @@ void run_unit_typed(const Problem<T>& pb, const Unit& u, Scratch<T>& s, bool brg
       }
       continue;
     }
-    if constexpr (bf16_dots<T>) {
-      if (pb.head_dim == dim) {  // read in place: bf16 dot products (the scale applies to the scores)
-        for (int64_t d = 0; d < dim; ++d) s.q16[r * dim + d] = src[d * pb.q_strides[2]];
-        continue;
-      }
-    }
     float* dst = s.q.data() + r * dim;
     for (int64_t d = 0; d < pb.head_dim; ++d) dst[d] = static_cast<float>(src[d * pb.q_strides[2]]) * pb.scale;
     std::fill(dst + pb.head_dim, dst + dim, 0.f);
@@ -663,7 +585,8 @@ void run_unit_typed(const Problem<T>& pb, const Unit& u, Scratch<T>& s, bool brg
     const int64_t start = u.packed < 0 ? u.lo : u.packed_from + (u.lo - u.packed_from) / GEMM_BLOCK_N * GEMM_BLOCK_N;
     for (int64_t j0 = start; j0 < u.hi; j0 += GEMM_BLOCK_N) {
       if (u.packed >= 0) {
-        const G* kt = static_cast<const G*>(pb.packed) + (u.packed + (j0 - u.packed_from) / GEMM_BLOCK_N) * 2 * tile_elems;
+        const int64_t tile = u.packed + (j0 - u.packed_from) / GEMM_BLOCK_N;
+        const G* kt = static_cast<const G*>(pb.packed) + tile * 2 * tile_elems;
         attend_tile_brgemm<G>(pb, u, j0, std::min(GEMM_BLOCK_N, len - j0), kt, kt + tile_elems, rows, s);
         continue;
       }
