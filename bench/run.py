@@ -273,35 +273,41 @@ def dispatch_section():
     kernel = hybrid_ops.get_backend("cpu", q)._module.forward
     n = 20000
 
-    def per_call(fn):
-        def loop():
-            for _ in range(n):
-                fn()
-        return timeit(loop, reps=5, warmup=1) / n * 1e6
+    def per_call(fns):
+        """Microseconds per call of each function, timed side by side in rounds of n calls each."""
+        def loop(fn):
+            def run():
+                for _ in range(n):
+                    fn()
+            return run
+        times = timeit_side_by_side({name: (lambda f=f: loop(f)) for name, f in fns.items()}, reps=5, warmup=1)
+        return {name: seconds / n * 1e6 for name, seconds in times.items()}
 
     rows = []
     with torch.no_grad():
         for name, args, mode in (("decode (T = 1)", decode, 2), ("IDLE (T = 0)", idle, 4)):
-            rows.append(dict(mode=f"eager {name}, cpu backend",
-                             kernel_us=per_call(lambda: kernel(*args, 0.3, -1, 0.0, True)),
-                             bare_us=per_call(lambda: bare(*args, mode, decode_backend="cpu")),
-                             op_us=per_call(lambda: torch.ops.hybrid.attn(*args, mode, decode_backend="cpu"))))
+            us = per_call(dict(kernel=lambda: kernel(*args, 0.3, -1, 0.0, True),
+                               bare=lambda: bare(*args, mode, decode_backend="cpu"),
+                               op=lambda: torch.ops.hybrid.attn(*args, mode, decode_backend="cpu")))
+            rows.append(dict(mode=f"eager {name}, cpu backend", kernel_us=us["kernel"], bare_us=us["bare"],
+                             op_us=us["op"]))
 
         # Compiled: the same graph around the op and around the floor op (guards and wrapper are in both).
         def compiled(op):
             return torch.compile(lambda *a: op(*a, 2, decode_backend="cpu"), fullgraph=True, dynamic=True)
 
-        rows.append(dict(mode="compiled decode (T = 1), cpu backend",
-                         kernel_us=rows[0]["kernel_us"], bare_us=per_call(lambda c=compiled(bare): c(*decode)),
-                         op_us=per_call(lambda c=compiled(torch.ops.hybrid.attn): c(*decode))))
+        compiled_bare, compiled_op = compiled(bare), compiled(torch.ops.hybrid.attn)
+        us = per_call(dict(bare=lambda: compiled_bare(*decode), op=lambda: compiled_op(*decode)))
+        rows.append(dict(mode="compiled decode (T = 1), cpu backend", kernel_us=rows[0]["kernel_us"],
+                         bare_us=us["bare"], op_us=us["op"]))
 
         # A backend written in Python goes through the op's Python implementation.
         hybrid_ops.register_backend(_Null())
         null = _Null()
-        rows.append(dict(mode="eager decode (T = 1), a Python backend",
-                         kernel_us=per_call(lambda: null.decode(*decode)),
-                         bare_us=rows[0]["bare_us"],
-                         op_us=per_call(lambda: torch.ops.hybrid.attn(*decode, 2, decode_backend="null"))))
+        us = per_call(dict(kernel=lambda: null.decode(*decode),
+                           op=lambda: torch.ops.hybrid.attn(*decode, 2, decode_backend="null")))
+        rows.append(dict(mode="eager decode (T = 1), a Python backend", kernel_us=us["kernel"],
+                         bare_us=rows[0]["bare_us"], op_us=us["op"]))
     return rows
 
 
