@@ -412,13 +412,38 @@ void copy_row(const S* src, D* dst, int64_t n) {
   }
 }
 
-// K^T and V of a tile of n <= GEMM_BLOCK_N keys in G, as the products take them (see GemmTiles): kt
-// [D / per_word, GEMM_BLOCK_N, per_word], v [GEMM_BLOCK_N / per_word, D, per_word], zero past n keys (up to the
-// products' padded key count). K^T is zero past the head dim (g.k_rows stages the K rows for the transpose, zero
-// there); V is not written there, as those columns of the accumulators are never read.
+// Pointers to the rows of keys j0 .. j0 + n - 1 of a request's kv head. Walks the pages instead of dividing per key;
+// table entries past the request's last key are never read.
+template <typename T>
+void tile_rows(const Problem<T>& pb, int64_t request, int64_t head, int64_t j0, int64_t n, const T** k_rows,
+               const T** v_rows) {
+  int64_t page = j0 / pb.page_size, in_page = j0 % pb.page_size;
+  for (int64_t j = 0; j < n; ++j, ++in_page) {
+    if (in_page == pb.page_size) {
+      ++page;
+      in_page = 0;
+    }
+    if (j == 0 || in_page == 0) {
+      k_rows[j] = pb.row(pb.k_cache, request, page, in_page, head);
+      v_rows[j] = pb.row(pb.v_cache, request, page, in_page, head);
+    } else {
+      k_rows[j] = k_rows[j - 1] + pb.row_stride;
+      v_rows[j] = v_rows[j - 1] + pb.row_stride;
+    }
+  }
+}
+
+// K^T and V of keys j0 .. j0 + n - 1 (n <= GEMM_BLOCK_N) of a request's kv head in G, as the products take them
+// (see GemmTiles): kt [D / per_word, GEMM_BLOCK_N, per_word], v [GEMM_BLOCK_N / per_word, D, per_word], zero past n
+// keys (up to the products' padded key count). K^T is zero past the head dim (g.k_rows stages the K rows for the
+// transpose, zero there); V is not written there, as those columns of the accumulators are never read.
 template <typename G, typename T>
-void pack_tile(const Problem<T>& pb, const T* const* k, const T* const* v, int64_t n, GemmTiles<G>& g, G* kt, G* vt) {
+void pack_tile(const Problem<T>& pb, int64_t request, int64_t head, int64_t j0, int64_t n, GemmTiles<G>& g, G* kt,
+               G* vt) {
   constexpr bool vnni = !std::is_same_v<G, float>;
+  const T* k[GEMM_BLOCK_N];
+  const T* v[GEMM_BLOCK_N];
+  tile_rows(pb, request, head, j0, n, k, v);
   const int64_t dim = pb.padded_dim;
   // K^T is the transpose of the staged rows (zero past the head dim); in VNNI pairs, of the rows read as 32-bit words.
   for (int64_t j = 0; j < n; ++j) copy_row(k[j], g.k_rows.data() + j * dim, pb.head_dim);
@@ -479,27 +504,6 @@ void attend_tile_brgemm(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t
       p = scores;
     }
     at::native::cpublas::brgemm(m, dim, cols, GEMM_BLOCK_N, dim, dim, true, p, vt, s.acc.data() + r0 * dim, vnni);
-  }
-}
-
-// Pointers to the rows of keys j0 .. j0 + n - 1 of a request's kv head. Walks the pages instead of dividing per key;
-// table entries past the request's last key are never read.
-template <typename T>
-void tile_rows(const Problem<T>& pb, int64_t request, int64_t head, int64_t j0, int64_t n, const T** k_rows,
-               const T** v_rows) {
-  int64_t page = j0 / pb.page_size, in_page = j0 % pb.page_size;
-  for (int64_t j = 0; j < n; ++j, ++in_page) {
-    if (in_page == pb.page_size) {
-      ++page;
-      in_page = 0;
-    }
-    if (j == 0 || in_page == 0) {
-      k_rows[j] = pb.row(pb.k_cache, request, page, in_page, head);
-      v_rows[j] = pb.row(pb.v_cache, request, page, in_page, head);
-    } else {
-      k_rows[j] = k_rows[j - 1] + pb.row_stride;
-      v_rows[j] = v_rows[j - 1] + pb.row_stride;
-    }
   }
 }
 
@@ -591,10 +595,7 @@ void run_unit_typed(const Problem<T>& pb, const Unit& u, Scratch<T>& s, bool brg
         continue;
       }
       const int64_t n = std::min(GEMM_BLOCK_N, u.hi - j0);
-      const T* k_rows[GEMM_BLOCK_N];
-      const T* v_rows[GEMM_BLOCK_N];
-      tile_rows(pb, u.request, u.head, j0, n, k_rows, v_rows);
-      pack_tile(pb, k_rows, v_rows, n, g, g.kt.data(), g.v.data());
+      pack_tile(pb, u.request, u.head, j0, n, g, g.kt.data(), g.v.data());
       attend_tile_brgemm<G>(pb, u, j0, n, g.kt.data(), g.v.data(), rows, s);
     }
   } else {
@@ -630,12 +631,9 @@ void run_unit(const Problem<T>& pb, const Unit& u, Scratch<T>& s) {
 // A PackJob, in the type G the products take.
 template <typename G, typename T>
 void run_pack_typed(const Problem<T>& pb, const PackJob& job, int64_t index, Scratch<T>& s) {
-  const T* k_rows[GEMM_BLOCK_N];
-  const T* v_rows[GEMM_BLOCK_N];
-  tile_rows(pb, job.request, job.head, job.j0, job.n, k_rows, v_rows);
   const int64_t tile_elems = GEMM_BLOCK_N * pb.padded_dim;
   G* kt = static_cast<G*>(pb.packed) + index * 2 * tile_elems;
-  pack_tile(pb, k_rows, v_rows, job.n, s.template tiles<G>(), kt, kt + tile_elems);
+  pack_tile(pb, job.request, job.head, job.j0, job.n, s.template tiles<G>(), kt, kt + tile_elems);
 }
 
 template <typename T>
