@@ -9,8 +9,8 @@ from . import ops  # noqa: F401  (registers torch.ops.hybrid.*)
 from .backends import backend_names, get_backend, register_backend
 from .cache import PagedKVCache
 from .errors import HybridInputError, HybridOpsError, OutOfPagesError
-from .generate import GenerationStats, HybridGenerator, generate
-from .hybrid_backend import AttentionLayer, HybridAttnBackend, PhaseBackend
+from .generator import GenerationStats, HybridGenerator, generate
+from .integrations.sglang import AttentionLayer, HybridAttnBackend, PhaseBackend
 from .metadata import ForwardBatch, build_metadata
 from .modes import ROUTING, ForwardMode, select_path
 from .validation import deterministic_enabled, set_deterministic, set_validation, validation_enabled

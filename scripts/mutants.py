@@ -4,8 +4,8 @@ tests selected for it must fail.
     python scripts/mutants.py                  # every mutant; exit 1 if one survives or its anchor is stale
     python scripts/mutants.py -k truncate      # the mutants whose name contains "truncate"
     python scripts/mutants.py --list           # the table, without running anything
-    python scripts/mutants.py -k capture --tests tests/test_hybrid_backend.py \
-        -- --deselect tests/test_hybrid_backend.py::test_capture_metadata
+    python scripts/mutants.py -k capture --tests tests/test_sglang.py \
+        -- --deselect tests/test_sglang.py::test_capture_metadata
                                                # other tests than the table's; arguments after -- go to pytest
                                                # (here: does anything else in the file catch it?)
 
@@ -121,34 +121,34 @@ MUTANTS = [
       "    if False:\n        scores = softcap",
       "tests/test_transformers.py -k logits"),
     # -- HybridAttnBackend / PhaseBackend CUDA-graph metadata ---------------------------------------------------
-    M("capture_swaps_bs_and_num_tokens", "hybrid_ops/hybrid_backend.py",
+    M("capture_swaps_bs_and_num_tokens", "hybrid_ops/integrations/sglang.py",
       ".init_forward_metadata_capture_cuda_graph(bs, num_tokens, forward_mode)",
       ".init_forward_metadata_capture_cuda_graph(num_tokens, bs, forward_mode)",
-      "tests/test_hybrid_backend.py -k 'capture_metadata or replay_metadata'"),
-    M("capture_cu_seqlens_one_token_each", "hybrid_ops/hybrid_backend.py",
+      "tests/test_sglang.py -k 'capture_metadata or replay_metadata'"),
+    M("capture_cu_seqlens_one_token_each", "hybrid_ops/integrations/sglang.py",
       "torch.arange(bs + 1, dtype=torch.int32) * q_len",
       "torch.arange(bs + 1, dtype=torch.int32)",
-      "tests/test_hybrid_backend.py -k 'capture_metadata or replay_metadata'"),
-    M("replay_assumes_table_as_wide_as_buffers", "hybrid_ops/hybrid_backend.py",
+      "tests/test_sglang.py -k 'capture_metadata or replay_metadata'"),
+    M("replay_assumes_table_as_wide_as_buffers", "hybrid_ops/integrations/sglang.py",
       "batch.block_table[:, : padded.block_table.shape[1]].copy_(padded.block_table)",
       "batch.block_table.copy_(padded.block_table)",
-      "tests/test_hybrid_backend.py -k 'capture_metadata or replay_metadata'"),
-    M("replay_keeps_captured_seq_lens", "hybrid_ops/hybrid_backend.py",
+      "tests/test_sglang.py -k 'capture_metadata or replay_metadata'"),
+    M("replay_keeps_captured_seq_lens", "hybrid_ops/integrations/sglang.py",
       "batch.seq_lens.copy_(padded.seq_lens)",
       "batch.seq_lens.fill_(1)",
-      "tests/test_hybrid_backend.py -k 'capture_metadata or replay_metadata'"),
-    M("replay_leaves_static_buffers_stale", "hybrid_ops/hybrid_backend.py",
+      "tests/test_sglang.py -k 'capture_metadata or replay_metadata'"),
+    M("replay_leaves_static_buffers_stale", "hybrid_ops/integrations/sglang.py",
       "copy_(padded.block_table)\n        self.forward_batch = batch",
       "copy_(padded.block_table)\n        self.forward_batch = forward_batch",
-      "tests/test_hybrid_backend.py -k 'capture_metadata or replay_metadata'"),
-    M("phase_backend_drops_scale", "hybrid_ops/hybrid_backend.py",
+      "tests/test_sglang.py -k 'capture_metadata or replay_metadata'"),
+    M("phase_backend_drops_scale", "hybrid_ops/integrations/sglang.py",
       "scale=layer.scale,",
       "scale=None,",
-      "tests/test_hybrid_backend.py -k 'capture_metadata or replay_metadata'"),
-    M("phase_backend_drops_logit_cap", "hybrid_ops/hybrid_backend.py",
+      "tests/test_sglang.py -k 'capture_metadata or replay_metadata'"),
+    M("phase_backend_drops_logit_cap", "hybrid_ops/integrations/sglang.py",
       "logit_cap=layer.logit_cap,",
       "logit_cap=0.0,",
-      "tests/test_hybrid_backend.py -k 'capture_metadata or replay_metadata'"),
+      "tests/test_sglang.py -k 'capture_metadata or replay_metadata'"),
     # -- CUDA-graph padding and FlashInfer planning -------------------------------------------------------------
     M("padding_requests_use_page_0", "hybrid_ops/buckets.py",
       "torch.full((len(q_lens), width), scratch_page, dtype=int32, device=device)",
@@ -159,15 +159,15 @@ MUTANTS = [
       "q_len_per_req=1,",
       "tests/test_flashinfer.py -k 'not compile'"),
     # -- sampling -----------------------------------------------------------------------------------------------
-    M("sampling_ignores_top_k", "hybrid_ops/generate.py",
+    M("sampling_ignores_top_k", "hybrid_ops/generator.py",
       "if top_k > 0:",
       "if False:",
       "tests/test_sampling.py"),
-    M("sampling_ignores_temperature", "hybrid_ops/generate.py",
+    M("sampling_ignores_temperature", "hybrid_ops/generator.py",
       "logits = logits.float() / temperature",
       "logits = logits.float()",
       "tests/test_sampling.py"),
-    M("generate_drops_top_k", "hybrid_ops/generate.py",
+    M("generate_drops_top_k", "hybrid_ops/generator.py",
       "_sample(logits[:num_rows], do_sample, temperature, top_k, generator)",
       "_sample(logits[:num_rows], do_sample, temperature, 0, generator)",
       "tests/test_sampling.py"),

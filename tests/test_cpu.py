@@ -89,14 +89,14 @@ def test_thread_count_does_not_change_the_result(num_kv_heads):
 
 def test_without_a_compiler(monkeypatch):
     """A failed build: one warning, "auto" takes the torch backend, and asking for "cpu" by name is an error."""
-    from hybrid_ops.backends import native
+    from hybrid_ops.backends import cpu
 
     def no_compiler():
         raise RuntimeError("Ninja is required to load C++ extensions")
 
     working = hybrid_ops.get_backend("cpu", torch.zeros(1, 1, 8))
-    monkeypatch.setattr(native, "build", no_compiler)
-    hybrid_ops.register_backend(native.NativeBackend())
+    monkeypatch.setattr(cpu, "build", no_compiler)
+    hybrid_ops.register_backend(cpu.CpuBackend())
     try:
         case = make_case([3, 2], [4, 0], seed=9)
         with pytest.warns(UserWarning, match="cpu backend's kernels could not be built .*Ninja is required") as seen:

@@ -5,7 +5,7 @@ import torch
 from test_transformers import PROMPTS, make_model
 
 import hybrid_ops
-from hybrid_ops.generate import _sample
+from hybrid_ops.generator import _sample
 
 DRAWS = 40_000  # per row: a frequency's standard deviation is at most 0.0025
 # Two rows with distinct values (no ties at the k-th largest), in different orders.

@@ -13,8 +13,8 @@ Register your own with `register_backend`.
 
 from ..errors import HybridInputError
 from .flashinfer import FlashInferBackend
-from . import native
-from .native import NativeBackend
+from . import cpu
+from .cpu import CpuBackend
 from .torch_ref import TorchBackend
 from .triton import TritonBackend
 
@@ -42,9 +42,9 @@ def update_native_entry_points() -> None:
     registered under it has its kernels loaded, and "auto" while that backend is also first in the CPU's order."""
     backend = _BACKENDS.get("cpu")
     names = []
-    if isinstance(backend, NativeBackend) and backend.loaded:
+    if isinstance(backend, CpuBackend) and backend.loaded:
         names = ["cpu", "auto"] if _AUTO_ORDER["cpu"][0] == "cpu" else ["cpu"]
-    native.serve(names, ["auto", *_BACKENDS])
+    cpu.serve(names, ["auto", *_BACKENDS])
 
 
 def backend_names(available: bool = False):
@@ -82,4 +82,4 @@ def get_backend(name: str, q, arg: str = "backend"):
 register_backend(TorchBackend())
 register_backend(TritonBackend())
 register_backend(FlashInferBackend())
-register_backend(NativeBackend())
+register_backend(CpuBackend())

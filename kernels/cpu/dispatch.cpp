@@ -6,7 +6,7 @@
 // the checks of validation.args_ok, the routing of modes.ROUTING, the kernel; a few microseconds per call, eager or
 // from a compiled graph. Any other call (another backend, an argument that fails a check, a mode or backend name
 // not in the tables) goes to the Python implementation, which runs the other backends and raises the errors that
-// name the argument. Python sets the tables (`configure`, hybrid_ops/backends/native.py) on every change to the
+// name the argument. Python sets the tables (`configure`, hybrid_ops/backends/cpu.py) on every change to the
 // backend registry; until it does, every call goes to Python.
 //
 // The Python module's `forward` is the backend object's call of the same kernel.

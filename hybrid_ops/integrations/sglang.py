@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends import check_backend_name, get_backend
-from .buckets import pad_batch
-from .errors import HybridInputError
-from .metadata import ForwardBatch
-from .modes import ForwardMode, check_speculative_attention_mode, select_path
+from ..backends import check_backend_name, get_backend
+from ..buckets import pad_batch
+from ..errors import HybridInputError
+from ..metadata import ForwardBatch
+from ..modes import ForwardMode, check_speculative_attention_mode, select_path
 
 
 @dataclass

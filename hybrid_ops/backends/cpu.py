@@ -85,7 +85,7 @@ def build():
     return module
 
 
-class NativeBackend:
+class CpuBackend:
     name = "cpu"
     requirement = "a C++ compiler and ninja to build its kernels (pip install ninja)"
     checks_values = True
