@@ -217,15 +217,12 @@ def context_sweep(quick):
     return series
 
 
-class _Null:
+class _Null(hybrid_ops.Backend):
     """A Python backend that does nothing: what remains of a call through the op is the dispatch cost."""
 
-    name, requirement, checks_values = "null", "nothing", True
+    name, checks_values = "null", True
 
-    def is_available(self):
-        return True
-
-    def supports(self, q):
+    def supports(self, device, dtype, head_dim):
         return True
 
     def prefill(self, q, *args):
@@ -270,7 +267,7 @@ def dispatch_section():
     decode = (q, q, q, cache, cache.clone(), one, one[1:], one[:1].view(1, 1))
     none = q[:0]
     idle = (none, none, none, cache, cache.clone(), one[:1], one[:0], one[:0].view(0, 1))
-    kernel = hybrid_ops.get_backend("cpu", q)._module.forward
+    kernel = hybrid_ops.get_backend("cpu", q.device, q.dtype, q.shape[-1])._module.forward
     n = 20000
 
     def per_call(fns):

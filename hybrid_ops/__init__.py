@@ -6,18 +6,18 @@ Set `HYBRID_OPS_VALIDATE=1` or call `set_validation(True)` to check the metadata
 """
 
 from . import ops  # noqa: F401  (registers torch.ops.hybrid.*)
-from .backends import backend_names, get_backend, register_backend
+from .backends import Backend, backend_names, get_backend, register_backend, unregister_backend
 from .cache import PagedKVCache
 from .errors import HybridInputError, HybridOpsError, OutOfPagesError
 from .generator import GenerationStats, HybridGenerator, generate
 from .integrations.sglang import AttentionLayer, HybridAttnBackend, PhaseBackend
 from .metadata import ForwardBatch, build_metadata
 from .modes import ROUTING, ForwardMode, select_path
-from .validation import deterministic_enabled, set_deterministic, set_validation, validation_enabled
+from .settings import deterministic_enabled, set_deterministic, set_validation, validation_enabled
 
 __all__ = [
-    "AttentionLayer", "backend_names", "build_metadata", "deterministic_enabled", "ForwardBatch", "ForwardMode",
+    "AttentionLayer", "Backend", "backend_names", "build_metadata", "deterministic_enabled", "ForwardBatch", "ForwardMode",
     "generate", "GenerationStats", "get_backend", "HybridAttnBackend", "HybridGenerator", "HybridInputError",
     "HybridOpsError", "OutOfPagesError", "PagedKVCache", "PhaseBackend", "register_backend", "ROUTING", "select_path",
-    "set_deterministic", "set_validation", "validation_enabled",
+    "set_deterministic", "set_validation", "unregister_backend", "validation_enabled",
 ]

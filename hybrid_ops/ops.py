@@ -20,8 +20,8 @@ import torch
 
 from .backends import check_backend_name, get_backend
 from .modes import check_speculative_attention_mode, select_path
-from .validation import (args_ok, check_args, check_decode_shape, check_metadata_values, decode_shape_ok,
-                         validation_enabled)
+from .settings import validation_enabled
+from .validation import args_ok, check_args, check_decode_shape, check_metadata_values, decode_shape_ok
 
 _ARGS = ("Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
          "Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table")
@@ -51,7 +51,7 @@ def _run(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, s
         check_args(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap)
     if path == "decode" and not decode_shape_ok(q.shape[0], seq_lens.shape[0]):
         check_decode_shape(q, seq_lens)
-    impl = get_backend(backend, q, arg)
+    impl = get_backend(backend, q.device, q.dtype, q.shape[-1], arg)
     if validation_enabled() and not impl.checks_values:
         check_metadata_values(cu_seqlens_q, seq_lens, block_table, q.shape[0], k_cache.shape[0], k_cache.shape[1],
                               path == "decode")
@@ -128,10 +128,9 @@ def _plan(k_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, *, q_dtype
     after it replays: call it before every replay, outside the graph."""
     path, backend, arg = _route(forward_mode, speculative_attention_mode, prefill_backend, decode_backend)
     head_dim = k_cache.shape[-1]
-    impl = get_backend(backend, k_cache.new_empty((0, num_q_heads, head_dim), dtype=q_dtype), arg)
-    if hasattr(impl, "plan"):
-        impl.plan(path, q_dtype, num_q_heads, k_cache, cu_seqlens_q, seq_lens, block_table, _scale(scale, head_dim),
-                  sliding_window, logit_cap, cuda_graph=cuda_graph)
+    impl = get_backend(backend, k_cache.device, q_dtype, head_dim, arg)
+    impl.plan(path, q_dtype, num_q_heads, k_cache, cu_seqlens_q, seq_lens, block_table, _scale(scale, head_dim),
+              sliding_window, logit_cap, cuda_graph=cuda_graph)
 
 
 @torch.library.register_fake("hybrid::plan")

@@ -1,47 +1,19 @@
-"""Argument checks of the ops, and the library's two switches (validation, determinism).
+"""Argument checks of the ops.
 
 `check_args` looks only at metadata (rank, shape, dtype, device), so the fake implementations run it too and the
 same errors surface under torch.compile. `check_metadata_values` reads the metadata's values, which on CUDA is a
-host sync: it runs only with validation switched on, `set_validation(True)` or `HYBRID_OPS_VALIDATE=1`.
+host sync: it runs only with validation switched on (`settings.set_validation`).
 Every check runs before the KV cache is written, so a rejected call leaves the cache untouched.
 """
 
 import math
-import os
 
 import torch
 
 from .errors import HybridInputError
 
 
-class _Settings:
-    validate = os.environ.get("HYBRID_OPS_VALIDATE", "0") not in ("", "0")
-    deterministic = os.environ.get("HYBRID_OPS_DETERMINISTIC", "0") not in ("", "0")
-
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def set_validation(enabled: bool) -> None:
-    """Switch the host-syncing value checks of the metadata on or off (default: `HYBRID_OPS_VALIDATE`)."""
-    _Settings.validate = bool(enabled)
-
-
-def validation_enabled() -> bool:
-    return _Settings.validate
-
-
-def set_deterministic(enabled: bool) -> None:
-    """Batch invariance: a request's output is bit-identical whatever batch it is in (default:
-    `HYBRID_OPS_DETERMINISTIC`). The torch backend then attends one request at a time (no batched decode); the
-    Triton decode kernel takes its split count from the table's capacity alone, not the batch size. FlashInfer
-    cannot promise it: its scheduler splits work by the whole batch. Same inputs on the same backend are
-    bit-identical either way.
-    """
-    _Settings.deterministic = bool(enabled)
-
-
-def deterministic_enabled() -> bool:
-    return _Settings.deterministic
 
 
 def _check(cond, message) -> None:

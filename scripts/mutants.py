@@ -82,8 +82,8 @@ MUTANTS = [
       "return decode ? 1 : 0;",
       "return decode && mode != 5 ? 1 : 0;",
       "tests/test_cpu.py -k python"),
-    M("entry_point_keeps_auto_when_another_is_preferred", "hybrid_ops/backends/__init__.py",
-      "names = [\"cpu\", \"auto\"] if _AUTO_ORDER[\"cpu\"][0] == \"cpu\" else [\"cpu\"]",
+    M("entry_point_keeps_auto_when_another_is_preferred", "hybrid_ops/backends/cpu.py",
+      "names = [\"cpu\", \"auto\"] if registry.auto_order(\"cpu\")[0] == \"cpu\" else [\"cpu\"]",
       "names = [\"cpu\", \"auto\"]",
       "tests/test_cpu.py -k preferred"),
     # -- validation ---------------------------------------------------------------------------------------------

@@ -17,3 +17,29 @@ def seed_from_test_id(request):
     seed = zlib.crc32(request.node.nodeid.encode())
     random.seed(seed)
     torch.manual_seed(seed)
+
+
+@pytest.fixture
+def deterministic():
+    """Batch invariance on for the test (`hybrid_ops.set_deterministic`)."""
+    import hybrid_ops
+
+    with hybrid_ops.set_deterministic(True):
+        yield
+
+
+@pytest.fixture
+def validation_on():
+    """Metadata value checks on for the test (`hybrid_ops.set_validation`)."""
+    import hybrid_ops
+
+    with hybrid_ops.set_validation(True):
+        yield
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches empty before and after the test: its compile counts and recompiles are its own."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

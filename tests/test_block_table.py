@@ -36,13 +36,10 @@ def batch(mode, spec):
 def run(case, table, mode, spec, backend, validate):
     """attn on a fresh copy of the case's caches with `table`: (output, k_cache, v_cache)."""
     k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
-    hybrid_ops.set_validation(validate)
-    try:
+    with hybrid_ops.set_validation(validate):
         out = torch.ops.hybrid.attn(case.q, case.k, case.v, k_cache, v_cache, case.cu_seqlens_q, case.seq_lens,
                                     table, int(mode), sliding_window=6, logit_cap=5.0, prefill_backend=backend,
                                     decode_backend=backend, speculative_attention_mode=spec)
-    finally:
-        hybrid_ops.set_validation(False)
     return out, k_cache, v_cache
 
 

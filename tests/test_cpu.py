@@ -94,10 +94,8 @@ def test_without_a_compiler(monkeypatch):
     def no_compiler():
         raise RuntimeError("Ninja is required to load C++ extensions")
 
-    working = hybrid_ops.get_backend("cpu", torch.zeros(1, 1, 8))
     monkeypatch.setattr(cpu, "build", no_compiler)
-    hybrid_ops.register_backend(cpu.CpuBackend())
-    try:
+    with hybrid_ops.register_backend(cpu.CpuBackend()):
         case = make_case([3, 2], [4, 0], seed=9)
         with pytest.warns(UserWarning, match="cpu backend's kernels could not be built .*Ninja is required") as seen:
             out = torch.ops.hybrid.prefill(*case.args)
@@ -106,8 +104,7 @@ def test_without_a_compiler(monkeypatch):
         assert torch.allclose(out.double(), reference(case), atol=2e-5)
         with pytest.raises(hybrid_ops.HybridInputError, match="backend='cpu' needs a C\\+\\+ compiler and ninja"):
             torch.ops.hybrid.prefill(*case.args, backend="cpu")
-    finally:
-        hybrid_ops.register_backend(working)
+    assert hybrid_ops.get_backend("cpu", case.q.device, case.q.dtype, 16).loaded
 
 
 # The C++ entry points (kernels/cpu/dispatch.cpp): calls the native kernel serves never enter Python; all others reach
@@ -120,7 +117,7 @@ def python_calls(monkeypatch):
     """Counts the calls that reach each op's Python implementation (the entry points look it up on every call)."""
     from hybrid_ops.ops import PYTHON_IMPLEMENTATIONS
 
-    hybrid_ops.get_backend("cpu", torch.zeros(1, 1, 8))  # loads the kernels, which registers the entry points
+    hybrid_ops.get_backend("cpu", torch.device("cpu"), torch.float32, 8)  # loads the kernels and their entry points
     calls = []
     for name, impl in list(PYTHON_IMPLEMENTATIONS.items()):
         def counted(*args, _name=name, _impl=impl, **kwargs):
@@ -185,26 +182,14 @@ def test_rejected_calls_reach_python(python_calls):
 
 def test_auto_follows_a_preferred_backend(python_calls):
     """A backend registered with prefer=True takes "auto" from the entry points, and gives it back when gone."""
-    from hybrid_ops import backends
-
     class Preferred(TorchBackend):
         name = "preferred"
 
-    saved = {device: list(order) for device, order in backends._AUTO_ORDER.items()}
-    saved_other = list(backends._AUTO_OTHER_DEVICES)
     case = make_case([3], [2], seed=6)
-    try:
-        hybrid_ops.register_backend(Preferred(), prefer=True)
+    with hybrid_ops.register_backend(Preferred(), prefer=True):
         out = torch.ops.hybrid.prefill(*case.args)
         assert python_calls == ["prefill"]
         assert torch.allclose(out.double(), reference(case), atol=2e-5)
-    finally:
-        for device, order in saved.items():
-            backends._AUTO_ORDER[device][:] = order
-        backends._AUTO_OTHER_DEVICES[:] = saved_other
-        del backends._BACKENDS["preferred"]
-        backends._auto_cache.clear()
-        backends.update_native_entry_points()
     python_calls.clear()
     torch.ops.hybrid.prefill(*make_case([3], [2], seed=6).args)
     assert python_calls == []

@@ -118,11 +118,8 @@ def test_bad_input_eager(name):
 @pytest.mark.parametrize("name", VALUE_INPUTS)
 def test_bad_values(name, validate):
     """Value checks run in validation mode; the torch backend reads the metadata anyway and always runs them."""
-    hybrid_ops.set_validation(validate)
-    try:
+    with hybrid_ops.set_validation(validate):
         check_rejected(*VALUE_INPUTS[name])
-    finally:
-        hybrid_ops.set_validation(False)
 
 
 def compiled_call(op, args, kwargs):
@@ -147,19 +144,18 @@ def test_unknown_mode():
 
 
 def test_backend_missing_dependency_is_named():
-    class NeedsGpu:
+    class NeedsGpu(hybrid_ops.Backend):
         name, requirement = "needs_gpu", "a CUDA device"
 
         def is_available(self):
             return False
 
-        def supports(self, q):
-            return True
-
-    hybrid_ops.register_backend(NeedsGpu())
     case = valid_case("prefill")
-    with pytest.raises(HybridInputError, match="backend='needs_gpu' needs a CUDA device"):
-        torch.ops.hybrid.prefill(*case.args, backend="needs_gpu")
+    with hybrid_ops.register_backend(NeedsGpu()):
+        with pytest.raises(HybridInputError) as error:
+            torch.ops.hybrid.prefill(*case.args, backend="needs_gpu")
+    assert str(error.value) == "backend='needs_gpu' needs a CUDA device, which is not installed"
+    assert "needs_gpu" not in hybrid_ops.backend_names()
 
 
 CACHE_ERRORS = {
@@ -200,13 +196,6 @@ def test_paged_cache_errors():
 
 
 @pytest.fixture
-def validation_on():
-    hybrid_ops.set_validation(True)
-    yield
-    hybrid_ops.set_validation(False)
-
-
-@pytest.fixture
 def backend_named(request, monkeypatch):
     """The backend under test by name. FlashInfer's kernels need CUDA: on the CPU it is made to accept CPU tensors,
     and reaching its prefill or decode fails the test (validation must reject the call before that)."""
@@ -217,7 +206,7 @@ def backend_named(request, monkeypatch):
         def reached(self, *args):
             raise AssertionError("metadata with bad values reached the FlashInfer backend")
 
-        for method, fn in (("is_available", lambda self: True), ("supports", lambda self, q: True),
+        for method, fn in (("is_available", lambda self: True), ("supports", lambda self, *args: True),
                            ("prefill", reached), ("decode", reached)):
             monkeypatch.setattr(FlashInferBackend, method, fn)
     return name
@@ -230,5 +219,5 @@ def test_bad_values_in_validation_mode_for_backends_that_mask(name, backend_name
     check its values for them, before the cache is written."""
     op, mutation, words = VALUE_INPUTS[name]
     case = valid_case(op)
-    assert not hybrid_ops.get_backend(backend_named, case.q).checks_values
+    assert not hybrid_ops.get_backend(backend_named, case.q.device, case.q.dtype, case.q.shape[-1]).checks_values
     check_rejected(op, lambda args, kwargs: mutation(args, {**kwargs, "backend": backend_named}), words)

@@ -159,12 +159,10 @@ def flashinfer_on_cpu(monkeypatch):
                         lambda self, *args, **kwargs: False)
     # Our backend takes CUDA tensors only; CPU tensors stand in for them here.
     monkeypatch.setattr(FlashInferBackend, "supports",
-                        lambda self, q: q.dtype in HALF and q.shape[-1] in self.head_dims)
-    previous = hybrid_ops.get_backend("flashinfer", torch.zeros(0, 1, D, dtype=torch.float16))
+                        lambda self, device, dtype, head_dim: dtype in HALF and head_dim in self.head_dims)
     backend = FlashInferBackend()
-    hybrid_ops.register_backend(backend)
-    yield backend, kernels
-    hybrid_ops.register_backend(previous)
+    with hybrid_ops.register_backend(backend):
+        yield backend, kernels
 
 
 def attn_options(backend="flashinfer", spec="prefill", sliding_window=-1, logit_cap=0.0):

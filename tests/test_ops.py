@@ -110,16 +110,11 @@ def test_routing_reaches_the_named_backend():
     """attn sends each mode to the backend its table names, and the other backend is never called."""
     calls = []
 
-    class Recorder:
-        requirement = "nothing"
-
+    class Recorder(hybrid_ops.Backend):
         def __init__(self, name):
             self.name = name
 
-        def is_available(self):
-            return True
-
-        def supports(self, q):
+        def supports(self, device, dtype, head_dim):
             return True
 
         def prefill(self, q, *args):
@@ -130,8 +125,6 @@ def test_routing_reaches_the_named_backend():
             calls.append((self.name, "decode"))
             return q.new_empty(q.shape)
 
-    hybrid_ops.register_backend(Recorder("rec_p"))
-    hybrid_ops.register_backend(Recorder("rec_d"))
     case = make_case([2, 2], [1, 1])
     expected = {  # (mode, speculative_attention_mode) -> backend method
         (1, "prefill"): ("rec_p", "prefill"), (2, "prefill"): ("rec_d", "decode"),
@@ -141,11 +134,13 @@ def test_routing_reaches_the_named_backend():
         (3, "decode"): ("rec_p", "prefill"), (4, "decode"): ("rec_d", "decode"),
         (5, "decode"): ("rec_d", "decode"), (6, "decode"): ("rec_d", "decode"),
     }
-    for (mode, spec), want in expected.items():
-        calls.clear()
-        torch.ops.hybrid.attn(*case.args, mode, prefill_backend="rec_p", decode_backend="rec_d",
-                              speculative_attention_mode=spec)
-        assert calls == [want], (mode, spec)
+    with hybrid_ops.register_backend(Recorder("rec_p")), hybrid_ops.register_backend(Recorder("rec_d")):
+        for (mode, spec), want in expected.items():
+            calls.clear()
+            torch.ops.hybrid.attn(*case.args, mode, prefill_backend="rec_p", decode_backend="rec_d",
+                                  speculative_attention_mode=spec)
+            assert calls == [want], (mode, spec)
+    assert "rec_p" not in hybrid_ops.backend_names()
 
 
 OPCHECK_CASES = [
@@ -182,7 +177,7 @@ def test_torch_step_plan_follows_the_metadata(inference):
     with torch.inference_mode(inference):
         case = make_case([1, 1, 1], [3, 9, 5], seed=2)  # both: 3 requests, 4-page tables, 9-page caches
         other = make_case([1, 1, 1], [10, 2, 7], seed=3)
-        backend = hybrid_ops.get_backend("torch", case.q)
+        backend = hybrid_ops.get_backend("torch", case.q.device, case.q.dtype, case.q.shape[-1])
         plans = backend.plans_made
         for _layer in range(3):
             check_call(torch.ops.hybrid.decode, case, {}, torch.float32, backend="torch")

@@ -129,25 +129,21 @@ def test_same_inputs_bit_identical(backend):
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("op", ["prefill", "decode"])
-def test_batch_invariance_when_deterministic(backend, op):
+def test_batch_invariance_when_deterministic(backend, op, deterministic):
     """With set_deterministic(True), request 0's output is the same alone and in any batch."""
-    hybrid_ops.set_deterministic(True)
-    try:
-        n = 1 if op == "decode" else 5
-        alone = make_case([n], [300], page_size=16, seed=6)
-        crowd = make_case([n] * 7, [300] + [random.Random(i).randint(0, 500) for i in range(6)], page_size=16, seed=6)
-        # Same request 0 in both: copy its prefix and new tokens over.
-        for dst, src in ((crowd.prefix_k, alone.prefix_k), (crowd.prefix_v, alone.prefix_v)):
-            dst[0] = src[0]
-        for pos in range(300):
-            page, row = crowd.pages[0][pos // 16], pos % 16
-            crowd.k_cache[page, row], crowd.v_cache[page, row] = alone.prefix_k[0][pos], alone.prefix_v[0][pos]
-        crowd.q[:n], crowd.k[:n], crowd.v[:n] = alone.q, alone.k, alone.v
-        out_alone = getattr(torch.ops.hybrid, op)(*alone.args, backend=backend)
-        out_crowd = getattr(torch.ops.hybrid, op)(*crowd.args, backend=backend)
-        assert torch.equal(out_alone, out_crowd[:n])
-    finally:
-        hybrid_ops.set_deterministic(False)
+    n = 1 if op == "decode" else 5
+    alone = make_case([n], [300], page_size=16, seed=6)
+    crowd = make_case([n] * 7, [300] + [random.Random(i).randint(0, 500) for i in range(6)], page_size=16, seed=6)
+    # Same request 0 in both: copy its prefix and new tokens over.
+    for dst, src in ((crowd.prefix_k, alone.prefix_k), (crowd.prefix_v, alone.prefix_v)):
+        dst[0] = src[0]
+    for pos in range(300):
+        page, row = crowd.pages[0][pos // 16], pos % 16
+        crowd.k_cache[page, row], crowd.v_cache[page, row] = alone.prefix_k[0][pos], alone.prefix_v[0][pos]
+    crowd.q[:n], crowd.k[:n], crowd.v[:n] = alone.q, alone.k, alone.v
+    out_alone = getattr(torch.ops.hybrid, op)(*alone.args, backend=backend)
+    out_crowd = getattr(torch.ops.hybrid, op)(*crowd.args, backend=backend)
+    assert torch.equal(out_alone, out_crowd[:n])
 
 
 # The Triton interpreter runs about 5 steps a second on this size.

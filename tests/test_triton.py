@@ -89,4 +89,4 @@ def test_import_without_triton():
 
 def test_auto_picks_the_native_kernels_on_cpu():
     """Not Triton's interpreter, even when it is on."""
-    assert hybrid_ops.get_backend("auto", torch.zeros(1, 1, 8)).name == "cpu"
+    assert hybrid_ops.get_backend("auto", torch.device("cpu"), torch.float32, 8).name == "cpu"

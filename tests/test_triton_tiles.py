@@ -28,7 +28,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 @contextlib.contextmanager
 def launch_target(target):
-    backend = hybrid_ops.get_backend("triton", torch.zeros(1, 1, 16))
+    backend = hybrid_ops.get_backend("triton", torch.device("cpu"), torch.float32, 16)
     saved, backend.target = backend.target, target
     try:
         yield

@@ -1,85 +1,28 @@
-"""The backend registry: one place maps a backend name to the object that runs it.
+"""The built-in backends, registered at import. `Backend` (base.py) is the contract; the registry (registry.py) maps
+names to backends and picks one for "auto".
 
-A backend has `name`, `requirement` (what `is_available` needs, for the error message), `is_available() -> bool`,
-`supports(q) -> bool` (device, dtype, head dim), optionally `plan(...)` (see `torch.ops.hybrid.plan`) and
-`plan_cuda_graph(path, k_cache, cu_seqlens_q, seq_lens, block_table)` (`PhaseBackend`'s capture and replay hooks),
-`checks_values` (True if it reads the metadata to the host and checks it itself; otherwise the ops do so in
-validation mode), and `prefill` / `decode`, each called as
-    fn(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale: float, sliding_window: int,
-       logit_cap: float) -> Tensor [T, Hq, D]
-with arguments already checked by `validation.check_args`. Each writes the new k, v to the cache, then attends.
-Register your own with `register_backend`.
+    torch       plain PyTorch on any device: the reference (torch_ref.py)
+    cpu         native C++ kernels for the CPU, built at first use (cpu.py, kernels/cpu/)
+    triton      Triton kernels for CUDA; on the CPU only in Triton's interpreter (triton.py, kernels/)
+    flashinfer  FlashInfer's paged kernels on CUDA (flashinfer.py)
 """
 
-from ..errors import HybridInputError
-from .flashinfer import FlashInferBackend
-from . import cpu
+from .base import Backend
 from .cpu import CpuBackend
+from .flashinfer import FlashInferBackend
+from .registry import Registration, Registry, registry
 from .torch_ref import TorchBackend
 from .triton import TritonBackend
 
-_BACKENDS = {}
-# "auto" tries these in order, by device type; the first available backend that supports the inputs wins.
-# On the CPU: the native kernels (built at first use), else the torch backend; Triton runs there only in its
-# (slow, debugging) interpreter.
-_AUTO_ORDER = {"cuda": ["flashinfer", "triton", "torch"], "cpu": ["cpu", "torch"]}
-_AUTO_OTHER_DEVICES = ["torch"]
-_auto_cache = {}
+register_backend = registry.register
+unregister_backend = registry.unregister
+backend_names = registry.names
+check_backend_name = registry.check_name
+get_backend = registry.get
 
+for _backend in (TorchBackend(), TritonBackend(), FlashInferBackend(), CpuBackend()):
+    register_backend(_backend)
 
-def register_backend(backend, prefer: bool = False) -> None:
-    """Register `backend` under `backend.name`; with `prefer=True`, "auto" tries it first on every device."""
-    _BACKENDS[backend.name] = backend
-    if prefer:
-        for order in (*_AUTO_ORDER.values(), _AUTO_OTHER_DEVICES):
-            order.insert(0, backend.name)
-    _auto_cache.clear()
-    update_native_entry_points()
-
-
-def update_native_entry_points() -> None:
-    """The names whose CPU calls the native kernels' C++ entry points run without Python: "cpu" while the backend
-    registered under it has its kernels loaded, and "auto" while that backend is also first in the CPU's order."""
-    backend = _BACKENDS.get("cpu")
-    names = []
-    if isinstance(backend, CpuBackend) and backend.loaded:
-        names = ["cpu", "auto"] if _AUTO_ORDER["cpu"][0] == "cpu" else ["cpu"]
-    cpu.serve(names, ["auto", *_BACKENDS])
-
-
-def backend_names(available: bool = False):
-    """The registered backends' names; with `available=True`, only those whose requirement is installed."""
-    return sorted(name for name, b in _BACKENDS.items() if not available or b.is_available())
-
-
-def check_backend_name(name: str, arg: str = "backend") -> None:
-    if name != "auto" and name not in _BACKENDS:
-        raise HybridInputError(f"{arg} must be 'auto' or one of {backend_names()}, got {name!r}")
-
-
-def get_backend(name: str, q, arg: str = "backend"):
-    """The backend object for `name`; "auto" picks the first of `_AUTO_ORDER` that supports `q`."""
-    if name == "auto":
-        key = (q.device.type, q.dtype, q.shape[-1])
-        backend = _auto_cache.get(key)
-        if backend is None:
-            order = _AUTO_ORDER.get(q.device.type, _AUTO_OTHER_DEVICES)
-            backend = next(b for b in (_BACKENDS.get(n) for n in order)
-                           if b is not None and b.is_available() and b.supports(q))
-            _auto_cache[key] = backend
-        return backend
-    backend = _BACKENDS.get(name)
-    if backend is None:
-        check_backend_name(name, arg)
-    if not backend.is_available():
-        raise HybridInputError(f"{arg}={name!r} needs {backend.requirement}, which is not installed")
-    if not backend.supports(q):
-        raise HybridInputError(
-            f"{arg}={name!r} does not support q on {q.device} with dtype {q.dtype} and head dim {q.shape[-1]}")
-    return backend
-
-
-register_backend(TorchBackend())
-register_backend(TritonBackend())
-register_backend(FlashInferBackend())
-register_backend(CpuBackend())
+__all__ = ["Backend", "backend_names", "check_backend_name", "CpuBackend", "FlashInferBackend", "get_backend",
+           "register_backend", "Registration", "Registry", "registry", "TorchBackend", "TritonBackend",
+           "unregister_backend"]

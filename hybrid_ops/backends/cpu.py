@@ -12,7 +12,7 @@ The metadata lives on the host, so the kernel checks its values on every call be
 
 Loading the kernels also registers their C++ entry points with the dispatcher (`kernels/cpu/dispatch.cpp`): from
 then on, `torch.ops.hybrid.*` calls on CPU tensors that this backend serves skip Python entirely, and the others go
-to the ops' Python implementation as before. `serve` tells them which backend names this backend answers to.
+to the ops' Python implementation as before. `configure_entry_points` tells them which backend names this backend answers to.
 """
 
 import hashlib
@@ -28,6 +28,8 @@ import torch
 from ..errors import HybridInputError
 from ..modes import ROUTING, SPECULATIVE_ATTENTION_MODES
 from ..validation import FLOAT_DTYPES, check_metadata_values
+from .base import Backend
+from .registry import registry
 
 # ATen's compile flags for each CPU capability (cmake/Codegen.cmake); at::vec picks its implementation from the
 # CPU_CAPABILITY_* macro.
@@ -52,12 +54,17 @@ def _path(name: str) -> str:
     return str(resources.files("hybrid_ops.kernels").joinpath("cpu", name))
 
 
-def serve(names, known_names) -> None:
-    """The backend names whose calls the C++ entry points run (the native kernels loaded, and "cpu" and "auto"
-    resolving to them), and every valid name (the other backend of an `attn` call must be one). Called by the
-    backend registry on every change; with no names, every call goes through Python."""
-    if _extension is not None:
-        _extension.configure(_ROUTES, list(names), list(known_names))
+def configure_entry_points(registry) -> None:
+    """Tell the C++ entry points which backend names they serve: "cpu" while the backend registered under it has its
+    kernels loaded, and "auto" while "auto" also tries it first on the CPU; and every valid name (the other backend
+    of an `attn` call must be one). With no names, every call goes through Python. Runs on every registry change."""
+    if _extension is None:
+        return
+    backend = registry.lookup("cpu")
+    names = []
+    if isinstance(backend, CpuBackend) and backend.loaded:
+        names = ["cpu", "auto"] if registry.auto_order("cpu")[0] == "cpu" else ["cpu"]
+    _extension.configure(_ROUTES, names, ["auto", *registry.names()])
 
 
 def build():
@@ -85,7 +92,7 @@ def build():
     return module
 
 
-class CpuBackend:
+class CpuBackend(Backend):
     name = "cpu"
     requirement = "a C++ compiler and ninja to build its kernels (pip install ninja)"
     checks_values = True
@@ -110,12 +117,11 @@ class CpuBackend:
             else:
                 global _extension
                 _extension = self._module
-                from . import update_native_entry_points  # the registry decides which names mean this backend
-                update_native_entry_points()
+                configure_entry_points(registry)
         return self._module is not None
 
-    def supports(self, q) -> bool:
-        return q.device.type == "cpu" and q.dtype in FLOAT_DTYPES
+    def supports(self, device, dtype, head_dim) -> bool:
+        return device.type == "cpu" and dtype in FLOAT_DTYPES
 
     def prefill(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
                 logit_cap, decode=False):
@@ -129,3 +135,6 @@ class CpuBackend:
 
     def decode(self, *args):
         return self.prefill(*args, decode=True)
+
+
+registry.subscribe(configure_entry_points)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import HybridInputError
+from .base import Backend
 from .deps import importable
 
 WORKSPACE_BYTES = 128 << 20
@@ -93,7 +94,7 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-class FlashInferBackend:
+class FlashInferBackend(Backend):
     name = "flashinfer"
     requirement = "flashinfer (pip install 'hybrid_ops[flashinfer]')"
     checks_values = False
@@ -109,8 +110,8 @@ class FlashInferBackend:
     def is_available(self) -> bool:
         return importable("flashinfer")
 
-    def supports(self, q) -> bool:
-        return q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in self.head_dims
+    def supports(self, device, dtype, head_dim) -> bool:
+        return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim in self.head_dims
 
     def plan(self, path, q_dtype, num_q_heads, k_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
              logit_cap, cuda_graph=False):

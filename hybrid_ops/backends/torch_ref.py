@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from ..metadata import new_token_slots
-from ..validation import FLOAT_DTYPES, check_metadata_values, deterministic_enabled
+from ..settings import deterministic_enabled
+from ..validation import FLOAT_DTYPES, check_metadata_values
+from .base import Backend
 
 # Decode batches whose padded K + V gather stays under this many bytes run as one batched call.
 BATCHED_DECODE_BYTES = 8 << 20
@@ -173,7 +175,7 @@ def attend(q, k, v, bias, is_causal, scale, logit_cap):
     return out.to(out_dtype)
 
 
-class TorchBackend:
+class TorchBackend(Backend):
     name = "torch"
     requirement = "torch"
     checks_values = True
@@ -183,11 +185,8 @@ class TorchBackend:
         self._plan = None
         self.plans_made = 0
 
-    def is_available(self) -> bool:
-        return True
-
-    def supports(self, q) -> bool:
-        return q.dtype in FLOAT_DTYPES
+    def supports(self, device, dtype, head_dim) -> bool:
+        return dtype in FLOAT_DTYPES
 
     def step_plan(self, cu_seqlens_q, seq_lens, block_table, num_tokens, k_cache, decode) -> StepPlan:
         """The plan for this metadata: the kept one when its values are the same, else a new one (which checks

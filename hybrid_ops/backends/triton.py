@@ -10,7 +10,9 @@ import os
 
 import torch
 
-from ..validation import FLOAT_DTYPES, deterministic_enabled
+from ..settings import deterministic_enabled
+from ..validation import FLOAT_DTYPES
+from .base import Backend
 from .deps import importable
 
 
@@ -28,7 +30,7 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-class TritonBackend:
+class TritonBackend(Backend):
     name = "triton"
     requirement = "triton (pip install 'hybrid_ops[triton]')"
     checks_values = False
@@ -39,10 +41,10 @@ class TritonBackend:
     def is_available(self) -> bool:
         return importable("triton")
 
-    def supports(self, q) -> bool:
+    def supports(self, device, dtype, head_dim) -> bool:
         # Head dims below 16 are padded to 16 in the kernels (a 16-bit tl.dot needs K >= 16).
-        on_device = q.device.type == "cuda" or (q.device.type == "cpu" and _interpreting())
-        return on_device and q.dtype in FLOAT_DTYPES and q.shape[-1] <= 256
+        on_device = device.type == "cuda" or (device.type == "cpu" and _interpreting())
+        return on_device and dtype in FLOAT_DTYPES and head_dim <= 256
 
     def launch_target(self, q):
         """Where the kernels run (`kernels.config.Target`): `self.target` when set (the tests run the GPU's tiles

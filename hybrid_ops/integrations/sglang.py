@@ -98,11 +98,10 @@ class PhaseBackend:
         """Outside the graph, before capture and replay: a backend that plans (FlashInfer) plans the static metadata
         into the buffers the graph reads (`plan_cuda_graph`); the others need nothing."""
         k_cache = self.kv_cache.k_caches[0]
-        impl = get_backend(self.backend, k_cache.new_empty((0, 1, k_cache.shape[-1])))
-        if hasattr(impl, "plan_cuda_graph"):
-            # The path of the op the layers call: forward_decode for DECODE (and IDLE), forward_extend otherwise.
-            path = "decode" if batch.forward_mode.is_decode_or_idle() else "prefill"
-            impl.plan_cuda_graph(path, k_cache, *batch.metadata)
+        impl = get_backend(self.backend, k_cache.device, k_cache.dtype, k_cache.shape[-1])
+        # The path of the op the layers call: forward_decode for DECODE (and IDLE), forward_extend otherwise.
+        path = "decode" if batch.forward_mode.is_decode_or_idle() else "prefill"
+        impl.plan_cuda_graph(path, k_cache, *batch.metadata)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         # Capture runs with every request at length 1: one valid position, nothing out of range.

@@ -1,0 +1,113 @@
+"""The backend registry: one place maps a backend name to the `Backend` object that runs it.
+
+"auto" tries the preferred backends (`register(..., prefer=True)`, newest first), then a fixed order per device type,
+and takes the first that is available and supports the call's device, dtype and head dim. Listeners subscribed with
+`subscribe` hear of every change (the cpu backend's C++ entry points keep their own copy of the names they serve).
+"""
+
+import torch
+
+from ..errors import HybridInputError
+
+# On the CPU: the native kernels (built at first use), else the torch backend; Triton runs there only in its (slow,
+# debugging) interpreter.
+AUTO_ORDER = {"cuda": ("flashinfer", "triton", "torch"), "cpu": ("cpu", "torch")}
+AUTO_ORDER_OTHER_DEVICES = ("torch",)
+
+
+class Registration:
+    """What `Registry.register` returns: used as a context manager, it undoes the registration on exit (the backend
+    it replaced, if any, comes back), which is how tests install a backend for a while."""
+
+    def __init__(self, registry, name, replaced, was_preferred):
+        self._registry, self._name, self._replaced, self._was_preferred = registry, name, replaced, was_preferred
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self._replaced is None:
+            self._registry.unregister(self._name)
+        else:
+            self._registry.register(self._replaced, prefer=self._was_preferred)
+
+
+class Registry:
+    def __init__(self):
+        self._backends = {}
+        self._preferred = []  # names "auto" tries first on every device, newest first
+        self._auto = {}  # (device type, dtype, head dim) -> the backend "auto" picked
+        self._listeners = []
+
+    def register(self, backend, prefer: bool = False) -> Registration:
+        """Register `backend` under `backend.name` (replacing one of that name); with `prefer=True`, "auto" tries
+        it first on every device."""
+        name = backend.name
+        registration = Registration(self, name, self._backends.get(name), name in self._preferred)
+        self._backends[name] = backend
+        if name in self._preferred:
+            self._preferred.remove(name)
+        if prefer:
+            self._preferred.insert(0, name)
+        self._changed()
+        return registration
+
+    def unregister(self, name: str) -> None:
+        self.check_name(name, "name")
+        del self._backends[name]
+        if name in self._preferred:
+            self._preferred.remove(name)
+        self._changed()
+
+    def subscribe(self, listener) -> None:
+        """Call `listener(registry)` now and after every change."""
+        self._listeners.append(listener)
+        listener(self)
+
+    def _changed(self):
+        self._auto.clear()
+        for listener in self._listeners:
+            listener(self)
+
+    def lookup(self, name: str):
+        """The backend registered as `name`, or None."""
+        return self._backends.get(name)
+
+    def auto_order(self, device_type: str):
+        """The names "auto" tries on `device_type`, in order."""
+        order = AUTO_ORDER.get(device_type, AUTO_ORDER_OTHER_DEVICES)
+        return [*self._preferred, *(n for n in order if n not in self._preferred)]
+
+    def names(self, available: bool = False):
+        """The registered backends' names; with `available=True`, only those whose requirement is installed."""
+        return sorted(name for name, b in self._backends.items() if not available or b.is_available())
+
+    def check_name(self, name: str, arg: str = "backend") -> None:
+        if name != "auto" and name not in self._backends:
+            raise HybridInputError(f"{arg} must be 'auto' or one of {self.names()}, got {name!r}")
+
+    def get(self, name: str, device: torch.device, dtype: torch.dtype, head_dim: int, arg: str = "backend"):
+        """The backend that serves `name` for q on `device` of `dtype` and `head_dim`; raises `HybridInputError`
+        naming `arg` when that backend is not registered, not installed or does not support them."""
+        if name == "auto":
+            key = (device.type, dtype, head_dim)
+            backend = self._auto.get(key)
+            if backend is None:
+                backend = next((b for b in map(self._backends.get, self.auto_order(device.type))
+                                if b is not None and b.is_available() and b.supports(device, dtype, head_dim)), None)
+                if backend is None:
+                    raise HybridInputError(f"{arg}='auto' found no backend for q on {device} with dtype {dtype} and "
+                                           f"head dim {head_dim} (registered: {self.names()})")
+                self._auto[key] = backend
+            return backend
+        self.check_name(name, arg)
+        backend = self._backends[name]
+        if not backend.is_available():
+            raise HybridInputError(f"{arg}={name!r} needs {backend.requirement}, which is not installed")
+        if not backend.supports(device, dtype, head_dim):
+            raise HybridInputError(
+                f"{arg}={name!r} does not support q on {device} with dtype {dtype} and head dim {head_dim}")
+        return backend
+
+
+registry = Registry()
