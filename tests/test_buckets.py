@@ -5,6 +5,7 @@ import torch
 from reference import CPU_BACKENDS, assert_close, expected_cache, make_case, reference
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+import hybrid_ops
 from hybrid_ops import (AttentionLayer, ForwardBatch, ForwardMode, GenerationStats, HybridAttnBackend,
                         HybridGenerator, HybridInputError, PagedKVCache, PhaseBackend)
 from hybrid_ops.buckets import UNIFORM_MODES, batch_buckets, bucket_for, pad_batch, padding_q_lens, token_buckets
@@ -61,8 +62,10 @@ def padded_case(mode, seed):
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("mode, spec", ROUTES)
 def test_padding_changes_no_real_output_or_page(backend, mode, spec):
-    """The padded batch's real rows equal the unpadded call's bit for bit (and the float64 reference); every page
-    but the scratch page ends as the unpadded call leaves it; the padding did write the scratch page."""
+    """The padded batch's real rows match the float64 reference, and with `set_deterministic(True)` equal the unpadded
+    call's bit for bit (only then is a request's output promised to be batch-invariant: without it the torch
+    backend's batched decode blocks its products by the batch's shape); every page but the scratch page ends as the
+    unpadded call leaves it; the padding did write the scratch page."""
     case, scratch = padded_case(mode, seed=int(mode))
     real = ForwardBatch(mode, case.cu_seqlens_q, case.seq_lens, case.block_table)
     capacity = case.block_table.shape[1] * PAGE
@@ -77,14 +80,22 @@ def test_padding_changes_no_real_output_or_page(backend, mode, spec):
     options = dict(prefill_backend=backend, decode_backend=backend, speculative_attention_mode=spec,
                    sliding_window=7)
     caches, outs = {}, {}
-    for name, batch, rows in (("real", real, 0), ("padded", padded, extra)):
-        k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
-        q, k, v = (torch.cat([t, torch.randn(rows, *t.shape[1:])]) for t in (case.q, case.k, case.v))
-        outs[name] = torch.ops.hybrid.attn(q, k, v, k_cache, v_cache, *batch.metadata, int(mode), **options)
-        caches[name] = k_cache, v_cache
-    assert outs["padded"].shape[0] == num_real + extra
-    assert torch.equal(outs["padded"][:num_real], outs["real"])
-    assert_close(outs["real"], reference(case, sliding_window=7), torch.float32)
+    padding_rows = {name: tuple(torch.randn(rows, *t.shape[1:]) for t in (case.q, case.k, case.v))
+                    for name, rows in (("real", 0), ("padded", extra))}
+    for deterministic in (False, True):
+        with hybrid_ops.set_deterministic(deterministic):
+            for name, batch in (("real", real), ("padded", padded)):
+                k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+                q, k, v = (torch.cat([t, rows]) for t, rows in zip((case.q, case.k, case.v), padding_rows[name]))
+                outs[name, deterministic] = torch.ops.hybrid.attn(q, k, v, k_cache, v_cache, *batch.metadata,
+                                                                  int(mode), **options)
+                caches[name] = k_cache, v_cache
+    want = reference(case, sliding_window=7)
+    for name in ("real", "padded"):
+        for deterministic in (False, True):
+            assert outs[name, deterministic].shape[0] == num_real + (extra if name == "padded" else 0)
+            assert_close(outs[name, deterministic][:num_real], want, torch.float32)
+    assert torch.equal(outs["padded", True][:num_real], outs["real", True])
     for want, real_cache, padded_cache, before in zip(expected_cache(case), caches["real"], caches["padded"],
                                                       (case.k_cache, case.v_cache)):
         assert torch.equal(real_cache, want)
