@@ -83,6 +83,11 @@ bool args_ok(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
          (sliding_window == -1 || sliding_window > 0) && logit_cap >= 0 && logit_cap < inf;
 }
 
+// validation.decode_shape_ok: the same query length for every request, T = B * (T // B).
+bool decode_shape_ok(int64_t num_tokens, int64_t num_requests) {
+  return num_requests > 0 ? num_tokens % num_requests == 0 : num_tokens == 0;
+}
+
 // The kernel's output, or an undefined tensor (nothing written) when a check fails.
 at::Tensor run_native(bool decode, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& cu_seqlens_q,
@@ -92,7 +97,7 @@ at::Tensor run_native(bool decode, const at::Tensor& q, const at::Tensor& k, con
     return {};
   }
   const int64_t num_tokens = q.size(0), num_requests = seq_lens.size(0);
-  if (decode && (num_requests > 0 ? num_tokens % num_requests != 0 : num_tokens != 0)) return {};
+  if (decode && !decode_shape_ok(num_tokens, num_requests)) return {};
   const double resolved_scale = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
   return hybrid_ops::paged_attention(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, resolved_scale,
                                      sliding_window, logit_cap, decode);
@@ -169,6 +174,10 @@ TORCH_LIBRARY_IMPL(hybrid, CPU, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &hybrid_ops::paged_attention,
         "KV store, then paged attention; None when the metadata's values are invalid");
+  // The checks, for tests that hold them to validation.py's on the same inputs.
+  m.def("args_ok", &args_ok);
+  m.def("decode_shape_ok", &decode_shape_ok);
+  m.def("metadata_values_ok", &hybrid_ops::metadata_values_ok);
   m.def("configure", &configure,
         "The routing table as (forward_mode, speculative_attention_mode, decode path?), the backend names that "
         "mean the native kernel, and every valid backend name");

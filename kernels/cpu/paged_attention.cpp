@@ -75,6 +75,12 @@ struct Metadata {
   int64_t table_stride, width, num_requests;  // table_stride: elements between rows
 };
 
+// Views of contiguous metadata tensors.
+Metadata metadata_of(const at::Tensor& cu, const at::Tensor& lens, const at::Tensor& table) {
+  return {cu.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), table.data_ptr<int32_t>(), table.size(1), table.size(1),
+          lens.size(0)};
+}
+
 // The values check_metadata_values (validation.py) enforces: nothing is read or written out of bounds after it.
 bool metadata_ok(const Metadata& md, int64_t num_tokens, int64_t num_pages, int64_t page_size, bool decode) {
   if (md.cu[0] != 0 || md.cu[md.num_requests] != num_tokens) return false;
@@ -790,8 +796,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            const at::Tensor& block_table, double scale, int64_t window, double logit_cap,
                            bool decode) {
   const auto cu = cu_seqlens_q.contiguous(), lens = seq_lens.contiguous(), table = block_table.contiguous();
-  const Metadata md{cu.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), table.data_ptr<int32_t>(), table.size(1),
-                    table.size(1), lens.size(0)};
+  const Metadata md = metadata_of(cu, lens, table);
   if (!metadata_ok(md, q.size(0), k_cache.size(0), k_cache.size(1), decode)) return at::Tensor();
   switch (q.scalar_type()) {
     case at::kFloat: return forward_typed<float>(q, k, v, k_cache, v_cache, md, scale, window, logit_cap);
@@ -799,6 +804,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     case at::kBFloat16: return forward_typed<at::BFloat16>(q, k, v, k_cache, v_cache, md, scale, window, logit_cap);
     default: TORCH_CHECK(false, "q must be float32, float16 or bfloat16");
   }
+}
+
+bool metadata_values_ok(const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, const at::Tensor& block_table,
+                        int64_t num_tokens, int64_t num_pages, int64_t page_size, bool decode) {
+  const auto cu = cu_seqlens_q.contiguous(), lens = seq_lens.contiguous(), table = block_table.contiguous();
+  return metadata_ok(metadata_of(cu, lens, table), num_tokens, num_pages, page_size, decode);
 }
 
 }  // namespace hybrid_ops

@@ -15,4 +15,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            const at::Tensor& block_table, double scale, int64_t window, double logit_cap,
                            bool decode);
 
+// The values validation.check_metadata_values accepts (cu_seqlens_q from 0 to num_tokens, non-decreasing; each
+// request's length within its table row and at least its new tokens; its pages' ids in [0, num_pages); one query
+// length for every request when `decode`), for metadata whose shapes and dtypes the entry points' checks passed.
+bool metadata_values_ok(const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, const at::Tensor& block_table,
+                        int64_t num_tokens, int64_t num_pages, int64_t page_size, bool decode);
+
 }  // namespace hybrid_ops

@@ -1,0 +1,93 @@
+"""The argument and metadata checks exist twice: in Python (validation.py, which names the culprit) and in C++ (the cpu
+backend's entry points and kernel, which decide without Python whether a call may run). Both must accept exactly the
+same inputs: one that C++ accepted and Python would refuse would run unchecked; one C++ refused and Python accepts
+only costs a detour. Random batches, each with a random set of the bad inputs of test_errors.py and random metadata
+values, are put to both."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from reference import make_case
+from test_errors import BAD_INPUTS, VALUE_INPUTS, valid_case
+
+import hybrid_ops
+from hybrid_ops import HybridInputError
+from hybrid_ops.validation import args_ok, check_args, check_metadata_values, decode_shape_ok
+
+# The mutations of test_errors.py that change the op's tensors or its scale, sliding_window and logit_cap.
+OPTIONS = ("scale", "sliding_window", "logit_cap")
+MUTATIONS = {name: mutation for name, (op, mutation, _) in {**BAD_INPUTS, **VALUE_INPUTS}.items()
+             if set(mutation(valid_case("decode").args, {})[1]) <= set(OPTIONS)}
+VALID_OPTIONS = {"scale": [None, 0.125, 1.0], "sliding_window": [-1, 1, 5], "logit_cap": [0.0, 3.0]}
+BAD_OPTIONS = {"scale": [0.0, -1.0, math.nan, math.inf], "sliding_window": [0, -2], "logit_cap": [-1.0, math.nan,
+                                                                                                   math.inf]}
+
+
+def native():
+    return hybrid_ops.get_backend("cpu", torch.device("cpu"), torch.float32, 16)._module
+
+
+def python_accepts(check, *args) -> bool:
+    try:
+        check(*args)
+    except HybridInputError:
+        return False
+    return True
+
+
+@st.composite
+def inputs(draw, first=None):
+    """(args, options, decode): a random valid batch, then the mutation `first`, and random bad inputs and metadata
+    values on top."""
+    decode = draw(st.booleans())
+    num_requests = draw(st.integers(0, 4))
+    q_lens = [draw(st.integers(1, 3))] * num_requests if decode else draw(
+        st.lists(st.integers(0, 5), min_size=num_requests, max_size=num_requests))
+    case = make_case(q_lens, draw(st.lists(st.integers(0, 9), min_size=num_requests, max_size=num_requests)),
+                     num_q_heads=draw(st.sampled_from([2, 4, 8])), num_kv_heads=2, head_dim=draw(st.sampled_from([8, 16])),
+                     page_size=draw(st.sampled_from([1, 4])), strided=draw(st.booleans()),
+                     seed=draw(st.integers(0, 2**16)))
+    args, options = case.args, {name: draw(st.sampled_from(values)) for name, values in VALID_OPTIONS.items()}
+    bad_option = st.sampled_from([(name, value) for name, values in BAD_OPTIONS.items() for value in values])
+    for mutation in [first or (lambda *a: a)] + draw(st.lists(st.one_of(st.sampled_from(list(MUTATIONS.values())),
+                                                                         bad_option), max_size=2)):
+        if isinstance(mutation, tuple):
+            options = {**options, mutation[0]: mutation[1]}
+            continue
+        try:
+            args, options = mutation(args, options)
+        except (IndexError, RuntimeError):  # a mutation made for another shape (an index past this batch's end)
+            pass
+    args = list(args)
+    for _ in range(draw(st.integers(0, 2))):  # metadata values anywhere, in and out of range
+        which = draw(st.sampled_from([5, 6, 7]))
+        if args[which].numel() and args[which].dtype == torch.int32 and args[which].device.type == "cpu":
+            args[which] = args[which].clone()
+            args[which].view(-1)[draw(st.integers(0, args[which].numel() - 1))] = draw(st.integers(-2, 40))
+    return args, options, decode
+
+
+@pytest.mark.parametrize("first", [None, *MUTATIONS])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_cpp_and_python_checks_agree(first, data):
+    """Each bad input of the tables in turn (and none: random ones only), on random batches."""
+    args, options, decode = data.draw(inputs(MUTATIONS.get(first)))
+    scalars = [options[name] for name in OPTIONS]
+    accepted = python_accepts(check_args, *args, *scalars)
+    assert args_ok(*args, *scalars) == accepted
+    assert native().args_ok(*args, *scalars) == accepted
+    event(f"arguments accepted: {accepted}")
+    if not accepted:
+        return
+    q, k_cache, seq_lens = args[0], args[3], args[6]
+    assert native().decode_shape_ok(q.shape[0], seq_lens.shape[0]) == decode_shape_ok(q.shape[0], seq_lens.shape[0])
+    if decode and not decode_shape_ok(q.shape[0], seq_lens.shape[0]):
+        return
+    metadata, sizes = args[5:], (q.shape[0], k_cache.shape[0], k_cache.shape[1], decode)
+    accepted = python_accepts(check_metadata_values, *metadata, *sizes)
+    assert native().metadata_values_ok(*metadata, *sizes) == accepted
+    event(f"metadata values accepted: {accepted}")
