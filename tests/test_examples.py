@@ -1,10 +1,14 @@
 """Every example runs, at small sizes, so none of them can rot."""
 
 import os
+import re
 import runpy
 import subprocess
 import sys
 from pathlib import Path
+
+import torch
+from reference import assert_close, dense_attention
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -51,3 +55,11 @@ def test_bench_runs(tmp_path):
                             timeout=600, cwd=EXAMPLES.parent)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| compiled decode (T = 1), cpu backend |" in result.stdout
+
+
+def test_readme_example():
+    """The README's first Python block runs as written and attends causally (float64 reference)."""
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    scope = {}
+    exec(re.search(r"```python\n(.*?)```", readme, re.S).group(1), scope)
+    assert_close(scope["out"], dense_attention(scope["q"], scope["k"], scope["v"], prefix=0), torch.float32)
