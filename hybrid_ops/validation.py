@@ -70,8 +70,10 @@ def check_args(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, s
     _, _, num_kv_heads, cache_head_dim = k_cache.shape
     if v_cache.shape != k_cache.shape:
         raise HybridInputError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise HybridInputError("k_cache and v_cache must be contiguous [num_pages, page_size, Hkv, D] tensors")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not t.is_contiguous():
+            raise HybridInputError(f"{name} must be a contiguous [num_pages, page_size, Hkv, D] tensor, got strides "
+                                   f"{t.stride()}")
     _check(cache_head_dim == head_dim, lambda: f"k_cache head dim {cache_head_dim} must equal q's head dim {head_dim}")
     for name, t in (("k", k), ("v", v)):
         _check(t.shape[0] == num_tokens, lambda: f"{name} must have q's {num_tokens} tokens, got {t.shape[0]}")

@@ -160,10 +160,9 @@ def count_shapes(generator):
     return shapes
 
 
-def test_generator_pads_every_step_to_a_bucket():
+def test_generator_pads_every_step_to_a_bucket(fresh_dynamo):
     """A long ragged run (requests joining and finishing, chunked prefills, MIXED steps): the padded, compiled
     forward meets only bucket shapes, and the tokens are the unpadded run's."""
-    torch._dynamo.reset()
     model = tiny_model()
     prompts = [[(5 * i + 3 * j) % 60 + 1 for j in range(n)] for i, n in enumerate([3, 17, 1, 9, 26, 6, 12, 2, 30, 5,
                                                                                    14, 7])]

@@ -12,10 +12,8 @@ import hybrid_ops
 from hybrid_ops import ForwardMode
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    # Dynamo keeps what it learnt about a code object (which sizes are dynamic) across compiles.
-    torch._dynamo.reset()
+# Dynamo keeps what it learnt about a code object (which sizes are dynamic) across compiles.
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class Attention(torch.nn.Module):

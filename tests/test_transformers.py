@@ -52,8 +52,7 @@ def test_eager_generate_matches_transformers(name):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_compiled_generate_matches_and_never_recompiles(name):
-    torch._dynamo.reset()
+def test_compiled_generate_matches_and_never_recompiles(name, fresh_dynamo):
     generator = HybridGenerator(make_model(name, MODELS[name][1]), max_batch_size=3, max_seq_len=48, page_size=4,
                                 prefill_chunk=12)
     stats = hybrid_ops.GenerationStats()

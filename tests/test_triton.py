@@ -57,8 +57,7 @@ def test_matches_torch_backend():
     assert torch.equal(case.k_cache, args_torch[3]) and torch.equal(case.v_cache, args_torch[4])
 
 
-def test_compiled_with_triton_backends():
-    torch._dynamo.reset()
+def test_compiled_with_triton_backends(fresh_dynamo):
 
     def step(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode: int):
         return torch.ops.hybrid.attn(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode,

@@ -1,0 +1,77 @@
+"""The text a user reads as the contract: the op schemas and the whole error messages of bad input. A change to
+either shows here as a diff (`EXPECTTEST_ACCEPT=1 pytest tests/test_contract.py` rewrites the expected text)."""
+
+import expecttest
+import torch
+from test_errors import BAD_INPUTS, VALUE_INPUTS, call, valid_case
+
+import hybrid_ops
+
+
+def message(op, mutation) -> str:
+    case = valid_case(op)
+    args, kwargs = mutation(case.args, {})
+    try:
+        call(op, args, kwargs)
+    except hybrid_ops.HybridInputError as e:
+        return str(e)
+    raise AssertionError("no error")
+
+
+class TestContract(expecttest.TestCase):
+    def test_schemas(self):
+        schemas = "\n".join(str(getattr(torch.ops.hybrid, name).default._schema)
+                            for name in ("prefill", "decode", "attn", "plan"))
+        self.assertExpectedInline(schemas, """\
+hybrid::prefill(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, *, float? scale=None, int sliding_window=-1, float logit_cap=0., str backend="auto") -> Tensor
+hybrid::decode(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, *, float? scale=None, int sliding_window=-1, float logit_cap=0., str backend="auto") -> Tensor
+hybrid::attn(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, SymInt forward_mode, *, float? scale=None, int sliding_window=-1, float logit_cap=0., str prefill_backend="auto", str decode_backend="auto", str speculative_attention_mode="prefill") -> Tensor
+hybrid::plan(Tensor k_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, SymInt forward_mode, *, ScalarType q_dtype, int num_q_heads, float? scale=None, int sliding_window=-1, float logit_cap=0., str prefill_backend="auto", str decode_backend="auto", str speculative_attention_mode="prefill", bool cuda_graph=False) -> ()""")
+
+    def test_bad_input_messages(self):
+        messages = "\n".join(f"{name}: {message(op, mutation)}" for name, (op, mutation, _) in BAD_INPUTS.items())
+        self.assertExpectedInline(messages, """\
+float_block_table: block_table must be int32, got torch.float32
+int64_block_table: block_table must be int32, got torch.int64
+int64_seq_lens: seq_lens must be int32, got torch.int64
+int64_cu_seqlens: cu_seqlens_q must be int32, got torch.int64
+int_q: q must be float16, bfloat16 or float32, got torch.int32
+float64_q: q must be float16, bfloat16 or float32, got torch.float64
+k_dtype: k must have q's dtype torch.float32, got torch.float16
+cache_dtype: v_cache must have q's dtype torch.float32, got torch.float16
+meta_device: block_table must be on q's device cpu, got meta
+q_rank: q must have 3 dimensions, got shape (1, 7, 4, 16)
+cache_rank: k_cache must have 4 dimensions, got shape (28, 2, 16)
+block_table_rank: block_table must have 2 dimensions, got shape (8,)
+k_tokens: k must have q's 7 tokens, got 6
+v_heads: v must have k_cache's 2 kv heads, got shape (7, 1, 16)
+head_dim_mismatch: k_cache head dim 16 must equal q's head dim 8
+gqa_ratio: q's 3 heads must be a multiple of the caches' 2 kv heads (Hq % Hkv == 0)
+v_cache_shape: v_cache must have k_cache's shape (8, 4, 2, 16), got (7, 4, 2, 16)
+cache_not_contiguous: k_cache must be a contiguous [num_pages, page_size, Hkv, D] tensor, got strides (32, 256, 16, 1)
+cu_seqlens_len: cu_seqlens_q must have B + 1 = 3 entries (B = len(seq_lens)), got 2
+block_table_rows: block_table must have B = 2 rows (B = len(seq_lens)), got 1
+decode_ragged_T: decode needs the same number of query tokens per request: T = 2 is not a multiple of B = 3
+nan_scale: scale must be a finite positive float or None, got nan
+negative_scale: scale must be a finite positive float or None, got -1.0
+zero_window: sliding_window must be -1 (no window) or a positive int, got 0
+inf_logit_cap: logit_cap must be 0.0 (no soft-cap) or a finite positive float, got inf
+unknown_backend: backend must be 'auto' or one of ['cpu', 'flashinfer', 'torch', 'triton'], got 'cudnn'
+unknown_decode_backend: decode_backend must be 'auto' or one of ['cpu', 'flashinfer', 'torch', 'triton'], got 'x'
+unknown_spec_mode: speculative_attention_mode must be one of ('prefill', 'decode'), got 'draft'""")
+
+    def test_bad_value_messages(self):
+        with hybrid_ops.set_validation(True):
+            messages = "\n".join(f"{name}: {message(op, mutation)}"
+                                 for name, (op, mutation, _) in VALUE_INPUTS.items())
+        self.assertExpectedInline(messages, """\
+cu_seqlens_not_from_0: cu_seqlens_q must start at 0, got 1
+cu_seqlens_decreasing: cu_seqlens_q must be non-decreasing, got [0, 9, 7]
+cu_seqlens_not_T: cu_seqlens_q must end at the number of tokens T = 7, got 6
+seq_lens_short: seq_lens[0] = 1 is shorter than request 0's 3 new tokens
+seq_lens_negative: seq_lens[1] = -3 is shorter than request 1's 4 new tokens
+block_id_high: block_table[0, 0] = 10000 is not a page of the cache (0 <= id < 8)
+block_id_negative: block_table[1, 0] = -1 is not a page of the cache (0 <= id < 7)
+table_too_short: seq_lens[1] = 400 exceeds block_table's capacity of 4 pages x 4 = 16 tokens
+table_one_short: seq_lens[1] = 17 exceeds block_table's capacity of 4 pages x 4 = 16 tokens
+decode_ragged_lengths: decode needs the same query length for every request, got [1, 0, 2]""")
