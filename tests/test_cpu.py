@@ -72,6 +72,18 @@ def test_long_contexts_against_float64(name, option, dtype):
     assert torch.equal(case.k_cache, k_ref) and torch.equal(case.v_cache, v_ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_products_on_amx(dtype):
+    """Many query rows over a 16-bit cache multiply in 16 bits on AMX (VNNI-packed tiles, probabilities rounded by
+    AVX512-BF16): the prefill cases through that path. Elsewhere the same cases multiply in fp32, which
+    test_long_contexts_against_float64 covers."""
+    kernels = hybrid_ops.get_backend("cpu", torch.device("cpu"), dtype, 128)._module
+    if not kernels.multiplies_in_cache_dtype(dtype):
+        pytest.skip(f"this CPU has no AMX for {dtype} (oneDNN's brgemm cannot pack it): 16-bit products cannot run here")
+    for name in ("prefill", "chunk_over_prefix", "head_dim_20"):
+        test_long_contexts_against_float64(name, "window_softcap", dtype)
+
+
 @pytest.mark.parametrize("num_kv_heads", [1, 2])  # units of one kv head; of every kv head
 def test_thread_count_does_not_change_the_result(num_kv_heads):
     """A batch of one: its key slices run on several threads, or all on one, with the same result bit for bit."""

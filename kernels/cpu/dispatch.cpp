@@ -178,6 +178,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("args_ok", &args_ok);
   m.def("decode_shape_ok", &decode_shape_ok);
   m.def("metadata_values_ok", &hybrid_ops::metadata_values_ok);
+  m.def("multiplies_in_cache_dtype", &hybrid_ops::multiplies_in_cache_dtype,
+        "Whether many query rows over a 16-bit cache multiply in 16 bits (AMX) rather than fp32");
   m.def("configure", &configure,
         "The routing table as (forward_mode, speculative_attention_mode, decode path?), the backend names that "
         "mean the native kernel, and every valid backend name");

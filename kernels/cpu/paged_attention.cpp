@@ -806,6 +806,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   }
 }
 
+bool multiplies_in_cache_dtype(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kHalf: return amx_available<at::Half>();
+    case at::kBFloat16: return amx_available<at::BFloat16>();
+    default: return false;
+  }
+}
+
 bool metadata_values_ok(const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, const at::Tensor& block_table,
                         int64_t num_tokens, int64_t num_pages, int64_t page_size, bool decode) {
   const auto cu = cu_seqlens_q.contiguous(), lens = seq_lens.contiguous(), table = block_table.contiguous();

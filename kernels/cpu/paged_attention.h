@@ -18,6 +18,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 // The values validation.check_metadata_values accepts (cu_seqlens_q from 0 to num_tokens, non-decreasing; each
 // request's length within its table row and at least its new tokens; its pages' ids in [0, num_pages); one query
 // length for every request when `decode`), for metadata whose shapes and dtypes the entry points' checks passed.
+// Whether many query rows over a cache of `dtype` multiply in that dtype (16-bit brgemm on AMX), not in fp32.
+bool multiplies_in_cache_dtype(at::ScalarType dtype);
+
 bool metadata_values_ok(const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, const at::Tensor& block_table,
                         int64_t num_tokens, int64_t num_pages, int64_t page_size, bool decode);
 
