@@ -37,6 +37,10 @@ CASES = {  # op, make_case arguments
     # two query blocks (group 2: 256 tokens a block), whose tiles are packed once.
     "head_dim_20": ("prefill", dict(q_lens=[40, 300], prefix_lens=[37, 0], num_q_heads=4, num_kv_heads=2, head_dim=20,
                                     page_size=3)),
+    # Positions of 32 bytes in 16-bit caches (D 8, 2 kv heads): where a vector holds 8 floats (AVX2, DEFAULT) the rows
+    # are read in place and a 4 KiB memory page holds more positions than a tile.
+    "small_positions": ("decode", dict(q_lens=[1] * 2, prefix_lens=[300, 70], num_q_heads=4, num_kv_heads=2,
+                                       head_dim=8, page_size=16)),
     # Fresh prefills, one of two query blocks (group 1: 512 tokens a block), page 1.
     "prefill": ("prefill", dict(q_lens=[600, 70], prefix_lens=[0, 0], num_q_heads=2, num_kv_heads=2, head_dim=128,
                                 page_size=1)),

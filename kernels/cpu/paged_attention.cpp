@@ -352,7 +352,10 @@ void attend_tile(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, con
                  int64_t rows, Scratch<T>& s) {
   const int64_t dim = pb.padded_dim, heads = u.num_heads;
   const int64_t position_bytes = heads * pb.head_dim * static_cast<int64_t>(sizeof(R));
-  const int64_t per_page = heads > 1 ? std::max<int64_t>(1, PAGE_BYTES / position_bytes) : 1;
+  // Positions per memory page, when passes are worth taking: a page of BLOCK_N or more positions (16-bit rows of
+  // D 8, read in place where a vector is 8 floats) holds the whole tile, which key order reads front to back.
+  const int64_t fit = PAGE_BYTES / position_bytes;
+  const int64_t per_page = heads > 1 && fit > 1 && fit < BLOCK_N ? fit : 1;
   const int64_t pages = std::min(PAGES_PER_PASS, BLOCK_N / per_page);
   const int64_t group = heads > 1 ? pages * per_page : BLOCK_N;
   const float* q = s.q.data();
