@@ -266,7 +266,7 @@ class HybridGenerator:
             raise HybridInputError(f"do_sample must be a bool, got {do_sample!r}")
         sampling = _check_sampling(temperature, top_k, top_p, min_p) if do_sample else None
         if seed is not None and not _is_int(seed, 0):
-            raise HybridInputError(f"seed must be None or a non-negative int, got {seed!r} (for {name})")
+            raise HybridInputError(f"seed must be None or a non-negative int, got {seed!r}")
         generator = None
         if seed is not None and do_sample:
             generator = torch.Generator(device=self.device).manual_seed(seed)
