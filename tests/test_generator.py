@@ -31,7 +31,8 @@ def random_prompts(n, lengths=(1, 30)):
 
 def solo(model, prompt, max_new_tokens, **options):
     """A request's tokens run alone, on a generator of its own."""
-    return HybridGenerator(model, **SIZES, compile=False).generate([prompt], max_new_tokens, **options)[0]
+    return HybridGenerator(model, **{**SIZES, "max_seq_len": 48}, compile=False).generate([prompt], max_new_tokens,
+                                                                                          **options)[0]
 
 
 def assert_empty(generator):
