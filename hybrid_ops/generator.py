@@ -17,6 +17,7 @@ import bisect
 import hashlib
 import math
 import numbers
+import os
 import threading
 import time
 from collections import Counter, deque
@@ -85,7 +86,9 @@ class HybridGenerator:
     `max_seq_len` tokens (prompt + new tokens; default and limit: the model's `max_position_embeddings`, capped at
     1024 by default). The cache and the compiled forward are kept across calls, so later runs neither allocate nor
     recompile; the first step of a compiled generator also compiles the graphs of one-request and one-token steps,
-    which Dynamo specialises, so no later step compiles.
+    which Dynamo specialises, so no later step compiles. With `compile_cache=PATH` the compiled artifacts
+    (`torch.compiler.save_cache_artifacts`) are written to PATH after that first step and loaded from it at
+    construction, so a later process with the same model, sizes and torch skips Inductor's code generation.
     `cuda_graphs=True` pads every step to a bucket of requests and tokens (padding requests write only the cache's
     scratch page) and, on CUDA, compiles with `mode="reduce-overhead"`; on other devices the same padding runs
     under a plain compile. The backends must then be CUDA-graph safe: on CUDA "auto" means "triton" here (FlashInfer
@@ -102,7 +105,8 @@ class HybridGenerator:
 
     def __init__(self, model, max_batch_size: int = 8, max_seq_len: int | None = None, page_size: int = 16,
                  prefill_chunk: int = 256, compile: bool = True, prefill_backend: str = "auto",
-                 decode_backend: str = "auto", cuda_graphs: bool = False, num_pages: int | None = None):
+                 decode_backend: str = "auto", cuda_graphs: bool = False, num_pages: int | None = None,
+                 compile_cache: str | None = None):
         from .integrations.transformers import HybridStep, kv_heads_per_rank, tensor_parallel_group
 
         config = model.config.get_text_config()
@@ -143,6 +147,10 @@ class HybridGenerator:
         self.forward = torch.compile(self._forward, fullgraph=True, dynamic=True, mode=mode) if compile \
             else self._forward
         self._warm = not compile
+        self.compile_cache = compile_cache
+        if compile and compile_cache and os.path.exists(compile_cache):
+            with open(compile_cache, "rb") as f:
+                torch.compiler.load_cache_artifacts(f.read())
         self.device = param.device
         self._group = tensor_parallel_group(model)
         self._ids = count()
@@ -426,6 +434,10 @@ class HybridGenerator:
                 for rid in ids:
                     self.cache.free(rid)
         self._warm = True
+        artifacts = torch.compiler.save_cache_artifacts() if self.compile_cache else None
+        if artifacts is not None:
+            with open(self.compile_cache, "wb") as f:
+                f.write(artifacts[0])
 
     def _pad(self, batch, counts, tokens, positions, rows):
         """The step padded to buckets: padding requests over the scratch page (`buckets.pad_batch`), their tokens
@@ -541,11 +553,11 @@ def generate(model, prompts, max_new_tokens: int, **kwargs):
     """One-call generation: `HybridGenerator(model, ...)` with sizes fitted to `prompts`, then `.generate`.
 
     Keyword arguments of `HybridGenerator` (max_batch_size, max_seq_len, num_pages, page_size, prefill_chunk,
-    compile, backends, cuda_graphs) go to it, the rest to `generate`. Reuse a `HybridGenerator` to keep its compiled
-    forward across calls.
+    compile, backends, cuda_graphs, compile_cache) go to it, the rest to `generate`. Reuse a `HybridGenerator` to
+    keep its compiled forward across calls.
     """
     init_keys = ("max_batch_size", "max_seq_len", "num_pages", "page_size", "prefill_chunk", "compile",
-                 "prefill_backend", "decode_backend", "cuda_graphs")
+                 "prefill_backend", "decode_backend", "cuda_graphs", "compile_cache")
     init = {k: kwargs.pop(k) for k in init_keys if k in kwargs}
     max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None) or math.inf
     if _is_int(max_new_tokens, 1) and all(hasattr(p, "__len__") for p in prompts):
