@@ -210,6 +210,7 @@ class HybridGenerator:
 
         Options as in `add_request`; with an int `seed`, request i of the call is seeded with `seed + i`.
         """
+        prompts = _prompt_list(prompts)
         results = [[] for _ in prompts]
         for index, tokens, _ in self.stream(prompts, max_new_tokens, do_sample=do_sample, temperature=temperature,
                                             top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
@@ -230,7 +231,7 @@ class HybridGenerator:
                 raise HybridInputError(f"seed must be None or a non-negative int, got {seed!r}")
             requests = [self._make_request(f"prompts[{i}]", prompt, max_new_tokens,
                                            seed=None if seed is None else seed + i, **options)
-                        for i, prompt in enumerate(prompts)]
+                        for i, prompt in enumerate(_prompt_list(prompts))]
             if self._group is not None:
                 _check_same_on_every_rank([_collective_args(r) for r in requests], self._group, self.device)
             index = {self._queue(r): i for i, r in enumerate(requests)}
@@ -461,13 +462,9 @@ def _is_real(value) -> bool:
 
 def _token_list(name, prompt, vocab_size) -> list:
     """prompt: a list or tuple of ints, a 1-D int tensor or numpy array -> a list of ids in [0, vocab_size)."""
-    if isinstance(prompt, torch.Tensor) or type(prompt).__module__ == "numpy":
-        tensor = torch.as_tensor(prompt)
-        if tensor.dim() != 1 or tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
-            raise HybridInputError(f"{name} must be a 1-D integer tensor or array, got {tensor.dim()}-D "
-                                   f"{tensor.dtype}")
-        prompt = tensor.tolist()
-    elif not isinstance(prompt, (list, tuple)):
+    if not isinstance(prompt, (list, tuple)) and hasattr(prompt, "tolist"):  # a tensor or an array
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple)):
         raise HybridInputError(f"{name} must be a list of token ids, got {type(prompt).__name__}")
     if not prompt:
         raise HybridInputError(f"{name} is empty: a prompt needs at least one token")
@@ -475,6 +472,13 @@ def _token_list(name, prompt, vocab_size) -> list:
         if not (_is_int(token, 0) and token < vocab_size):
             raise HybridInputError(f"{name}[{position}] must be a token id in [0, {vocab_size}), got {token!r}")
     return [int(t) for t in prompt]
+
+
+def _prompt_list(prompts) -> list:
+    """prompts: any iterable of prompts (not a string) -> a list."""
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
+        raise HybridInputError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
+    return list(prompts)
 
 
 def _check_sampling(temperature, top_k, top_p, min_p) -> _Sampling:
@@ -559,6 +563,7 @@ def generate(model, prompts, max_new_tokens: int, **kwargs):
     init_keys = ("max_batch_size", "max_seq_len", "num_pages", "page_size", "prefill_chunk", "compile",
                  "prefill_backend", "decode_backend", "cuda_graphs", "compile_cache")
     init = {k: kwargs.pop(k) for k in init_keys if k in kwargs}
+    prompts = _prompt_list(prompts)
     max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None) or math.inf
     if _is_int(max_new_tokens, 1) and all(hasattr(p, "__len__") for p in prompts):
         # At most max_position_embeddings: longer requests are refused, not given a cache they cannot use.
