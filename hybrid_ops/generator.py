@@ -35,6 +35,12 @@ from .errors import HybridInputError, HybridOpsError
 from .modes import ForwardMode
 
 
+# (tokens per request, logits rows, mode) of steps with one request, one token or one logits row: sizes that
+# Dynamo specialises, with a graph each.
+_WARM_UP_STEPS = [([1], [0], ForwardMode.DECODE), ([2], [1], ForwardMode.EXTEND), ([2, 1], [2], ForwardMode.MIXED),
+                  ([2, 1], [1, 2], ForwardMode.MIXED), ([1, 1], [0, 1], ForwardMode.DECODE)]
+
+
 class _Sampling(NamedTuple):
     temperature: float
     top_k: int
@@ -375,13 +381,14 @@ class HybridGenerator:
         batch, mode = self._schedule(stats)
         try:
             counts = [n for _, n, _ in batch]
-            sampled = [r for r, n, _ in batch if r.cached + n == r.num_tokens]
-            tokens, positions = [], []
-            for request, n, _ in batch:
+            ends = list(accumulate(counts))
+            tokens, positions, sampled, rows = [], [], [], []
+            for (request, n, _), end in zip(batch, ends):
                 tokens += request.tokens(request.cached, request.cached + n)
                 positions += range(request.cached, request.cached + n)
-            ends = list(accumulate(counts))
-            rows = [end - 1 for end, (r, n, _) in zip(ends, batch) if r.cached + n == r.num_tokens]
+                if request.cached + n == request.num_tokens:  # the step reaches its last token: it samples
+                    sampled.append(request)
+                    rows.append(end - 1)
             # At least one row even when no request samples (a long prompt mid-chunk): Dynamo gives size 0 a graph
             # of its own, which a later run could meet for the first time.
             logits = self._run([r.id for r, _, _ in batch], counts, tokens, positions, rows or [ends[-1] - 1], mode)
@@ -422,9 +429,10 @@ class HybridGenerator:
     def _warm_up(self):
         """Compiles the graphs Dynamo specialises for sizes 1 (one request, one token, one logits row), which a run
         might otherwise first meet deep into serving. Writes only pages it frees again."""
-        one, two = ForwardMode.DECODE, ForwardMode.MIXED
-        for counts, rows, mode in (([1], [0], one), ([2], [1], ForwardMode.EXTEND), ([2, 1], [2], two),
-                                   ([2, 1], [1, 2], two), ([1, 1], [0, 1], one)):
+        for counts, rows, mode in _WARM_UP_STEPS:
+            if (len(counts) > self.max_batch_size or max(counts) > self.max_seq_len
+                    or sum(map(self._pages, counts)) > self.cache.num_pages):
+                continue  # a step no run can take either
             ids = [("warm-up", i) for i in range(len(counts))]
             for rid in ids:
                 self.cache.add(rid)

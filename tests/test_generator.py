@@ -394,6 +394,17 @@ def test_compiled_generator_warms_up_once_and_never_recompiles(model, tmp_path):
     assert len(info.inductor_artifacts) > 0
 
 
+def test_warm_up_fits_any_budget(model):
+    """The warm-up's steps (run eagerly here) skip shapes that the sizes rule out, and leave every page free."""
+    for sizes in (dict(max_batch_size=1, max_seq_len=2, page_size=1, num_pages=2, prefill_chunk=1),
+                  dict(SIZES, num_pages=1)):
+        generator = HybridGenerator(model, **sizes, compile=False)
+        generator._warm = False
+        assert generator.generate([[7]], 1) == [solo(model, [7], 1)]
+        assert generator._warm
+        assert_empty(generator)
+
+
 # Everything at once.
 
 def test_load_ragged_requests_through_a_small_budget(model):
