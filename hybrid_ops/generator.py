@@ -366,7 +366,6 @@ class HybridGenerator:
         """Frees a running request's pages and queues it first: its prompt and tokens are prefilled again."""
         self._running.remove(request)
         self.cache.free(request.id)
-        request.cached = 0
         self._waiting.appendleft(request)
         if stats is not None:
             stats.preemptions += 1
