@@ -190,10 +190,11 @@ class HybridGenerator:
             return self._queue(request)
 
     @torch.inference_mode()
-    def step(self) -> list:
-        """Runs one forward step -> [(request id, new token ids, finished)] for the requests that got tokens."""
+    def step(self, stats: GenerationStats | None = None) -> list:
+        """Runs one forward step -> [(request id, new token ids, finished)] for the requests that got tokens;
+        counts the step in `stats` if given."""
         with self._exclusive():
-            events, self._undelivered = self._undelivered + self._step(None), []
+            events, self._undelivered = self._undelivered + self._step(stats), []
             return events
 
     def abort(self, request_id: int) -> bool:

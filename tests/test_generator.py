@@ -6,6 +6,7 @@ against transformers' generate in test_transformers.py); tiny fp32 models give t
 """
 
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -467,3 +468,4 @@ def test_serve_example():
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step API tokens equal generate's: True" in result.stdout
     assert "aborted request 0 after" in result.stdout
+    assert int(re.search(r"(\d+) preemptions", result.stdout)[1]) > 0
