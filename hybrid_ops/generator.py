@@ -1,40 +1,81 @@
 """Continuous-batching generation for transformers models through the hybrid ops.
 
 Every step packs the running requests into one sequence: prompts are prefilled in chunks, generated tokens are
-decoded one per request, and the two mix (MIXED) when new requests join while others decode. Finished requests
-free their pages and waiting ones take their place. One compiled forward (`fullgraph=True, dynamic=True`) serves
-every step and mode. With `cuda_graphs=True` every step is padded to a bucket (`hybrid_ops.buckets`) and, on CUDA,
-the forward is compiled with `mode="reduce-overhead"`: one CUDA graph per bucket and mode, not per batch.
+decoded one per request, and the two mix (MIXED) when new requests join while others decode. Requests are admitted
+while the cache has free pages for their prompts; when a step needs more pages than are free, the newest running
+request is preempted (its pages freed, its prompt and tokens so far prefilled again later), so a budget of pages
+smaller than the worst case still gives every request the tokens of an unconstrained run. One compiled forward
+(`fullgraph=True, dynamic=True`) serves every step and mode. With `cuda_graphs=True` every step is padded to a bucket
+(`hybrid_ops.buckets`) and, on CUDA, the forward is compiled with `mode="reduce-overhead"`: one CUDA graph per bucket
+and mode, not per batch.
+
+The API: `generate(prompts, ...)` returns every request's tokens, `stream(prompts, ...)` yields them step by step,
+and `add_request` / `step` / `abort` serve requests that come and go (docs/generation.md).
 """
 
+import bisect
 import hashlib
+import math
+import numbers
+import os
+import threading
 import time
 from collections import Counter, deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from itertools import accumulate
+from itertools import accumulate, count
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from .buckets import batch_buckets, pad_batch, padding_q_lens, token_buckets
 from .cache import PagedKVCache
-from .errors import HybridInputError
+from .errors import HybridInputError, HybridOpsError
 from .modes import ForwardMode
 
 
-@dataclass
+# (tokens per request, logits rows, mode) of steps with one request, one token or one logits row: sizes that
+# Dynamo specialises, with a graph each.
+_WARM_UP_STEPS = [([1], [0], ForwardMode.DECODE), ([2], [1], ForwardMode.EXTEND), ([2, 1], [2], ForwardMode.MIXED),
+                  ([2, 1], [1, 2], ForwardMode.MIXED), ([1, 1], [0, 1], ForwardMode.DECODE)]
+
+
+class _Sampling(NamedTuple):
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+
+
+@dataclass(eq=False)
 class _Request:
-    index: int  # position in the caller's prompt list
+    id: int
     prompt: list
+    max_new_tokens: int
+    eos: frozenset
+    sampling: _Sampling | None  # None: greedy
+    generator: torch.Generator | None  # a seeded request's own; None: torch's default generator
     generated: list = field(default_factory=list)
-    prefilled: int = 0  # prompt tokens in the cache
+    cached: int = 0  # tokens in the cache
+    prefill_end: int = 0  # tokens to prefill since admission: the prompt, or prompt + generated after a preemption
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.generated)
+
+    def tokens(self, start: int, stop: int) -> list:
+        """(prompt + generated)[start:stop]."""
+        p = len(self.prompt)
+        return self.prompt[start:stop] + self.generated[max(start - p, 0) : max(stop - p, 0)]
 
 
 @dataclass
 class GenerationStats:
     steps: Counter = field(default_factory=Counter)  # ForwardMode name -> steps
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # prefilled tokens, recomputed ones included
     generated_tokens: int = 0
+    preemptions: int = 0
     seconds: float = 0.0
     first_token_seconds: list = field(default_factory=list)  # per request, from the start of the run
 
@@ -46,31 +87,55 @@ class GenerationStats:
 class HybridGenerator:
     """Generates for a causal LM whose attention runs through `torch.ops.hybrid.attn`.
 
-    The paged cache holds `max_batch_size` requests of up to `max_seq_len` tokens; it and the compiled forward are
-    kept across `generate` calls, so later runs neither allocate nor recompile.
+    The paged cache holds `num_pages` pages of `page_size` tokens (default: `max_batch_size` requests of
+    `max_seq_len` tokens, the worst case); at most `max_batch_size` requests run at once, each of at most
+    `max_seq_len` tokens (prompt + new tokens; default and limit: the model's `max_position_embeddings`, capped at
+    1024 by default). The cache and the compiled forward are kept across calls, so later runs neither allocate nor
+    recompile; the first step of a compiled generator also compiles the graphs of one-request and one-token steps,
+    which Dynamo specialises, so no later step compiles. With `compile_cache=PATH` the compiled artifacts
+    (`torch.compiler.save_cache_artifacts`) are written to PATH after that first step and loaded from it at
+    construction, so a later process with the same model, sizes and torch skips Inductor's code generation.
     `cuda_graphs=True` pads every step to a bucket of requests and tokens (padding requests write only the cache's
     scratch page) and, on CUDA, compiles with `mode="reduce-overhead"`; on other devices the same padding runs
     under a plain compile. The backends must then be CUDA-graph safe: on CUDA "auto" means "triton" here (FlashInfer
     plans on the host, and this forward does not plan outside its graphs).
 
+    One generator serves one thread: a call made while another thread's call runs raises `HybridOpsError`.
+    If a step raises (the model's forward, a KeyboardInterrupt, ...), the requests of that step are dropped and
+    their pages freed; `generate` and `stream` drop all of their call's requests. The error propagates and the
+    generator stays usable.
+
     A model sharded with `tp_plan` runs on every rank of its group with the same prompts (checked): the cache holds the
     rank's own KV heads, the scheduling depends only on the tokens, and rank 0's sampled tokens are broadcast.
     """
 
-    def __init__(self, model, max_batch_size: int = 8, max_seq_len: int = 1024, page_size: int = 16,
+    def __init__(self, model, max_batch_size: int = 8, max_seq_len: int | None = None, page_size: int = 16,
                  prefill_chunk: int = 256, compile: bool = True, prefill_backend: str = "auto",
-                 decode_backend: str = "auto", cuda_graphs: bool = False):
+                 decode_backend: str = "auto", cuda_graphs: bool = False, num_pages: int | None = None,
+                 compile_cache: str | None = None):
         from .integrations.transformers import HybridStep, kv_heads_per_rank, tensor_parallel_group
 
         config = model.config.get_text_config()
+        max_positions = getattr(config, "max_position_embeddings", None)
+        if max_seq_len is None:
+            max_seq_len = min(1024, max_positions or 1024)
+        for name, value in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len),
+                            ("page_size", page_size), ("prefill_chunk", prefill_chunk), ("num_pages", num_pages)):
+            if value is not None and not _is_int(value, 1):
+                raise HybridInputError(f"{name} must be a positive int, got {value!r}")
+        if max_positions and max_seq_len > max_positions:
+            raise HybridInputError(f"max_seq_len ({max_seq_len}) exceeds the model's max_position_embeddings "
+                                   f"({max_positions}); raise model.config.max_position_embeddings to go past it")
         model.set_attn_implementation("hybrid")
         self.model = model.eval()
         self.max_batch_size, self.max_seq_len, self.prefill_chunk = max_batch_size, max_seq_len, prefill_chunk
+        self.vocab_size = config.vocab_size
+        self.eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         pages_per_request = -(-max_seq_len // page_size)
         param = next(model.parameters())
-        self.cache = PagedKVCache(max_batch_size * pages_per_request, page_size, kv_heads_per_rank(model, head_dim),
-                                  head_dim, num_layers=config.num_hidden_layers,
+        self.cache = PagedKVCache(num_pages or max_batch_size * pages_per_request, page_size,
+                                  kv_heads_per_rank(model, head_dim), head_dim, num_layers=config.num_hidden_layers,
                                   max_pages_per_request=pages_per_request, dtype=param.dtype, device=param.device,
                                   reserve_scratch=cuda_graphs)
         graphs_on_cuda = cuda_graphs and param.device.type == "cuda"
@@ -87,8 +152,19 @@ class HybridGenerator:
         mode = "reduce-overhead" if graphs_on_cuda else None
         self.forward = torch.compile(self._forward, fullgraph=True, dynamic=True, mode=mode) if compile \
             else self._forward
+        self._warm = not compile
+        self.compile_cache = compile_cache
+        if compile and compile_cache and os.path.exists(compile_cache):
+            with open(compile_cache, "rb") as f:
+                torch.compiler.load_cache_artifacts(f.read())
         self.device = param.device
         self._group = tensor_parallel_group(model)
+        self._ids = count()
+        self._requests = {}  # id -> _Request, every request not finished
+        self._waiting = deque()  # admission order: preempted requests go back to the front
+        self._running = []  # sorted by id, oldest first: the last is the one to preempt
+        self._undelivered = []  # step events of step-API requests, produced while `stream` ran the steps
+        self._lock = threading.Lock()
 
     def _forward(self, input_ids, position_ids, logits_index, forward_mode: int, cu_seqlens_q, seq_lens,
                  block_table):
@@ -99,76 +175,278 @@ class HybridGenerator:
                          logits_to_keep=logits_index, hybrid_step=step)
         return out.logits[0]
 
+    # The serving API: requests come and go between steps.
+
+    def add_request(self, prompt, max_new_tokens: int, **options) -> int:
+        """Queues a request; returns its id. prompt: token ids (a list, tuple, 1-D int tensor or array).
+
+        options: do_sample, temperature, top_k, top_p, min_p, seed (this request's own generator; None draws from
+        torch's default one), eos_token_id (an int or a list; None: the model's generation_config's, [] for none).
+        """
+        with self._exclusive():
+            request = self._make_request("prompt", prompt, max_new_tokens, **options)
+            if self._group is not None:
+                _check_same_on_every_rank(_collective_args(request), self._group, self.device)
+            return self._queue(request)
+
     @torch.inference_mode()
+    def step(self, stats: GenerationStats | None = None) -> list:
+        """Runs one forward step -> [(request id, new token ids, finished)] for the requests that got tokens;
+        counts the step in `stats` if given."""
+        with self._exclusive():
+            events, self._undelivered = self._undelivered + self._step(stats), []
+            return events
+
+    def abort(self, request_id: int) -> bool:
+        """Drops a request and frees its pages; False when it is not in flight (finished, dropped or unknown)."""
+        with self._exclusive():
+            request = self._requests.get(request_id)
+            if request is not None:
+                self._drop(request)
+            return request is not None
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    # Batch calls on top of it.
+
     def generate(self, prompts, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
-                 top_k: int = 0, seed: int | None = None, eos_token_id: int | None = None, progress: bool = False,
-                 stats: GenerationStats | None = None):
-        """prompts: token-id lists -> the generated ids of each, at most `max_new_tokens` (stops at eos)."""
-        for i, prompt in enumerate(prompts):
-            if not prompt or len(prompt) + max_new_tokens > self.max_seq_len:
-                raise HybridInputError(f"prompts[{i}] must have 1 to max_seq_len - max_new_tokens = "
-                                       f"{self.max_seq_len - max_new_tokens} tokens, got {len(prompt)}")
-        if max_new_tokens < 1:
-            raise HybridInputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        if self._group is not None:
-            _check_same_on_every_rank((prompts, max_new_tokens, do_sample, temperature, top_k, eos_token_id),
-                                      self._group, self.device)
+                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
+                 eos_token_id=None, progress: bool = False, stats: GenerationStats | None = None):
+        """prompts: token-id sequences -> the generated ids of each, at most `max_new_tokens` (stops at eos).
+
+        Options as in `add_request`; with an int `seed`, request i of the call is seeded with `seed + i`.
+        """
+        prompts = _prompt_list(prompts)
+        results = [[] for _ in prompts]
+        for index, tokens, _ in self.stream(prompts, max_new_tokens, do_sample=do_sample, temperature=temperature,
+                                            top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                                            eos_token_id=eos_token_id, progress=progress, stats=stats):
+            results[index] += tokens
+        return results
+
+    def stream(self, prompts, max_new_tokens: int, seed: int | None = None, progress: bool = False,
+               stats: GenerationStats | None = None, **options):
+        """Yields (index in prompts, new token ids, finished) as the steps produce them; arguments as `generate`'s.
+
+        Steps also advance requests added with `add_request`; their events wait for the next `step()`. Closing the
+        iterator early (or an error) drops the call's unfinished requests.
+        """
         stats = stats if stats is not None else GenerationStats()
-        generator = torch.Generator(device=self.device)
-        if seed is not None:
-            generator.manual_seed(seed)
-        waiting = deque(_Request(i, list(p)) for i, p in enumerate(prompts))
-        running, results = [], [None] * len(prompts)
-        bar = _progress_bar(len(prompts) * max_new_tokens, progress)
+        with self._exclusive(), torch.inference_mode():
+            if seed is not None and not _is_int(seed, 0):
+                raise HybridInputError(f"seed must be None or a non-negative int, got {seed!r}")
+            requests = [self._make_request(f"prompts[{i}]", prompt, max_new_tokens,
+                                           seed=None if seed is None else seed + i, **options)
+                        for i, prompt in enumerate(_prompt_list(prompts))]
+            if self._group is not None:
+                _check_same_on_every_rank([_collective_args(r) for r in requests], self._group, self.device)
+            index = {self._queue(r): i for i, r in enumerate(requests)}
+        bar = _progress_bar(sum(r.max_new_tokens for r in requests), progress)
         start = time.perf_counter()
-        while waiting or running:
-            while waiting and len(running) < self.max_batch_size:
-                request = waiting.popleft()
-                self.cache.add(request.index)
-                running.append(request)
-            batch, mode, sampled = self._schedule(running)
-            tokens, positions, counts = [], [], []
-            for request, chunk in batch:
-                base = request.prefilled if chunk is not None else len(request.prompt) + len(request.generated) - 1
-                new = chunk if chunk is not None else request.generated[-1:]
-                tokens += new
-                positions += range(base, base + len(new))
-                counts.append(len(new))
-            meta = self.cache.step([r.index for r, _ in batch], counts, mode)
+        try:
+            while any(rid in self._requests for rid in index):
+                with self._exclusive(), torch.inference_mode():
+                    events = self._step(stats)
+                self._undelivered += [e for e in events if e[0] not in index]
+                for rid, tokens, finished in events:
+                    if rid in index:
+                        if len(requests[index[rid]].generated) == len(tokens):  # its first tokens
+                            stats.first_token_seconds.append(time.perf_counter() - start)
+                        bar.update(len(tokens))
+                        yield index[rid], tokens, finished
+        finally:
+            with self._lock:
+                for rid in index:
+                    if rid in self._requests:
+                        self._drop(self._requests[rid])
+            bar.close()
+            stats.seconds += time.perf_counter() - start
+
+    # Requests.
+
+    def _make_request(self, name, prompt, max_new_tokens, do_sample=False, temperature=1.0, top_k=0, top_p=1.0,
+                      min_p=0.0, seed=None, eos_token_id=None) -> _Request:
+        """A checked request, not yet queued; every HybridInputError names `name` (the prompt) or the option."""
+        prompt = _token_list(name, prompt, self.vocab_size)
+        if not _is_int(max_new_tokens, 1):
+            raise HybridInputError(f"max_new_tokens must be a positive int, got {max_new_tokens!r} (for {name})")
+        if len(prompt) + max_new_tokens > self.max_seq_len:
+            raise HybridInputError(f"{name}: {len(prompt)} prompt tokens + max_new_tokens = {max_new_tokens} exceed "
+                                   f"max_seq_len = {self.max_seq_len}")
+        pages = self._pages(len(prompt) + max_new_tokens)
+        if pages > self.cache.num_pages:
+            raise HybridInputError(f"{name}: {len(prompt)} prompt tokens + max_new_tokens = {max_new_tokens} need "
+                                   f"{pages} pages, more than num_pages = {self.cache.num_pages}")
+        if not isinstance(do_sample, bool):
+            raise HybridInputError(f"do_sample must be a bool, got {do_sample!r}")
+        sampling = _check_sampling(temperature, top_k, top_p, min_p) if do_sample else None
+        if seed is not None and not _is_int(seed, 0):
+            raise HybridInputError(f"seed must be None or a non-negative int, got {seed!r}")
+        generator = None
+        if seed is not None and do_sample:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        eos = self.eos_token_id if eos_token_id is None else eos_token_id
+        eos = [] if eos is None else [eos] if _is_int(eos, 0) else eos
+        if not (isinstance(eos, (list, tuple)) and all(_is_int(t, 0) for t in eos)):
+            raise HybridInputError(f"eos_token_id must be None, a non-negative int or a list of them, got "
+                                   f"{eos_token_id!r}")
+        return _Request(-1, prompt, int(max_new_tokens), frozenset(map(int, eos)), sampling, generator)
+
+    def _queue(self, request) -> int:
+        request.id = next(self._ids)
+        self._requests[request.id] = request
+        self._waiting.append(request)
+        return request.id
+
+    def _drop(self, request):
+        """Forgets a request wherever it is; frees its pages."""
+        self._requests.pop(request.id, None)
+        if request in self._running:
+            self._running.remove(request)
+            self.cache.free(request.id)
+        elif request in self._waiting:
+            self._waiting.remove(request)
+
+    def _pages(self, num_tokens) -> int:
+        return -(-num_tokens // self.cache.page_size)
+
+    @contextmanager
+    def _exclusive(self):
+        if not self._lock.acquire(blocking=False):
+            raise HybridOpsError("this HybridGenerator is running a call in another thread: one generator serves one "
+                                 "thread at a time")
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    # Scheduling.
+
+    def _admit(self):
+        """Moves waiting requests to running, oldest first, while a slot and the pages for their prefill are free."""
+        promised = sum(self._pages(r.prefill_end) - self._pages(r.cached) for r in self._running)
+        while self._waiting and len(self._running) < self.max_batch_size:
+            request = self._waiting[0]
+            need = self._pages(request.num_tokens)
+            if need > self.cache.num_free_pages - promised:
+                break
+            self._waiting.popleft()
+            request.cached, request.prefill_end = 0, request.num_tokens
+            self.cache.add(request.id)
+            bisect.insort(self._running, request, key=lambda r: r.id)
+            promised += need
+
+    def _schedule(self, stats):
+        """This step's (request, number of new tokens, prefills?) triples and its mode. Preempts the newest running
+        requests until the step's new pages are free."""
+        while True:
+            budget, batch = self.prefill_chunk, []
+            for request in self._running:
+                if request.cached < request.prefill_end:
+                    n = min(budget, request.prefill_end - request.cached)
+                    budget -= n
+                    if n:
+                        batch.append((request, n, True))
+                else:
+                    batch.append((request, 1, False))
+            need = sum(self._pages(r.cached + n) - self._pages(r.cached) for r, n, _ in batch)
+            if need <= self.cache.num_free_pages:
+                break
+            self._preempt(self._running[-1], stats)
+        prefills = sum(prefill for _, _, prefill in batch)
+        if prefills == 0:
+            mode = ForwardMode.DECODE
+        elif prefills == len(batch):
+            mode = ForwardMode.EXTEND
+        else:
+            mode = ForwardMode.MIXED
+        return batch, mode
+
+    def _preempt(self, request, stats):
+        """Frees a running request's pages and queues it first: its prompt and tokens are prefilled again."""
+        self._running.remove(request)
+        self.cache.free(request.id)
+        self._waiting.appendleft(request)
+        if stats is not None:
+            stats.preemptions += 1
+
+    def _step(self, stats) -> list:
+        """One forward step over the running requests -> [(id, new tokens, finished)]."""
+        if not self._warm:
+            self._warm_up()
+        self._admit()
+        if not self._running:
+            return []
+        batch, mode = self._schedule(stats)
+        try:
+            counts = [n for _, n, _ in batch]
             ends = list(accumulate(counts))
+            tokens, positions, sampled, rows = [], [], [], []
+            for (request, n, _), end in zip(batch, ends):
+                tokens += request.tokens(request.cached, request.cached + n)
+                positions += range(request.cached, request.cached + n)
+                if request.cached + n == request.num_tokens:  # the step reaches its last token: it samples
+                    sampled.append(request)
+                    rows.append(end - 1)
             # At least one row even when no request samples (a long prompt mid-chunk): Dynamo gives size 0 a graph
             # of its own, which a later run could meet for the first time.
-            rows = [ends[i] - 1 for i, s in enumerate(sampled) if s] or [ends[-1] - 1]
-            num_rows = len(rows)
-            if self.cuda_graphs:
-                meta, tokens, positions, rows = self._pad(meta, counts, tokens, positions, rows)
-                torch.compiler.cudagraph_mark_step_begin()  # the last step's logits are read: graphs may reuse them
-            logits = self.forward(torch.tensor([tokens], device=self.device),
-                                  torch.tensor([positions], device=self.device),
-                                  torch.tensor(rows, device=self.device), int(mode), *meta.metadata)
-            next_ids = _sample(logits[:num_rows], do_sample, temperature, top_k, generator)
+            logits = self._run([r.id for r, _, _ in batch], counts, tokens, positions, rows or [ends[-1] - 1], mode)
+            next_ids = _next_tokens(logits[: len(rows)], sampled)
             if self._group is not None:
                 dist.broadcast(next_ids, group=self._group, group_src=0)
-            next_tokens = iter(next_ids.tolist())
-            stats.steps[mode.name] += 1
-            for request, chunk in batch:
-                if chunk is not None:
-                    request.prefilled += len(chunk)
-                    stats.prompt_tokens += len(chunk)
-            for request in [r for (r, _), s in zip(batch, sampled) if s]:
-                token = next(next_tokens)
+            events = []
+            for request, n, prefill in batch:
+                request.cached += n
+                if prefill and stats is not None:
+                    stats.prompt_tokens += n
+            for request, token in zip(sampled, next_ids.tolist()):
                 request.generated.append(token)
-                if len(request.generated) == 1:
-                    stats.first_token_seconds.append(time.perf_counter() - start)
-                stats.generated_tokens += 1
-                bar.update(1)
-                if len(request.generated) >= max_new_tokens or token == eos_token_id:
-                    results[request.index] = request.generated
-                    self.cache.free(request.index)
-                    running.remove(request)
-        bar.close()
-        stats.seconds += time.perf_counter() - start
-        return results
+                finished = len(request.generated) >= request.max_new_tokens or token in request.eos
+                if finished:
+                    self._drop(request)
+                events.append((request.id, [token], finished))
+        except BaseException:
+            for request, _, _ in batch:
+                self._drop(request)
+            raise
+        if stats is not None:
+            stats.steps[mode.name] += 1
+            stats.generated_tokens += len(sampled)
+        return events
+
+    def _run(self, request_ids, counts, tokens, positions, rows, mode):
+        """Grows the requests in the cache and runs the forward -> logits [len(rows), vocab]."""
+        meta = self.cache.step(request_ids, counts, mode)
+        num_rows = len(rows)
+        if self.cuda_graphs:
+            meta, tokens, positions, rows = self._pad(meta, counts, tokens, positions, rows)
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's logits are read: graphs may reuse them
+        logits = self.forward(torch.tensor([tokens], device=self.device), torch.tensor([positions], device=self.device),
+                              torch.tensor(rows, device=self.device), int(mode), *meta.metadata)
+        return logits[:num_rows]
+
+    def _warm_up(self):
+        """Compiles the graphs Dynamo specialises for sizes 1 (one request, one token, one logits row), which a run
+        might otherwise first meet deep into serving. Writes only pages it frees again."""
+        for counts, rows, mode in _WARM_UP_STEPS:
+            if (len(counts) > self.max_batch_size or max(counts) > self.max_seq_len
+                    or sum(map(self._pages, counts)) > self.cache.num_pages):
+                continue  # a step no run can take either
+            ids = [("warm-up", i) for i in range(len(counts))]
+            for rid in ids:
+                self.cache.add(rid)
+            try:
+                positions = [p for n in counts for p in range(n)]
+                self._run(ids, counts, [0] * len(positions), positions, rows, mode)
+            finally:
+                for rid in ids:
+                    self.cache.free(rid)
+        self._warm = True
+        artifacts = torch.compiler.save_cache_artifacts() if self.compile_cache else None
+        if artifacts is not None:
+            with open(self.compile_cache, "wb") as f:
+                f.write(artifacts[0])
 
     def _pad(self, batch, counts, tokens, positions, rows):
         """The step padded to buckets: padding requests over the scratch page (`buckets.pad_batch`), their tokens
@@ -180,29 +458,52 @@ class HybridGenerator:
         extra = [0] * sum(pad)
         return batch, tokens + extra, positions + extra, rows + rows[-1:] * (batch.batch_size - len(rows))
 
-    def _schedule(self, running):
-        """This step's (request, prompt chunk or None for a decode token) pairs, its mode, and which are sampled."""
-        budget = self.prefill_chunk
-        batch, sampled = [], []
-        for request in running:
-            if request.prefilled < len(request.prompt):
-                if budget == 0:
-                    continue
-                chunk = request.prompt[request.prefilled : request.prefilled + budget]
-                budget -= len(chunk)
-                batch.append((request, chunk))
-                sampled.append(request.prefilled + len(chunk) == len(request.prompt))
-            else:
-                batch.append((request, None))
-                sampled.append(True)
-        prefills = sum(chunk is not None for _, chunk in batch)
-        if prefills == 0:
-            mode = ForwardMode.DECODE
-        elif prefills == len(batch):
-            mode = ForwardMode.EXTEND
-        else:
-            mode = ForwardMode.MIXED
-        return batch, mode, sampled
+
+def _is_int(value, low: int) -> bool:
+    """An int (numpy's included, bool not) of at least `low`."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= low
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _token_list(name, prompt, vocab_size) -> list:
+    """prompt: a list or tuple of ints, a 1-D int tensor or numpy array -> a list of ids in [0, vocab_size)."""
+    if not isinstance(prompt, (list, tuple)) and hasattr(prompt, "tolist"):  # a tensor or an array
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple)):
+        raise HybridInputError(f"{name} must be a list of token ids, got {type(prompt).__name__}")
+    if not prompt:
+        raise HybridInputError(f"{name} is empty: a prompt needs at least one token")
+    for position, token in enumerate(prompt):
+        if not (_is_int(token, 0) and token < vocab_size):
+            raise HybridInputError(f"{name}[{position}] must be a token id in [0, {vocab_size}), got {token!r}")
+    return [int(t) for t in prompt]
+
+
+def _prompt_list(prompts) -> list:
+    """prompts: any iterable of prompts (not a string) -> a list."""
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
+        raise HybridInputError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
+    return list(prompts)
+
+
+def _check_sampling(temperature, top_k, top_p, min_p) -> _Sampling:
+    if not (_is_real(temperature) and temperature > 0):
+        raise HybridInputError(f"temperature must be a finite number > 0 when do_sample=True, got {temperature!r}")
+    if not _is_int(top_k, 0):
+        raise HybridInputError(f"top_k must be a non-negative int (0: no limit), got {top_k!r}")
+    if not (_is_real(top_p) and 0 < top_p <= 1):
+        raise HybridInputError(f"top_p must be in (0, 1], got {top_p!r}")
+    if not (_is_real(min_p) and 0 <= min_p <= 1):
+        raise HybridInputError(f"min_p must be in [0, 1], got {min_p!r}")
+    return _Sampling(float(temperature), int(top_k), float(top_p), float(min_p))
+
+
+def _collective_args(request):
+    """What every rank of a tensor-parallel group must agree on (not the seed: rank 0's samples are broadcast)."""
+    return request.prompt, request.max_new_tokens, request.sampling, sorted(request.eos)
 
 
 def _check_same_on_every_rank(args, group, device):
@@ -216,14 +517,31 @@ def _check_same_on_every_rank(args, group, device):
                                "the tensor-parallel group")
 
 
-def _sample(logits, do_sample, temperature, top_k, generator):
-    """logits: [n, vocab] -> [n] token ids; greedy, or sampled with temperature and top-k from `generator`."""
-    if not do_sample:
-        return logits.argmax(-1)
-    logits = logits.float() / temperature
-    if top_k > 0:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+def _next_tokens(logits, requests):
+    """logits: [n, vocab], one row per request -> [n] token ids: greedy, or sampled with each request's options."""
+    next_ids = logits.argmax(-1)
+    for i, request in enumerate(requests):
+        if request.sampling is not None:
+            next_ids[i] = _sample(logits[i : i + 1], request.sampling, request.generator)[0]
+    return next_ids
+
+
+def _sample(logits, sampling: _Sampling, generator):
+    """logits: [n, vocab] -> [n] token ids drawn as transformers' warpers do, in their order: temperature, top-k,
+    top-p (the smallest set of tokens whose probability reaches top_p), min-p (tokens of at least min_p times the
+    top token's probability). generator None: torch's default generator."""
+    logits = logits.float() / sampling.temperature
+    if sampling.top_k > 0:
+        kth = logits.topk(min(sampling.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1:
+        ascending, order = logits.sort(-1)
+        drop = ascending.softmax(-1).cumsum(-1) <= 1 - sampling.top_p
+        drop[:, -1] = False  # the top token always stays
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    if sampling.min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < sampling.min_p * probs.amax(-1, keepdim=True), float("-inf"))
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
 
 
@@ -246,12 +564,18 @@ def _progress_bar(total, enabled):
 def generate(model, prompts, max_new_tokens: int, **kwargs):
     """One-call generation: `HybridGenerator(model, ...)` with sizes fitted to `prompts`, then `.generate`.
 
-    Keyword arguments of `HybridGenerator` (max_batch_size, page_size, prefill_chunk, compile, backends,
-    cuda_graphs) go to it, the rest to `generate`. Reuse a `HybridGenerator` to keep its compiled forward across calls.
+    Keyword arguments of `HybridGenerator` (max_batch_size, max_seq_len, num_pages, page_size, prefill_chunk,
+    compile, backends, cuda_graphs, compile_cache) go to it, the rest to `generate`. Reuse a `HybridGenerator` to
+    keep its compiled forward across calls.
     """
-    init_keys = ("max_batch_size", "max_seq_len", "page_size", "prefill_chunk", "compile", "prefill_backend",
-                 "decode_backend", "cuda_graphs")
+    init_keys = ("max_batch_size", "max_seq_len", "num_pages", "page_size", "prefill_chunk", "compile",
+                 "prefill_backend", "decode_backend", "cuda_graphs", "compile_cache")
     init = {k: kwargs.pop(k) for k in init_keys if k in kwargs}
-    init.setdefault("max_seq_len", max(len(p) for p in prompts) + max_new_tokens)
-    init.setdefault("max_batch_size", len(prompts))
+    prompts = _prompt_list(prompts)
+    max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None) or math.inf
+    if _is_int(max_new_tokens, 1) and all(hasattr(p, "__len__") for p in prompts):
+        # At most max_position_embeddings: longer requests are refused, not given a cache they cannot use.
+        init.setdefault("max_seq_len", min(max((len(p) for p in prompts), default=1) + max_new_tokens,
+                                           max_positions))
+    init.setdefault("max_batch_size", max(len(prompts), 1))
     return HybridGenerator(model, **init).generate(prompts, max_new_tokens, **kwargs)

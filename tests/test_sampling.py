@@ -1,11 +1,14 @@
-"""Sampling in generation: draws follow softmax(logits / temperature) over the top k tokens, and never leave them."""
+"""Sampling in generation: draws follow transformers' warpers (temperature, top-k, top-p, min-p, in its order) and
+never leave the tokens they keep."""
 
 import pytest
 import torch
 from test_transformers import PROMPTS, make_model
+from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
 
 import hybrid_ops
-from hybrid_ops.generator import _sample
+from hybrid_ops.generator import _sample, _Sampling
 
 DRAWS = 40_000  # per row: a frequency's standard deviation is at most 0.0025
 # Two rows with distinct values (no ties at the k-th largest), in different orders.
@@ -13,24 +16,33 @@ LOGITS = torch.tensor([[0.3, -1.2, 2.0, 0.9, -0.4, 1.5, 0.0, -2.5, 1.1, 0.6],
                        [1.0, 0.2, -0.7, 2.4, -1.9, 0.5, 1.7, -0.1, 0.8, -3.0]])
 
 
-def expected_probs(logits, temperature, top_k):
-    """float64 softmax(logits / temperature) over each row's top_k largest (all when top_k = 0), 0 elsewhere."""
-    probs = torch.zeros(logits.shape, dtype=torch.float64)
-    for i, row in enumerate(logits.double()):
-        keep = row.argsort(descending=True)[: top_k or row.numel()]
-        probs[i, keep] = torch.softmax(row[keep] / temperature, 0)
-    return probs
+def expected_probs(logits, sampling):
+    """float64 probabilities after transformers' own warpers, as its generate(do_sample=True) applies them."""
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(sampling.temperature)])
+    if sampling.top_k:
+        warpers.append(TopKLogitsWarper(sampling.top_k))
+    if sampling.top_p < 1:
+        warpers.append(TopPLogitsWarper(sampling.top_p))
+    if sampling.min_p:
+        warpers.append(MinPLogitsWarper(sampling.min_p))
+    return warpers(None, logits.double()).softmax(-1)
 
 
-@pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (0.5, 0), (2.0, 0), (1.0, 3), (0.7, 5), (1.3, 1)])
-def test_frequencies_follow_the_distribution(temperature, top_k):
+@pytest.mark.parametrize("sampling", [_Sampling(1.0, 0, 1.0, 0.0), _Sampling(0.5, 0, 1.0, 0.0),
+                                      _Sampling(2.0, 0, 1.0, 0.0), _Sampling(1.0, 3, 1.0, 0.0),
+                                      _Sampling(0.7, 5, 1.0, 0.0), _Sampling(1.3, 1, 1.0, 0.0),
+                                      _Sampling(1.0, 0, 0.8, 0.0), _Sampling(1.5, 0, 0.5, 0.0),
+                                      _Sampling(1.0, 0, 1.0, 0.2), _Sampling(2.0, 0, 1.0, 0.4),
+                                      _Sampling(1.2, 6, 0.9, 0.1)], ids=str)
+def test_frequencies_follow_the_distribution(sampling):
     rows, vocab = LOGITS.shape
     generator = torch.Generator().manual_seed(1234)
-    tokens = _sample(LOGITS.repeat_interleave(DRAWS, 0), True, temperature, top_k, generator).view(rows, DRAWS)
-    want = expected_probs(LOGITS, temperature, top_k)
+    tokens = _sample(LOGITS.repeat_interleave(DRAWS, 0), sampling, generator).view(rows, DRAWS)
+    want = expected_probs(LOGITS, sampling)
+    assert ((want > 0).sum(-1) < vocab).all() or sampling.top_k == sampling.min_p == 0 and sampling.top_p == 1
     for i in range(rows):
         freq = torch.bincount(tokens[i], minlength=vocab).double() / DRAWS
-        assert freq[want[i] == 0].sum() == 0, f"row {i}: drew a token outside the top {top_k}"
+        assert freq[want[i] == 0].sum() == 0, f"row {i}: drew a token the warpers remove"
         # 5 standard deviations of a frequency: a 10% change in the temperature moves some past it.
         bound = 5 * (want[i] * (1 - want[i]) / DRAWS).sqrt()
         assert ((freq - want[i]).abs() <= bound).all(), f"row {i}: frequencies {freq} against {want[i]}"
