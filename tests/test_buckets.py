@@ -160,6 +160,7 @@ def count_shapes(generator):
     return shapes
 
 
+@pytest.mark.slow
 def test_generator_pads_every_step_to_a_bucket(fresh_dynamo):
     """A long ragged run (requests joining and finishing, chunked prefills, MIXED steps): the padded, compiled
     forward meets only bucket shapes, and the tokens are the unpadded run's."""

@@ -12,6 +12,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hybrid_ops
 
+pytestmark = pytest.mark.slow
+
 TESTS = Path(__file__).resolve().parent
 SHARDED = ["llama", "mistral_window"]
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from reference import assert_close, dense_attention
 
@@ -23,12 +24,14 @@ def test_direct_op(monkeypatch, capsys):
     assert "all outputs match dense attention" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_speculative(monkeypatch, capsys):
     run_example("speculative.py", monkeypatch)
     out = capsys.readouterr().out
     assert out.count("tokens equal plain greedy decoding: True") == 2
 
 
+@pytest.mark.slow
 def test_generate_demo():
     """The README's first command, with fewer new tokens: compiles once, never recompiles, same tokens as
     transformers' static-cache generate."""
@@ -40,6 +43,7 @@ def test_generate_demo():
     assert "identical tokens for 8/8 prompts" in result.stdout
 
 
+@pytest.mark.slow
 def test_gpu_check_script_smoke(tmp_path):
     """The GPU check script's logic, at tiny sizes on the CPU, so it is ready whenever a GPU is."""
     result = subprocess.run([sys.executable, str(EXAMPLES.parent / "scripts" / "gpu_check.py"), "--smoke", "--out",
@@ -49,6 +53,7 @@ def test_gpu_check_script_smoke(tmp_path):
     assert (tmp_path / "gpu_check_smoke_cpu.md").exists()
 
 
+@pytest.mark.slow
 def test_bench_runs(tmp_path):
     """The benchmark script runs (its dispatch section, quick); it asserts no timings, it only must not rot."""
     result = subprocess.run([sys.executable, "-m", "bench", "dispatch", "--quick"], capture_output=True, text=True,

@@ -74,6 +74,7 @@ def test_exported_program_runs_every_mode(as_tensor):
     check_every_mode(exported.module(), as_tensor)
 
 
+@pytest.mark.slow
 def test_aoti_package_runs_every_mode(tmp_path):
     exported = export(as_tensor=True)
     assert_expected_inline(exported.graph_module.code.strip(), """\

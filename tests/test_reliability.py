@@ -61,6 +61,7 @@ def batches(draw):
               options=dict(sliding_window=16, logit_cap=0.0)))
 @given(draw=batches())
 @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.slow
 def test_conformance(draw):
     case = make_case(**draw["case"])
     k_ref, v_ref = expected_cache(case)
@@ -147,6 +148,7 @@ def test_batch_invariance_when_deterministic(backend, op, deterministic):
 
 
 # The Triton interpreter runs about 5 steps a second on this size.
+@pytest.mark.slow
 @pytest.mark.parametrize("backend, num_steps", [("torch", 2000), ("triton", 60), ("cpu", 2000)])
 def test_soak(backend, num_steps):
     """Requests arrive, grow by prefill chunks, decode and verify steps, and finish, for a fixed number of steps;

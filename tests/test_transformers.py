@@ -51,6 +51,7 @@ def test_eager_generate_matches_transformers(name):
     assert tokens == reference_tokens(name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_compiled_generate_matches_and_never_recompiles(name, fresh_dynamo):
     generator = HybridGenerator(make_model(name, MODELS[name][1]), max_batch_size=3, max_seq_len=48, page_size=4,
