@@ -1,13 +1,15 @@
 """The backend registry: one place maps a backend name to the object that runs it.
 
 A backend has `name`, `requirement` (what `is_available` needs, for the error message), `is_available() -> bool`,
-`supports(q) -> bool` (device, dtype, head dim), optionally `plan(...)` (see `torch.ops.hybrid.plan`) and
+`supports(q) -> bool` (device, dtype, head dim), optionally `options` (the set of "sinks", "attention_chunk",
+"v_head_dim" it serves; none without it), optionally `plan(...)` (see `torch.ops.hybrid.plan`) and
 `plan_cuda_graph(path, k_cache, cu_seqlens_q, seq_lens, block_table)` (`PhaseBackend`'s capture and replay hooks),
 `checks_values` (True if it reads the metadata to the host and checks it itself; otherwise the ops do so in
 validation mode), and `prefill` / `decode`, each called as
     fn(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale: float, sliding_window: int,
        logit_cap: float) -> Tensor [T, Hq, D]
-with arguments already checked by `validation.check_args`. Each writes the new k, v to the cache, then attends.
+with arguments already checked by `validation.check_args`, plus `sinks=` and `attention_chunk=` keywords when those
+are in use (only to a backend whose `options` has them). Each writes the new k, v to the cache, then attends.
 Register your own with `register_backend`.
 """
 
@@ -57,15 +59,20 @@ def check_backend_name(name: str, arg: str = "backend") -> None:
         raise HybridInputError(f"{arg} must be 'auto' or one of {backend_names()}, got {name!r}")
 
 
-def get_backend(name: str, q, arg: str = "backend"):
-    """The backend object for `name`; "auto" picks the first of `_AUTO_ORDER` that supports `q`."""
+def _serves(backend, features) -> bool:
+    return features <= getattr(backend, "options", frozenset())
+
+
+def get_backend(name: str, q, arg: str = "backend", features: frozenset = frozenset()):
+    """The backend object for `name`; "auto" picks the first of `_AUTO_ORDER` that supports `q` and serves
+    `features` (see `options` above)."""
     if name == "auto":
-        key = (q.device.type, q.dtype, q.shape[-1])
+        key = (q.device.type, q.dtype, q.shape[-1], features)
         backend = _auto_cache.get(key)
         if backend is None:
             order = _AUTO_ORDER.get(q.device.type, _AUTO_OTHER_DEVICES)
             backend = next(b for b in (_BACKENDS.get(n) for n in order)
-                           if b is not None and b.is_available() and b.supports(q))
+                           if b is not None and b.is_available() and b.supports(q) and _serves(b, features))
             _auto_cache[key] = backend
         return backend
     backend = _BACKENDS.get(name)
@@ -76,6 +83,10 @@ def get_backend(name: str, q, arg: str = "backend"):
     if not backend.supports(q):
         raise HybridInputError(
             f"{arg}={name!r} does not support q on {q.device} with dtype {q.dtype} and head dim {q.shape[-1]}")
+    if not _serves(backend, features):
+        missing = sorted(features - getattr(backend, "options", frozenset()))
+        raise HybridInputError(f"{arg}={name!r} does not support {', '.join(missing)}: use the torch backend "
+                               f"or 'auto'")
     return backend
 
 
