@@ -2,7 +2,7 @@
 transformers' own `generate`, one prompt at a time (no padding), written without the library's code."""
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 import hybrid_ops
 
@@ -15,11 +15,13 @@ TINY = {
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "ffn_dim": 96, "n_inner": 96,
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
     "topk_group": 1, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
-    "v_head_dim": 24, "sliding_window": 6, "attention_chunk_size": 5, "rotary_dim": 8, "partial_rotary_factor": 0.5,
+    "v_head_dim": 16, "sliding_window": 6, "attention_chunk_size": 5, "rotary_dim": 8, "partial_rotary_factor": 0.5,
     "first_k_dense_replace": 1, "use_cache": True, "tie_word_embeddings": False,
+    "decoder_layers": 3, "decoder_attention_heads": 4, "decoder_ffn_dim": 96,
+    "is_decoder": True,  # encoder architectures (BERT, RoBERTa, ...) are causal LMs only as decoders
 }
 # Token ids that are not special, so generation never stops or gets suppressed early.
-SPECIAL_TOKENS = {"eos_token_id": None, "bos_token_id": None, "pad_token_id": 0, "decoder_start_token_id": None}
+SPECIAL_TOKENS = {"eos_token_id": None, "bos_token_id": None, "pad_token_id": 0}
 
 
 def tiny_config(model_type, **overrides):
@@ -37,20 +39,18 @@ def tiny_config(model_type, **overrides):
 
 def make_model(config, attn_implementation="eager", seed=0):
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
-    for name, value in SPECIAL_TOKENS.items():
-        setattr(model.generation_config, name, value)
-    model.generation_config.pad_token_id = 0
-    return model
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
 
 
 def reference_tokens(model, prompts=PROMPTS, new_tokens=NEW_TOKENS):
-    """transformers' greedy generate on each prompt alone: the generated ids of each."""
+    """transformers' plain greedy generate (no forced, suppressed or penalised tokens, no eos: the generation
+    config a checkpoint would bring is replaced) on each prompt alone: the generated ids of each."""
+    greedy = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, pad_token_id=0)
     out = []
     with torch.no_grad():
         for p in prompts:
             ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+                                 generation_config=greedy)
             out.append(ids[0, len(p):].tolist())
     return out
 

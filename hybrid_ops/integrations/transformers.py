@@ -47,11 +47,13 @@ class HybridStep:
 @dataclass
 class _Probe:
     """What `probe_attention` saw: per layer index, the (Hkv, D, Dv) of each call with the step; the layer indices
-    of calls without it (their decoder layer dropped the keyword); whether any layer has sinks it did not pass."""
+    of calls without it (their decoder layer dropped the keyword); and the layer indices of calls that are not
+    causal self-attention or hold sinks they do not pass."""
 
     calls: dict = field(default_factory=dict)
     dense: list = field(default_factory=list)
-    unpassed_sinks: bool = False
+    not_causal: list = field(default_factory=list)
+    unpassed_sinks: list = field(default_factory=list)
 
 
 _probe: _Probe | None = None  # set only while `probe_attention` runs its forward
@@ -72,7 +74,7 @@ def hybrid_attention(module, query, key, value, attention_mask, scaling=None, dr
     s_aux: [Hq] attention sinks (gpt-oss), passed to the op as float32 `sinks`."""
     sinks = None if s_aux is None else s_aux.float()
     if _probe is not None:
-        _record(module, key, value, hybrid_step is not None, s_aux is not None)
+        _record(module, query, key, value, attention_mask, hybrid_step is not None, s_aux is not None)
     if hybrid_step is None or hybrid_step.k_caches is None:
         return dense_attention(query, key, value, attention_mask, scaling, sliding_window, softcap, sinks), None
     if query.shape[0] != 1:
@@ -90,14 +92,24 @@ def hybrid_attention(module, query, key, value, attention_mask, scaling=None, dr
     return out[None], None
 
 
-def _record(module, key, value, with_step, passed_sinks):
+def _record(module, query, key, value, attention_mask, with_step, passed_sinks):
     layer = getattr(module, "layer_idx", None)
     if not with_step or layer is None:
         _probe.dense.append(layer)
     else:
         _probe.calls.setdefault(layer, []).append((key.shape[1], key.shape[3], value.shape[3]))
+    # Bidirectional (an encoder's, or a decoder config without is_decoder) or cross-attention (keys that are not
+    # the query tokens'): the op attends causally over the sequence's own tokens only. As SDPA reads them: the
+    # mask when there is one (here the first of two tokens must not see the second), else the module's is_causal.
+    if attention_mask is None:
+        causal = getattr(module, "is_causal", True)
+    else:
+        visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+        causal = not bool(visible[..., 0, -1].any())
+    if not causal or key.shape[2] != query.shape[2]:
+        _probe.not_causal.append(layer)
     if not passed_sinks and isinstance(getattr(module, "sinks", None), torch.Tensor):
-        _probe.unpassed_sinks = True
+        _probe.unpassed_sinks.append(layer)
 
 
 def dense_attention(query, key, value, attention_mask, scaling, sliding_window, softcap, sinks=None):
@@ -173,10 +185,13 @@ def check_servable(model) -> list:
 
 
 def probe_attention(model, refuse) -> list:
-    """Runs one eager two-token forward with a step whose attention is dense, recording every attention call, and
-    returns each layer's (Hkv, D, Dv) as its layer passed K and V; calls `refuse(reason)` unless every decoder layer
-    calls the attention interface exactly once, with the step (a decoder layer that drops `**kwargs` would attend
-    densely over one step's tokens only; two calls with one layer_idx would overwrite each other's cache rows)."""
+    """Runs two eager two-token forwards (positions 0, 1 and 0, 3) with a step whose attention is dense, recording
+    every attention call, and returns each layer's (Hkv, D, Dv) as its layer passed K and V.
+
+    Calls `refuse(reason)` unless every decoder layer calls the attention interface exactly once per forward, with
+    the step, as causal self-attention, and the positions follow position_ids (a decoder layer that drops
+    `**kwargs` would attend densely over one step's tokens only; two calls with one layer_idx would overwrite each
+    other's cache rows; positions counted from the packed row would be other requests' positions)."""
     global _probe
     num_layers = model.config.get_text_config().num_hidden_layers
     device = next(model.parameters()).device
@@ -185,25 +200,34 @@ def probe_attention(model, refuse) -> list:
     _probe = _Probe()
     try:
         with torch.inference_mode():
-            model(input_ids=torch.tensor([[1, 2]], device=device), position_ids=torch.tensor([[0, 1]], device=device),
-                  use_cache=False, logits_to_keep=1, hybrid_step=step)
+            logits = [model(input_ids=torch.tensor([[1, 2]], device=device),
+                            position_ids=torch.tensor([[0, second]], device=device), use_cache=False,
+                            logits_to_keep=1, hybrid_step=step).logits for second in (1, 3)]
         probe = _probe
     finally:
         _probe = None
     if not probe.calls and not probe.dense:
         refuse("its attention does not run through transformers' AttentionInterface")
+    if torch.equal(*logits):
+        refuse("its positions do not follow position_ids (it counts them from the input's length), which a packed "
+               "batch of requests needs")
     if probe.dense:
         refuse(f"the decoder layers {sorted(set(probe.dense), key=str)} do not pass hybrid_step (their **kwargs) on to "
                f"attention")
-    repeated = {layer: len(calls) for layer, calls in probe.calls.items() if len(calls) > 1}
+    repeated = {layer: len(calls) // 2 for layer, calls in probe.calls.items() if len(calls) > 2}  # two forwards
     if repeated:
         refuse(f"its layers call attention several times with one layer_idx (layer: calls {repeated})")
+    num_layers = max(num_layers, max(probe.calls) + 1)  # a decoder may have more layers than num_hidden_layers
     missing = [layer for layer in range(num_layers) if layer not in probe.calls]
     if missing:
         refuse(f"its layers {missing} do not call attention through AttentionInterface (no attention, or state of "
                f"their own)")
+    if probe.not_causal:
+        refuse(f"the attention of layers {probe.not_causal} is not causal self-attention (bidirectional or "
+               f"cross-attention)")
     if probe.unpassed_sinks:
-        refuse("its attention layers hold sinks that they do not pass to the attention function as s_aux")
+        refuse(f"the attention of layers {probe.unpassed_sinks} holds sinks that it does not pass to the attention "
+               f"function as s_aux")
     return [probe.calls[layer][0] for layer in range(num_layers)]
 
 
