@@ -37,8 +37,8 @@ class PagedKVCache:
         self.max_pages_per_request = max_pages_per_request or num_pages
         self.scratch_page = num_pages if reserve_scratch else None
         pages = (num_pages + reserve_scratch, page_size)
-        self.k_caches = [torch.zeros((*pages, heads, dim), dtype=dtype, device=device) for heads, dim, _ in layer_shapes]
-        self.v_caches = [torch.zeros((*pages, heads, dim), dtype=dtype, device=device) for heads, _, dim in layer_shapes]
+        self.k_caches = [torch.zeros((*pages, heads, d), dtype=dtype, device=device) for heads, d, _ in layer_shapes]
+        self.v_caches = [torch.zeros((*pages, heads, d), dtype=dtype, device=device) for heads, _, d in layer_shapes]
         for t in self.k_caches + self.v_caches:
             torch._dynamo.mark_static_address(t)
             torch._dynamo.mark_static(t)

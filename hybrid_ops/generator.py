@@ -67,7 +67,8 @@ class HybridGenerator:
         self.model = model.eval()
         self.max_batch_size, self.max_seq_len, self.prefill_chunk = max_batch_size, max_seq_len, prefill_chunk
         if tensor_parallel_group(model) is not None:  # refuses KV heads split across ranks, before any forward
-            kv_heads_per_rank(model, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            kv_heads_per_rank(model, head_dim)
         layer_shapes = check_servable(model)  # each layer's (Hkv, D, Dv) as its attention passes K and V
         pages_per_request = -(-max_seq_len // page_size)
         param = next(model.parameters())

@@ -33,6 +33,8 @@ REFUSED = {
     "diffllama": "diffllama cannot be served exactly: its layers call attention several times with one layer_idx",
     "qwen3_next": "qwen3_next cannot be served exactly: its layer_types include ['linear_attention']",
     "falcon_h1": "falcon_h1 cannot be served exactly: its layer_types include ['hybrid']",
+    "doge": "doge cannot be served exactly: the attention of layers [0, 1, 2] adds a bias of its own",
+    "bart": "bart cannot be served exactly: its positions do not follow position_ids",
     "jamba": "jamba cannot be served exactly",
     "bamba": "bamba cannot be served exactly",
 }

@@ -51,9 +51,10 @@ class _Probe:
     causal self-attention or hold sinks they do not pass."""
 
     calls: dict = field(default_factory=dict)
-    dense: list = field(default_factory=list)
-    not_causal: list = field(default_factory=list)
-    unpassed_sinks: list = field(default_factory=list)
+    dense: set = field(default_factory=set)
+    not_causal: set = field(default_factory=set)
+    biased: set = field(default_factory=set)
+    unpassed_sinks: set = field(default_factory=set)
 
 
 _probe: _Probe | None = None  # set only while `probe_attention` runs its forward
@@ -95,7 +96,7 @@ def hybrid_attention(module, query, key, value, attention_mask, scaling=None, dr
 def _record(module, query, key, value, attention_mask, with_step, passed_sinks):
     layer = getattr(module, "layer_idx", None)
     if not with_step or layer is None:
-        _probe.dense.append(layer)
+        _probe.dense.add(layer)
     else:
         _probe.calls.setdefault(layer, []).append((key.shape[1], key.shape[3], value.shape[3]))
     # Bidirectional (an encoder's, or a decoder config without is_decoder) or cross-attention (keys that are not
@@ -107,9 +108,14 @@ def _record(module, query, key, value, attention_mask, with_step, passed_sinks):
         visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
         causal = not bool(visible[..., 0, -1].any())
     if not causal or key.shape[2] != query.shape[2]:
-        _probe.not_causal.append(layer)
+        _probe.not_causal.add(layer)
+    # A float mask holding more than 0 and -inf is a bias of the model's own (dynamic masks, ALiBi): the op has none.
+    if attention_mask is not None and attention_mask.is_floating_point():
+        masked = attention_mask <= torch.finfo(attention_mask.dtype).min / 2
+        if not bool(((attention_mask == 0) | masked).all()):
+            _probe.biased.add(layer)
     if not passed_sinks and isinstance(getattr(module, "sinks", None), torch.Tensor):
-        _probe.unpassed_sinks.append(layer)
+        _probe.unpassed_sinks.add(layer)
 
 
 def dense_attention(query, key, value, attention_mask, scaling, sliding_window, softcap, sinks=None):
@@ -211,9 +217,10 @@ def probe_attention(model, refuse) -> list:
     if torch.equal(*logits):
         refuse("its positions do not follow position_ids (it counts them from the input's length), which a packed "
                "batch of requests needs")
+    layers = {name: sorted(getattr(probe, name), key=str) for name in ("dense", "not_causal", "biased",
+                                                                       "unpassed_sinks")}
     if probe.dense:
-        refuse(f"the decoder layers {sorted(set(probe.dense), key=str)} do not pass hybrid_step (their **kwargs) on to "
-               f"attention")
+        refuse(f"the decoder layers {layers['dense']} do not pass hybrid_step (their **kwargs) on to attention")
     repeated = {layer: len(calls) // 2 for layer, calls in probe.calls.items() if len(calls) > 2}  # two forwards
     if repeated:
         refuse(f"its layers call attention several times with one layer_idx (layer: calls {repeated})")
@@ -223,11 +230,13 @@ def probe_attention(model, refuse) -> list:
         refuse(f"its layers {missing} do not call attention through AttentionInterface (no attention, or state of "
                f"their own)")
     if probe.not_causal:
-        refuse(f"the attention of layers {probe.not_causal} is not causal self-attention (bidirectional or "
+        refuse(f"the attention of layers {layers['not_causal']} is not causal self-attention (bidirectional or "
                f"cross-attention)")
+    if probe.biased:
+        refuse(f"the attention of layers {layers['biased']} adds a bias of its own to the scores (through its mask)")
     if probe.unpassed_sinks:
-        refuse(f"the attention of layers {probe.unpassed_sinks} holds sinks that it does not pass to the attention "
-               f"function as s_aux")
+        refuse(f"the attention of layers {layers['unpassed_sinks']} holds sinks that it does not pass to the "
+               f"attention function as s_aux")
     return [probe.calls[layer][0] for layer in range(num_layers)]
 
 
