@@ -30,7 +30,8 @@ from ..errors import HybridInputError
 class HybridStep:
     """What one forward step passes to every attention layer.
 
-    k_caches, v_caches: per layer [num_pages, page_size, Hkv, D] (a `PagedKVCache`'s); the metadata as in the ops.
+    k_caches, v_caches: per layer [num_pages, page_size, Hkv, D] and [num_pages, page_size, Hkv, Dv] (a
+    `PagedKVCache`'s); the metadata as in the ops.
     """
 
     forward_mode: int
@@ -61,7 +62,8 @@ _probe: _Probe | None = None  # set only while `probe_attention` runs its forwar
 
 
 def attention_chunk(config, layer: int) -> int:
-    """Layer `layer`'s chunk size for the op's `attention_chunk` (Llama 4's chunked layers), -1 for none."""
+    """Layer `layer`'s chunk size for the op's `attention_chunk` (Llama 4's chunked layers), -1 for none (also for
+    an attention module without a config; `check_servable` refuses a config with chunks on unnamed layers)."""
     layer_types = getattr(config, "layer_types", None) or ()
     if layer < len(layer_types) and layer_types[layer] == "chunked_attention":
         return config.attention_chunk_size
@@ -87,8 +89,9 @@ def hybrid_attention(module, query, key, value, attention_mask, scaling=None, dr
         hybrid_step.k_caches[layer], hybrid_step.v_caches[layer],
         hybrid_step.cu_seqlens_q, hybrid_step.seq_lens, hybrid_step.block_table, hybrid_step.forward_mode,
         scale=scaling, sliding_window=sliding_window or -1, logit_cap=softcap or 0.0, sinks=sinks,
-        attention_chunk=attention_chunk(module.config, layer), prefill_backend=hybrid_step.prefill_backend,
-        decode_backend=hybrid_step.decode_backend, speculative_attention_mode=hybrid_step.speculative_attention_mode,
+        attention_chunk=attention_chunk(getattr(module, "config", None), layer),
+        prefill_backend=hybrid_step.prefill_backend, decode_backend=hybrid_step.decode_backend,
+        speculative_attention_mode=hybrid_step.speculative_attention_mode,
     )
     return out[None], None
 
