@@ -67,7 +67,7 @@ def test_compiled_features_never_recompile(model_type):
     torch._dynamo.reset()
     config = tiny_config(model_type)
     expected = reference_tokens(make_model(config))
-    generator = HybridGenerator(make_model(config), max_batch_size=2, max_seq_len=32, page_size=4, prefill_chunk=8)
+    generator = HybridGenerator(make_model(config), max_batch_size=3, max_seq_len=32, page_size=4, prefill_chunk=8)
     stats = hybrid_ops.GenerationStats()
     prompts = [[(7 * i + 3 * j) % 90 + 3 for j in range(n)] for i, n in enumerate([11, 3, 17])]
     assert generator.generate(prompts, 8, stats=stats) == expected
