@@ -30,7 +30,7 @@ from models import hybrid_tokens, make_model, reference_tokens, tiny_config  # n
 
 OUT = ROOT / "bench" / "results" / "models.md"
 NO_INTERFACE = "does not run through transformers' AttentionInterface"  # check_servable's reason
-SECONDS_PER_MODEL = 60
+SECONDS_PER_MODEL = 25
 
 
 def _timeout(signum, frame):

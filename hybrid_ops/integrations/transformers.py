@@ -56,6 +56,7 @@ class _Probe:
     not_causal: set = field(default_factory=set)
     biased: set = field(default_factory=set)
     unpassed_sinks: set = field(default_factory=set)
+    windowless: set = field(default_factory=set)  # layers called without a sliding_window
 
 
 _probe: _Probe | None = None  # set only while `probe_attention` runs its forward
@@ -78,6 +79,8 @@ def hybrid_attention(module, query, key, value, attention_mask, scaling=None, dr
     sinks = None if s_aux is None else s_aux.float()
     if _probe is not None:
         _record(module, query, key, value, attention_mask, hybrid_step is not None, s_aux is not None)
+        if not sliding_window:
+            _probe.windowless.add(getattr(module, "layer_idx", None))
     if hybrid_step is None or hybrid_step.k_caches is None:
         return dense_attention(query, key, value, attention_mask, scaling, sliding_window, softcap, sinks), None
     if query.shape[0] != 1:
@@ -194,8 +197,9 @@ def check_servable(model) -> list:
 
 
 def probe_attention(model, refuse) -> list:
-    """Runs two eager two-token forwards (positions 0, 1 and 0, 3) with a step whose attention is dense, recording
-    every attention call, and returns each layer's (Hkv, D, Dv) as its layer passed K and V.
+    """Runs three eager two-token forwards (positions 0, 1 and 0, 3; one row or all rows of logits) with a step
+    whose attention is dense, recording every attention call, and returns each layer's (Hkv, D, Dv) as its layer
+    passed K and V.
 
     Calls `refuse(reason)` unless every decoder layer calls the attention interface exactly once per forward, with
     the step, as causal self-attention, and the positions follow position_ids (a decoder layer that drops
@@ -209,22 +213,26 @@ def probe_attention(model, refuse) -> list:
     _probe = _Probe()
     try:
         with torch.inference_mode():
+            # The generator asks for the logits of given rows: logits_to_keep as a tensor of row indices.
             logits = [model(input_ids=torch.tensor([[1, 2]], device=device),
                             position_ids=torch.tensor([[0, second]], device=device), use_cache=False,
-                            logits_to_keep=1, hybrid_step=step).logits for second in (1, 3)]
+                            logits_to_keep=keep, hybrid_step=step).logits
+                      for second, keep in ((1, torch.tensor([0], device=device)), (3, 0), (1, 0))]
         probe = _probe
     finally:
         _probe = None
     if not probe.calls and not probe.dense:
         refuse("its attention does not run through transformers' AttentionInterface")
-    if torch.equal(*logits):
+    if logits[0].shape[1] != 1 or not torch.allclose(logits[0][:, 0], logits[2][:, 0], rtol=1e-3, atol=1e-4):
+        refuse("it does not take logits_to_keep as a tensor of row indices")
+    if torch.equal(logits[1][:, -1], logits[2][:, -1]):
         refuse("its positions do not follow position_ids (it counts them from the input's length), which a packed "
                "batch of requests needs")
     layers = {name: sorted(getattr(probe, name), key=str) for name in ("dense", "not_causal", "biased",
                                                                        "unpassed_sinks")}
     if probe.dense:
         refuse(f"the decoder layers {layers['dense']} do not pass hybrid_step (their **kwargs) on to attention")
-    repeated = {layer: len(calls) // 2 for layer, calls in probe.calls.items() if len(calls) > 2}  # two forwards
+    repeated = {layer: len(calls) // 3 for layer, calls in probe.calls.items() if len(calls) > 3}  # 3 forwards
     if repeated:
         refuse(f"its layers call attention several times with one layer_idx (layer: calls {repeated})")
     num_layers = max(num_layers, max(probe.calls) + 1)  # a decoder may have more layers than num_hidden_layers
@@ -240,6 +248,16 @@ def probe_attention(model, refuse) -> list:
     if probe.unpassed_sinks:
         refuse(f"the attention of layers {layers['unpassed_sinks']} holds sinks that it does not pass to the "
                f"attention function as s_aux")
+    # A window in the config that a layer's call does not carry lives in the model's mask or cache only, where the
+    # op cannot see it (unless layer_types says that layer attends fully).
+    config = model.config.get_text_config()
+    layer_types = getattr(config, "layer_types", None) or ()
+    windowless = [layer for layer in sorted(probe.windowless, key=str)
+                  if not (isinstance(layer, int) and layer < len(layer_types)
+                          and layer_types[layer] in ("full_attention", "chunked_attention"))]
+    if getattr(config, "sliding_window", None) and windowless:
+        refuse(f"its config sets sliding_window={config.sliding_window} but layers {windowless} call attention "
+               f"without it (the window lives in its mask or cache only)")
     return [probe.calls[layer][0] for layer in range(num_layers)]
 
 
