@@ -35,6 +35,9 @@ REFUSED = {
     "falcon_h1": "falcon_h1 cannot be served exactly: its layer_types include ['hybrid']",
     "doge": "doge cannot be served exactly: the attention of layers [0, 1, 2] adds a bias of its own",
     "bart": "bart cannot be served exactly: its positions do not follow position_ids",
+    "phimoe": "phimoe cannot be served exactly: its config sets sliding_window=6 but layers [0, 1, 2] call attention "
+              "without it",
+    "whisper": "whisper cannot be served exactly: it does not take logits_to_keep as a tensor of row indices",
     "jamba": "jamba cannot be served exactly",
     "bamba": "bamba cannot be served exactly",
 }
