@@ -7,7 +7,7 @@ A backend has `name`, `requirement` (what `is_available` needs, for the error me
 `checks_values` (True if it reads the metadata to the host and checks it itself; otherwise the ops do so in
 validation mode), and `prefill` / `decode`, each called as
     fn(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale: float, sliding_window: int,
-       logit_cap: float) -> Tensor [T, Hq, D]
+       logit_cap: float) -> Tensor [T, Hq, Dv] (Dv: v_cache's head dim)
 with arguments already checked by `validation.check_args`, plus `sinks=` and `attention_chunk=` keywords when those
 are in use (only to a backend whose `options` has them). Each writes the new k, v to the cache, then attends.
 Register your own with `register_backend`.

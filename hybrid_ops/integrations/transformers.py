@@ -12,8 +12,9 @@ outside attention (transformers keeps it in the cache object, which this forward
 does not reach the op once per layer with the step (`probe_attention`). It also reads each layer's cache shape from
 the K and V the layers actually pass, so per-layer head counts and head dims (MLA's qk vs v dims) are sized right.
 
-A model loaded with `tp_plan="auto"` holds a slice of the attention heads on each rank: `kv_heads_per_rank` sizes a
-cache for that slice and `tensor_parallel_group` names the ranks that must take the same steps.
+A model loaded with `tp_plan="auto"` holds a slice of the attention heads on each rank: the probe sees that slice's
+K and V, `kv_heads_per_rank` refuses KV heads split across ranks, and `tensor_parallel_group` names the ranks that
+must take the same steps.
 """
 
 from dataclasses import dataclass, field
