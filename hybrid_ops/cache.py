@@ -10,7 +10,9 @@ from .modes import ForwardMode
 class PagedKVCache:
     """Paged K/V caches for `num_layers` layers, sharing one page allocation per request.
 
-    k_caches[layer], v_caches[layer]: [num_pages, page_size, num_kv_heads, head_dim], dtype `dtype`. Their
+    k_caches[layer]: [num_pages, page_size, num_kv_heads, head_dim], v_caches[layer]: [num_pages, page_size,
+    num_kv_heads, v_head_dim] (head_dim unless given), dtype `dtype`; or, with `layer_shapes`, each layer's own
+    (num_kv_heads, head_dim, v_head_dim), for models whose layers differ (it then sets num_layers too). Their
     addresses never change (`mark_static_address`), so CUDA-graph trees accept the ops' in-place writes.
     A request's pages are the same in every layer; `block_table` rows are `max_pages_per_request` wide.
     The caches' sizes and the table's width are marked static: under `dynamic=True` Dynamo would otherwise unify
@@ -21,18 +23,22 @@ class PagedKVCache:
 
     def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, num_layers: int = 1,
                  max_pages_per_request: int | None = None, dtype=torch.float32, device="cpu",
-                 reserve_scratch: bool = False):
-        for name, value in (("num_pages", num_pages), ("page_size", page_size), ("num_kv_heads", num_kv_heads),
-                            ("head_dim", head_dim), ("num_layers", num_layers)):
+                 reserve_scratch: bool = False, v_head_dim: int | None = None, layer_shapes=None):
+        if layer_shapes is None:
+            layer_shapes = [(num_kv_heads, head_dim, v_head_dim or head_dim)] * num_layers
+        sizes = [("num_pages", num_pages), ("page_size", page_size), ("num_layers", len(layer_shapes))]
+        for i, shape in enumerate(layer_shapes):
+            sizes += zip((f"layer {i}'s num_kv_heads", f"layer {i}'s head_dim", f"layer {i}'s v_head_dim"), shape)
+        for name, value in sizes:
             if not (isinstance(value, int) and value > 0):
                 raise HybridInputError(f"{name} must be a positive int, got {value!r}")
         self.page_size = page_size
         self.num_pages = num_pages
         self.max_pages_per_request = max_pages_per_request or num_pages
         self.scratch_page = num_pages if reserve_scratch else None
-        shape = (num_pages + reserve_scratch, page_size, num_kv_heads, head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        pages = (num_pages + reserve_scratch, page_size)
+        self.k_caches = [torch.zeros((*pages, heads, d), dtype=dtype, device=device) for heads, d, _ in layer_shapes]
+        self.v_caches = [torch.zeros((*pages, heads, d), dtype=dtype, device=device) for heads, _, d in layer_shapes]
         for t in self.k_caches + self.v_caches:
             torch._dynamo.mark_static_address(t)
             torch._dynamo.mark_static(t)

@@ -113,7 +113,7 @@ class HybridGenerator:
                  prefill_chunk: int = 256, compile: bool = True, prefill_backend: str = "auto",
                  decode_backend: str = "auto", cuda_graphs: bool = False, num_pages: int | None = None,
                  compile_cache: str | None = None):
-        from .integrations.transformers import HybridStep, kv_heads_per_rank, tensor_parallel_group
+        from .integrations.transformers import HybridStep, check_servable, kv_heads_per_rank, tensor_parallel_group
 
         config = model.config.get_text_config()
         max_positions = getattr(config, "max_position_embeddings", None)
@@ -131,13 +131,15 @@ class HybridGenerator:
         self.max_batch_size, self.max_seq_len, self.prefill_chunk = max_batch_size, max_seq_len, prefill_chunk
         self.vocab_size = config.vocab_size
         self.eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        if tensor_parallel_group(model) is not None:  # refuses KV heads split across ranks, before any forward
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            kv_heads_per_rank(model, head_dim)
+        layer_shapes = check_servable(model)  # each layer's (Hkv, D, Dv) as its attention passes K and V
         pages_per_request = -(-max_seq_len // page_size)
         param = next(model.parameters())
-        self.cache = PagedKVCache(num_pages or max_batch_size * pages_per_request, page_size,
-                                  kv_heads_per_rank(model, head_dim), head_dim, num_layers=config.num_hidden_layers,
-                                  max_pages_per_request=pages_per_request, dtype=param.dtype, device=param.device,
-                                  reserve_scratch=cuda_graphs)
+        self.cache = PagedKVCache(num_pages or max_batch_size * pages_per_request, page_size, *layer_shapes[0][:2],
+                                  layer_shapes=layer_shapes, max_pages_per_request=pages_per_request,
+                                  dtype=param.dtype, device=param.device, reserve_scratch=cuda_graphs)
         graphs_on_cuda = cuda_graphs and param.device.type == "cuda"
         backends = (prefill_backend, decode_backend)
         if graphs_on_cuda:

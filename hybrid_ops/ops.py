@@ -7,6 +7,12 @@
                               CUDA graphs (`Tag.cudagraph_unsafe`); `cuda_graph=True` plans into the fixed
                               buffers a CUDA graph replays; a no-op for the others
 
+Options beyond plain causal attention: `scale`, `sliding_window`, `logit_cap` (soft-capping), `sinks` ([Hq] float32
+logits, one per query head, that join each row's softmax denominator and attend to nothing, as gpt-oss) and
+`attention_chunk` (a query at position p sees only keys at positions in [p - p % chunk, p], as Llama 4's chunked
+layers); v and v_cache may have a head dim Dv other than q's and k's D (MLA-style models), and the output is then
+[T, Hq, Dv]. Backends declare which of the last three they serve (`options`); "auto" picks one that does.
+
 Each op writes the new k, v into the paged cache (declared as mutated, `Tensor(a!)`, so torch.compile calls it on
 the caller's cache without a copy), then attends. `Library.define` + `impl` keeps the eager dispatch cost to a few
 microseconds (`torch.library.custom_op` costs about 47 us per call with grad enabled). On CPU tensors, once the cpu
@@ -25,7 +31,7 @@ from .validation import args_ok, check_args, check_decode_shape, check_metadata_
 
 _ARGS = ("Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
          "Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table")
-_OPTIONS = "float? scale=None, int sliding_window=-1, float logit_cap=0.0"
+_OPTIONS = "float? scale=None, int sliding_window=-1, float logit_cap=0.0, Tensor? sinks=None, int attention_chunk=-1"
 
 SCHEMAS = {
     "prefill": f"prefill({_ARGS}, *, {_OPTIONS}, str backend=\"auto\") -> Tensor",
@@ -46,17 +52,36 @@ torch.fx.node.has_side_effect(torch.ops.hybrid.plan.default)
 
 
 def _run(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
-         backend, arg="backend"):
-    if not args_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap):
-        check_args(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap)
+         sinks, attention_chunk, backend, arg="backend"):
+    if not args_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
+                   sinks, attention_chunk):
+        check_args(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
+                   sinks, attention_chunk)
     if path == "decode" and not decode_shape_ok(q.shape[0], seq_lens.shape[0]):
         check_decode_shape(q, seq_lens)
-    impl = get_backend(backend, q.device, q.dtype, q.shape[-1], arg)
+    options = _extra_options(sinks, attention_chunk)
+    impl = get_backend(backend, q.device, q.dtype, q.shape[-1], arg, _features(options, q.shape[-1], v.shape[-1]))
     if validation_enabled() and not impl.checks_values:
         check_metadata_values(cu_seqlens_q, seq_lens, block_table, q.shape[0], k_cache.shape[0], k_cache.shape[1],
                               path == "decode")
     return getattr(impl, path)(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table,
-                               _scale(scale, q.shape[-1]), sliding_window, logit_cap)
+                               _scale(scale, q.shape[-1]), sliding_window, logit_cap, **options)
+
+
+def _extra_options(sinks, attention_chunk):
+    """The options in use that not every backend serves, as keywords for the backend's call: a backend that does
+    not declare them is never passed them."""
+    options = {}
+    if sinks is not None:
+        options["sinks"] = sinks
+    if attention_chunk != -1:
+        options["attention_chunk"] = attention_chunk
+    return options
+
+
+def _features(options, head_dim, v_head_dim):
+    """What a backend must serve (`Backend.options`): the extra options in use, and "v_head_dim" when Dv != D."""
+    return frozenset((*options, *(("v_head_dim",) if v_head_dim != head_dim else ())))
 
 
 def _scale(scale, head_dim):
@@ -73,41 +98,43 @@ def _route(forward_mode, speculative_attention_mode, prefill_backend, decode_bac
 
 
 def _attn(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, *, scale=None,
-          sliding_window=-1, logit_cap=0.0, prefill_backend="auto", decode_backend="auto",
-          speculative_attention_mode="prefill"):
+          sliding_window=-1, logit_cap=0.0, sinks=None, attention_chunk=-1, prefill_backend="auto",
+          decode_backend="auto", speculative_attention_mode="prefill"):
     path, backend, arg = _route(forward_mode, speculative_attention_mode, prefill_backend, decode_backend)
     return _run(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                logit_cap, backend, arg)
+                logit_cap, sinks, attention_chunk, backend, arg)
 
 
-def _fake(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap):
-    check_args(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap)
+def _fake(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
+          sinks, attention_chunk):
+    check_args(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
+               sinks, attention_chunk)
     if path == "decode":
         check_decode_shape(q, seq_lens)
-    return q.new_empty(q.shape)
+    return q.new_empty((*q.shape[:2], v.shape[2]))
 
 
 def _path_op(path):
     """The real and fake implementations of `hybrid::prefill` or `hybrid::decode`."""
 
     def impl(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *, scale=None, sliding_window=-1,
-             logit_cap=0.0, backend="auto"):
+             logit_cap=0.0, sinks=None, attention_chunk=-1, backend="auto"):
         return _run(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                    logit_cap, backend)
+                    logit_cap, sinks, attention_chunk, backend)
 
     def fake(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *, scale=None, sliding_window=-1,
-             logit_cap=0.0, backend="auto"):
+             logit_cap=0.0, sinks=None, attention_chunk=-1, backend="auto"):
         check_backend_name(backend)
         return _fake(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                     logit_cap)
+                     logit_cap, sinks, attention_chunk)
 
     return impl, fake
 
 
 @torch.library.register_fake("hybrid::attn")
 def _attn_fake(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, *, scale=None,
-               sliding_window=-1, logit_cap=0.0, prefill_backend="auto", decode_backend="auto",
-               speculative_attention_mode="prefill"):
+               sliding_window=-1, logit_cap=0.0, sinks=None, attention_chunk=-1, prefill_backend="auto",
+               decode_backend="auto", speculative_attention_mode="prefill"):
     check_backend_name(prefill_backend, "prefill_backend")
     check_backend_name(decode_backend, "decode_backend")
     check_speculative_attention_mode(speculative_attention_mode)
@@ -116,27 +143,29 @@ def _attn_fake(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, f
     if isinstance(forward_mode, int):
         path = select_path(forward_mode, speculative_attention_mode)
     return _fake(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                 logit_cap)
+                 logit_cap, sinks, attention_chunk)
 
 
 def _plan(k_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, *, q_dtype, num_q_heads, scale=None,
-          sliding_window=-1, logit_cap=0.0, prefill_backend="auto", decode_backend="auto",
-          speculative_attention_mode="prefill", cuda_graph=False):
+          sliding_window=-1, logit_cap=0.0, sinks=None, attention_chunk=-1, prefill_backend="auto",
+          decode_backend="auto", speculative_attention_mode="prefill", cuda_graph=False):
     """Plan the step for the backend that `forward_mode` routes to; a no-op for backends that do not plan.
 
     With `cuda_graph`, the plan goes into the CUDA-graph buffers of this batch shape (B, T), which a graph captured
     after it replays: call it before every replay, outside the graph."""
     path, backend, arg = _route(forward_mode, speculative_attention_mode, prefill_backend, decode_backend)
     head_dim = k_cache.shape[-1]
-    impl = get_backend(backend, k_cache.device, q_dtype, head_dim, arg)
+    # The same backend as the call it plans for: a backend without the options in use is never chosen.
+    features = _features(_extra_options(sinks, attention_chunk), head_dim, head_dim)
+    impl = get_backend(backend, k_cache.device, q_dtype, head_dim, arg, features)
     impl.plan(path, q_dtype, num_q_heads, k_cache, cu_seqlens_q, seq_lens, block_table, _scale(scale, head_dim),
               sliding_window, logit_cap, cuda_graph=cuda_graph)
 
 
 @torch.library.register_fake("hybrid::plan")
 def _plan_fake(k_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, *, q_dtype, num_q_heads, scale=None,
-               sliding_window=-1, logit_cap=0.0, prefill_backend="auto", decode_backend="auto",
-               speculative_attention_mode="prefill", cuda_graph=False):
+               sliding_window=-1, logit_cap=0.0, sinks=None, attention_chunk=-1, prefill_backend="auto",
+               decode_backend="auto", speculative_attention_mode="prefill", cuda_graph=False):
     check_backend_name(prefill_backend, "prefill_backend")
     check_backend_name(decode_backend, "decode_backend")
     check_speculative_attention_mode(speculative_attention_mode)

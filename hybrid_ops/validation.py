@@ -21,16 +21,19 @@ def _check(cond, message) -> None:
     torch._check_with(HybridInputError, cond, message)
 
 
-def args_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap):
+def args_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
+            sinks=None, attention_chunk=-1):
     """True when `check_args` would pass, in about a microsecond: the per-call path of the real ops.
 
     It compares sizes with `==`, which on symbolic sizes would add guards, so the fake implementations call
     `check_args` instead.
     """
     q_shape, k_shape, cache_shape, dtype, device = q.shape, k.shape, k_cache.shape, q.dtype, q.device
+    v_shape, v_cache_shape = v.shape, v_cache.shape
     return (
-        len(q_shape) == 3 and len(k_shape) == 3 and len(cache_shape) == 4 and v.shape == k_shape
-        and v_cache.shape == cache_shape and k_shape[0] == q_shape[0] and k_shape[1] == cache_shape[2] > 0
+        len(q_shape) == 3 and len(k_shape) == 3 and len(cache_shape) == 4 and len(v_shape) == 3
+        and len(v_cache_shape) == 4 and v_shape[:2] == k_shape[:2] and v_cache_shape[:3] == cache_shape[:3]
+        and v_shape[2] == v_cache_shape[3] > 0 and k_shape[0] == q_shape[0] and k_shape[1] == cache_shape[2] > 0
         and k_shape[2] == q_shape[2] == cache_shape[3] and q_shape[1] % cache_shape[2] == 0
         and dtype in FLOAT_DTYPES and k.dtype == dtype and v.dtype == dtype and k_cache.dtype == dtype
         and v_cache.dtype == dtype and cu_seqlens_q.dtype == torch.int32 and seq_lens.dtype == torch.int32
@@ -40,15 +43,18 @@ def args_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scal
         and cu_seqlens_q.device == device and seq_lens.device == device and block_table.device == device
         and k_cache.is_contiguous() and v_cache.is_contiguous()
         and (scale is None or 0 < scale < math.inf) and (sliding_window == -1 or sliding_window > 0)
-        and 0 <= logit_cap < math.inf
+        and 0 <= logit_cap < math.inf and (attention_chunk == -1 or attention_chunk > 0)
+        and (sinks is None or (sinks.shape == q_shape[1:2] and sinks.dtype == torch.float32 and sinks.device == device))
     )
 
 
-def check_args(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap):
+def check_args(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
+               sinks=None, attention_chunk=-1):
     """Shape, dtype and device checks that need no data; raises `HybridInputError` naming the argument. Shapes:
 
-    q: [T, Hq, D]; k, v: [T, Hkv, D]; k_cache, v_cache: [num_pages, page_size, Hkv, D], contiguous;
-    cu_seqlens_q: [B + 1] int32; seq_lens: [B] int32; block_table: [B, max_pages] int32.
+    q: [T, Hq, D]; k: [T, Hkv, D]; v: [T, Hkv, Dv]; k_cache: [num_pages, page_size, Hkv, D], v_cache:
+    [num_pages, page_size, Hkv, Dv], contiguous; cu_seqlens_q: [B + 1] int32; seq_lens: [B] int32;
+    block_table: [B, max_pages] int32; sinks: [Hq] float32 or None. Dv may differ from D (MLA-style models).
     """
     for name, t, rank in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4),
                           ("cu_seqlens_q", cu_seqlens_q, 1), ("seq_lens", seq_lens, 1),
@@ -68,18 +74,21 @@ def check_args(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, s
 
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, num_kv_heads, cache_head_dim = k_cache.shape
-    if v_cache.shape != k_cache.shape:
-        raise HybridInputError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    v_head_dim = v_cache.shape[3]
+    _check(v_cache.shape[:3] == k_cache.shape[:3],
+           lambda: f"v_cache must be [num_pages, page_size, Hkv, Dv] with k_cache's first three sizes "
+                   f"{tuple(k_cache.shape[:3])}, got {tuple(v_cache.shape)}")
+    _check(v_head_dim > 0, lambda: f"v_cache's head dim Dv must be positive, got shape {tuple(v_cache.shape)}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not t.is_contiguous():
             raise HybridInputError(f"{name} must be a contiguous [num_pages, page_size, Hkv, D] tensor, got strides "
                                    f"{t.stride()}")
     _check(cache_head_dim == head_dim, lambda: f"k_cache head dim {cache_head_dim} must equal q's head dim {head_dim}")
-    for name, t in (("k", k), ("v", v)):
+    for name, t, dim in (("k", k, head_dim), ("v", v, v_head_dim)):
         _check(t.shape[0] == num_tokens, lambda: f"{name} must have q's {num_tokens} tokens, got {t.shape[0]}")
         _check(t.shape[1] == num_kv_heads,
                lambda: f"{name} must have k_cache's {num_kv_heads} kv heads, got shape {tuple(t.shape)}")
-        _check(t.shape[2] == head_dim, lambda: f"{name} head dim must equal q's {head_dim}, got {t.shape[2]}")
+        _check(t.shape[2] == dim, lambda: f"{name} head dim must equal its cache's {dim}, got {t.shape[2]}")
     _check(num_kv_heads > 0 and num_q_heads % num_kv_heads == 0,
            lambda: f"q's {num_q_heads} heads must be a multiple of the caches' {num_kv_heads} kv heads (Hq % Hkv == 0)")
 
@@ -96,6 +105,13 @@ def check_args(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, s
         raise HybridInputError(f"sliding_window must be -1 (no window) or a positive int, got {sliding_window}")
     if not (math.isfinite(logit_cap) and logit_cap >= 0):
         raise HybridInputError(f"logit_cap must be 0.0 (no soft-cap) or a finite positive float, got {logit_cap}")
+    if not (attention_chunk == -1 or attention_chunk > 0):
+        raise HybridInputError(f"attention_chunk must be -1 (no chunking) or a positive int, got {attention_chunk}")
+    if sinks is not None:
+        if sinks.dtype != torch.float32 or sinks.dim() != 1 or sinks.device != q.device:
+            raise HybridInputError(f"sinks must be a [Hq] float32 tensor on q's device {q.device}, got "
+                                   f"{sinks.dtype} of shape {tuple(sinks.shape)} on {sinks.device}")
+        _check(sinks.shape[0] == num_q_heads, lambda: f"sinks must have q's {num_q_heads} heads, got {sinks.shape[0]}")
 
 
 def decode_shape_ok(num_tokens, num_requests):

@@ -22,15 +22,15 @@ def find_segment(offsets, x, n, LOG_N: tl.constexpr):
 def attend_pages(
     q, q_pos, acc, l_i, m_i,  # q: [R, BLOCK_D]; q_pos: [R] position of each row's token; running state
     KCache, VCache, block_table_row, kv_head,  # block_table_row: pointer to this request's block_table row
-    kv_lo, kv_hi, seq_len, num_pages, num_table_pages, scale, logit_cap, sliding_window,
+    kv_lo, kv_hi, seq_len, num_pages, num_table_pages, scale, logit_cap, sliding_window, attention_chunk,
     stride_cp, stride_cr, stride_ch,  # cache strides: page, row, head (head dim contiguous)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr,
+    SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Online softmax of q's rows over KV positions [kv_lo, kv_hi) of one request, read in place from its pages.
 
     Keys past `seq_len`, beyond the block table, in pages outside [0, num_pages), after a row's own position, or
-    outside its sliding window are masked: neither loaded nor weighted.
+    outside its sliding window or its chunk of positions are masked: neither loaded nor weighted.
     """
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
@@ -56,6 +56,8 @@ def attend_pages(
         visible = ok[None, :] & (pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             visible = visible & (pos[None, :] > q_pos[:, None] - sliding_window)
+        if HAS_CHUNK:  # a row sees its own chunk only: positions from q_pos - q_pos % attention_chunk
+            visible = visible & (pos[None, :] >= (q_pos - q_pos % attention_chunk)[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # m_i starts finite, so fully masked rows stay NaN-free
         alpha = tl.exp(m_i - m_new)

@@ -7,7 +7,9 @@ BLOCK_R of the q_len x group query rows of request i that share kv_head (row r: 
 kv_head * group + r % group), and the s-th of num_splits equal BLOCK_N-aligned chunks of the request's visible KV
 range [lo, seq_len) (lo > 0 with a sliding window). Row tiles bound a program's registers and shared memory
 whatever the group size and draft length. It writes a normalised partial output and its log-sum-exp (-inf for
-an empty chunk). Stage 2, grid (T, Hq): combines the splits, weighting each by exp(lse - max lse).
+an empty chunk). Stage 2, grid (T, Hq): combines the splits, weighting each by exp(lse - max lse); a head's sink
+joins there, once, as one more term exp(sink - max) of the denominator with nothing to add to the output. With
+chunked attention, keys before a row's chunk are masked in stage 1.
 num_splits comes from static sizes only (batch, kv heads, table capacity, SM count), so it is fixed under a
 CUDA graph; a batch of 1 with a 32k context still fills the GPU.
 """
@@ -24,12 +26,12 @@ from .config import Target, block_d, decode_tiles
 def _decode_split_kernel(
     Q, KCache, VCache, PartialOut, PartialLse, SeqLens, BlockTable,  # pointers
     q_len, group, row_tiles, num_splits, num_q_heads, num_pages, num_table_pages,  # sizes
-    scale, logit_cap, sliding_window,  # options
+    scale, logit_cap, sliding_window, attention_chunk,  # options
     stride_qt, stride_qh, stride_qd,  # q [T, Hq, D], any strides
     stride_cp, stride_cr, stride_ch, stride_bt,  # caches [num_pages, page_size, Hkv, D]; block_table rows
     BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr,
+    SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, UPCAST: tl.constexpr,
 ):
     request = tl.program_id(0)
     kv_head = tl.program_id(1) // row_tiles
@@ -61,9 +63,9 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_R], -1e30, dtype=tl.float32)
     acc, l_i, m_i = attend_pages(
         q, q_pos, acc, l_i, m_i, KCache, VCache, BlockTable + request * stride_bt, kv_head,
-        kv_lo, kv_hi, seq_len, num_pages, num_table_pages, scale, logit_cap, sliding_window,
+        kv_lo, kv_hi, seq_len, num_pages, num_table_pages, scale, logit_cap, sliding_window, attention_chunk,
         stride_cp, stride_cr, stride_ch,
-        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, SOFT_CAP, HAS_WINDOW, UPCAST,
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, SOFT_CAP, HAS_WINDOW, HAS_CHUNK, UPCAST,
     )
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -76,9 +78,9 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    PartialOut, PartialLse, Out,
+    PartialOut, PartialLse, Out, Sinks,  # Sinks: [Hq] fp32
     num_splits, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -87,10 +89,15 @@ def _decode_reduce_kernel(
     d = tl.arange(0, BLOCK_D)
     lse = tl.load(PartialLse + row * num_splits + s, mask=s < num_splits, other=float("-inf"))
     lse_max = tl.maximum(tl.max(lse, 0), -1e30)  # finite even when no split saw a key
+    if HAS_SINKS:
+        sink = tl.load(Sinks + head)
+        lse_max = tl.maximum(lse_max, sink)
     weight = tl.exp(lse - lse_max)
     partial = tl.load(PartialOut + (row * num_splits + s)[:, None] * BLOCK_D + d[None, :],
                       mask=(s < num_splits)[:, None], other=0.0)
     total = tl.sum(weight, 0)
+    if HAS_SINKS:
+        total += tl.exp(sink - lse_max)
     out = tl.sum(partial * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(Out + token * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
 
@@ -106,8 +113,9 @@ def num_kv_splits(programs_per_split: int, max_kv_len: int, block_n: int, num_sm
 
 
 def decode(q, k_cache, v_cache, seq_lens, block_table, scale, sliding_window, logit_cap, target: Target,
-           num_splits=None, batch_invariant=False):
+           num_splits=None, batch_invariant=False, sinks=None, attention_chunk=-1):
     """Attention of q: [T, Hq, D], T = B * q_len, over the paged caches (new tokens already stored).
+    sinks: [Hq] float32 or None.
 
     `batch_invariant` takes the split count as for a batch of one, so a request's result never depends on its batch.
     """
@@ -129,15 +137,16 @@ def decode(q, k_cache, v_cache, seq_lens, block_table, scale, sliding_window, lo
     _decode_split_kernel[(num_requests, num_kv_heads * row_tiles, num_splits)](
         q, k_cache, v_cache, partial_out, partial_lse, seq_lens, block_table,
         q_len, group, row_tiles, num_splits, num_q_heads, k_cache.shape[0], block_table.shape[1],
-        scale, logit_cap, sliding_window,
+        scale, logit_cap, sliding_window, attention_chunk,
         *q.stride(),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         BLOCK_R=tiles.block_rows, HEAD_DIM=head_dim, BLOCK_D=padded_d, BLOCK_N=tiles.block_n, PAGE_SIZE=page_size,
-        SOFT_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0,
+        SOFT_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0, HAS_CHUNK=attention_chunk > 0,
         UPCAST=target.interpret and q.dtype == torch.bfloat16, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     _decode_reduce_kernel[(num_tokens, num_q_heads)](
-        partial_out, partial_lse, out, num_splits, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=padded_d, BLOCK_S=triton.next_power_of_2(num_splits),
+        partial_out, partial_lse, out, partial_lse if sinks is None else sinks, num_splits, out.stride(0),
+        out.stride(1), HEAD_DIM=head_dim, BLOCK_D=padded_d, BLOCK_S=triton.next_power_of_2(num_splits),
+        HAS_SINKS=sinks is not None,
     )
     return out

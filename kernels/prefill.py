@@ -4,8 +4,10 @@ Grid: (cdiv(T, BLOCK_M) + B, Hkv). Program (p, kv_head) takes query tile p of th
 are numbered from tile_cu[i] (a device cumsum of cdiv(q_len, BLOCK_M), no host sync); programs past the last tile
 exit. A program holds BLOCK_M tokens x the `group` query heads (padded to BLOCK_G) that share `kv_head` as its
 rows, so each K/V block is loaded once for the whole group. Token j of a request with prefix P sits at position
-P + j and sees positions [max(0, P + j - W + 1), P + j] (W = sliding window, else from 0); the loop covers the
-union over the tile's rows, so a tile's keys end at its last token: prefix + (tile + 1) * BLOCK_M.
+P + j and sees positions [max(0, P + j - W + 1), P + j] (W = sliding window, else from 0), and with chunked
+attention none before its chunk's first position; the loop covers the union over the tile's rows, so a tile's keys
+end at its last token: prefix + (tile + 1) * BLOCK_M. With sinks, each row's online softmax starts from its head's
+sink logit (running max = sink, sum = 1, nothing accumulated), which adds exp(sink) to the denominator.
 """
 
 import torch
@@ -19,13 +21,15 @@ from .kv_store import log2_ceil
 
 @triton.jit
 def _prefill_kernel(
-    Q, KCache, VCache, Out, CuSeqlensQ, SeqLens, BlockTable, TileCu,  # pointers
-    num_tokens, num_requests, group, num_pages, num_table_pages, scale, logit_cap, sliding_window,  # sizes, options
+    Q, KCache, VCache, Out, CuSeqlensQ, SeqLens, BlockTable, TileCu, Sinks,  # pointers (Sinks: [Hq] fp32)
+    num_tokens, num_requests, group, num_pages, num_table_pages,  # sizes
+    scale, logit_cap, sliding_window, attention_chunk,  # options
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh,  # q [T, Hq, D] any strides; out [T, Hq, D]
     stride_cp, stride_cr, stride_ch, stride_bt,  # caches [num_pages, page_size, Hkv, D]; block_table rows
     BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, LOG_B: tl.constexpr,
-    SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr,
+    SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -56,13 +60,18 @@ def _prefill_kernel(
     if HAS_WINDOW:
         kv_lo = tl.maximum(prefix + tile * BLOCK_M - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
     acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M * BLOCK_G], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M * BLOCK_G], -1e30, dtype=tl.float32)
+    if HAS_SINKS:  # max(sink, -1e30) keeps the running max finite even for a sink of -inf (which adds 0)
+        sink = tl.load(Sinks + head, mask=row_ok, other=float("-inf"))
+        m_i = tl.maximum(sink, -1e30)
+        l_i = tl.exp(sink - m_i)
+    else:
+        l_i = tl.zeros([BLOCK_M * BLOCK_G], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M * BLOCK_G], -1e30, dtype=tl.float32)
     acc, l_i, m_i = attend_pages(
         q, q_pos, acc, l_i, m_i, KCache, VCache, BlockTable + request * stride_bt, kv_head,
-        kv_lo, kv_hi, seq_len, num_pages, num_table_pages, scale, logit_cap, sliding_window,
+        kv_lo, kv_hi, seq_len, num_pages, num_table_pages, scale, logit_cap, sliding_window, attention_chunk,
         stride_cp, stride_cr, stride_ch,
-        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, SOFT_CAP, HAS_WINDOW, UPCAST,
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, SOFT_CAP, HAS_WINDOW, HAS_CHUNK, UPCAST,
     )
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(Out + (q_start + token)[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -70,8 +79,9 @@ def _prefill_kernel(
 
 
 def prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
-            target: Target):
-    """Attention of q: [T, Hq, D] over the paged caches (new tokens already stored); returns [T, Hq, D]."""
+            target: Target, sinks=None, attention_chunk=-1):
+    """Attention of q: [T, Hq, D] over the paged caches (new tokens already stored); returns [T, Hq, D].
+    sinks: [Hq] float32 or None."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_requests, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     out = q.new_empty(q.shape)
@@ -85,13 +95,15 @@ def prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sli
     torch.cumsum((q_lens + block_m - 1) // block_m, 0, out=tile_cu[1:])
     grid = (triton.cdiv(num_tokens, block_m) + num_requests, num_kv_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, tile_cu,
-        num_tokens, num_requests, group, k_cache.shape[0], block_table.shape[1], scale, logit_cap, sliding_window,
+        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, tile_cu, q if sinks is None else sinks,
+        num_tokens, num_requests, group, k_cache.shape[0], block_table.shape[1],
+        scale, logit_cap, sliding_window, attention_chunk,
         *q.stride(), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         BLOCK_G=triton.next_power_of_2(group), HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         BLOCK_M=block_m, BLOCK_N=tiles.block_n, PAGE_SIZE=k_cache.shape[1], LOG_B=log2_ceil(num_requests),
-        SOFT_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0, UPCAST=target.interpret and q.dtype == torch.bfloat16,
+        SOFT_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0, HAS_CHUNK=attention_chunk > 0,
+        HAS_SINKS=sinks is not None, UPCAST=target.interpret and q.dtype == torch.bfloat16,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out

@@ -25,7 +25,7 @@ class Case:
     prefix_lens: list
     pages: list  # per request, its page ids
     prefix_k: list  # per request, [prefix, Hkv, D] in the cache dtype
-    prefix_v: list
+    prefix_v: list  # per request, [prefix, Hkv, Dv]
 
     @property
     def args(self):
@@ -34,11 +34,13 @@ class Case:
 
 
 def make_case(q_lens, prefix_lens, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4, dtype=torch.float32,
-              extra_pages=3, strided=False, seed=None, device="cpu") -> Case:
+              extra_pages=3, strided=False, seed=None, device="cpu", v_head_dim=None) -> Case:
     """A batch whose requests own shuffled, non-contiguous pages; all other pages hold POISON.
 
+    v_head_dim: the value head dim Dv (v, v_cache), head_dim when None.
     seed: None draws one from `random`, which conftest.py seeds from the test's id.
     """
+    v_head_dim = v_head_dim or head_dim
     rng = random.Random(random.getrandbits(32) if seed is None else seed)
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
     seq_lens = [p + n for p, n in zip(prefix_lens, q_lens)]
@@ -58,10 +60,10 @@ def make_case(q_lens, prefix_lens, num_q_heads=4, num_kv_heads=2, head_dim=16, p
         return torch.randn(*shape, generator=gen).to(dtype)
 
     k_cache = torch.full((num_pages, page_size, num_kv_heads, head_dim), POISON, dtype=dtype)
-    v_cache = torch.full_like(k_cache, POISON)
+    v_cache = torch.full((num_pages, page_size, num_kv_heads, v_head_dim), POISON, dtype=dtype)
     prefix_k, prefix_v = [], []
     for i, plen in enumerate(prefix_lens):
-        pk, pv = randn(plen, num_kv_heads, head_dim), randn(plen, num_kv_heads, head_dim)
+        pk, pv = randn(plen, num_kv_heads, head_dim), randn(plen, num_kv_heads, v_head_dim)
         for pos in range(plen):
             page, row = pages[i][pos // page_size], pos % page_size
             k_cache[page, row], v_cache[page, row] = pk[pos], pv[pos]
@@ -70,11 +72,11 @@ def make_case(q_lens, prefix_lens, num_q_heads=4, num_kv_heads=2, head_dim=16, p
     total = sum(q_lens)
     if strided:  # non-contiguous views, as torch.compile hands them over
         q = randn(total, num_q_heads + 1, head_dim)[:, 1:]
-        kv = randn(total, 2, num_kv_heads, head_dim)
-        k, v = kv[:, 0], kv[:, 1]
+        kv = randn(total, 2, num_kv_heads, head_dim + v_head_dim)
+        k, v = kv[:, 0, :, :head_dim], kv[:, 1, :, head_dim:]
     else:
         q, k, v = randn(total, num_q_heads, head_dim), randn(total, num_kv_heads, head_dim), randn(
-            total, num_kv_heads, head_dim)
+            total, num_kv_heads, v_head_dim)
     cu = torch.tensor([0] + list(_cumsum(q_lens)), dtype=torch.int32)
     to = lambda t: t.to(device)  # noqa: E731
     return Case(to(q), to(k), to(v), to(k_cache), to(v_cache), to(cu), to(torch.tensor(seq_lens, dtype=torch.int32)),
@@ -88,13 +90,17 @@ def _cumsum(xs):
         yield total
 
 
-def reference(case: Case, scale=None, sliding_window=-1, logit_cap=0.0) -> torch.Tensor:
-    """float64 attention from the dense per-request K/V, written plainly: [T, Hq, D] float64."""
+def reference(case: Case, scale=None, sliding_window=-1, logit_cap=0.0, sinks=None, attention_chunk=-1):
+    """float64 attention from the dense per-request K/V, written plainly: [T, Hq, Dv] float64.
+
+    sinks: [Hq] logits, each one more term exp(sink) in its head's softmax denominator; attention_chunk: a query at
+    position p sees keys from p - p % attention_chunk on.
+    """
     q = case.q.double().cpu()
     num_q_heads, head_dim = q.shape[1:]
     group = num_q_heads // case.k.shape[1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    out = torch.zeros_like(q)
+    out = torch.zeros(*q.shape[:2], case.v.shape[2], dtype=torch.float64)
     start = 0
     for i, (n, prefix) in enumerate(zip(case.q_lens, case.prefix_lens)):
         keys = torch.cat([case.prefix_k[i], case.k[start : start + n].cpu()]).double()
@@ -102,11 +108,17 @@ def reference(case: Case, scale=None, sliding_window=-1, logit_cap=0.0) -> torch
         for j in range(n):
             pos = prefix + j
             lo = max(0, pos - sliding_window + 1) if sliding_window > 0 else 0
+            if attention_chunk > 0:
+                lo = max(lo, pos - pos % attention_chunk)
             for h in range(num_q_heads):
                 s = keys[lo : pos + 1, h // group] @ q[start + j, h] * scale
                 if logit_cap > 0:
                     s = logit_cap * torch.tanh(s / logit_cap)
-                out[start + j, h] = torch.softmax(s, 0) @ values[lo : pos + 1, h // group]
+                weights = torch.exp(s - s.max())
+                denominator = weights.sum()
+                if sinks is not None:
+                    denominator += torch.exp(sinks[h].double() - s.max())
+                out[start + j, h] = weights / denominator @ values[lo : pos + 1, h // group]
         start += n
     return out
 

@@ -2,10 +2,11 @@
 
 import random
 
+import pytest
 import torch
 from reference import assert_close, dense_attention
 
-from hybrid_ops import ForwardMode, PagedKVCache
+from hybrid_ops import ForwardMode, HybridInputError, PagedKVCache
 
 
 def test_metadata_from_steps():
@@ -33,6 +34,17 @@ def test_static_addresses():
     for t in cache.k_caches + cache.v_caches:
         assert getattr(t, "_dynamo_static_input_type", None) is not None
     assert cache.layer(2)[0] is cache.k_caches[2]
+
+
+def test_per_layer_shapes():
+    """Layers of their own KV heads and head dims, V's apart from K's (MLA); one page allocation for all."""
+    cache = PagedKVCache(num_pages=5, page_size=2, num_kv_heads=1, head_dim=8, v_head_dim=4, num_layers=2)
+    assert [(k.shape, v.shape) for k, v in zip(cache.k_caches, cache.v_caches)] == [((5, 2, 1, 8), (5, 2, 1, 4))] * 2
+    cache = PagedKVCache(num_pages=5, page_size=2, num_kv_heads=1, head_dim=8, layer_shapes=[(2, 8, 8), (4, 16, 12)])
+    assert [(k.shape[2:], v.shape[2:]) for k, v in zip(cache.k_caches, cache.v_caches)] == [
+        ((2, 8), (2, 8)), ((4, 16), (4, 12))]
+    with pytest.raises(HybridInputError, match="layer 1's v_head_dim must be a positive int, got 0"):
+        PagedKVCache(num_pages=5, page_size=2, num_kv_heads=1, head_dim=8, layer_shapes=[(2, 8, 8), (4, 16, 0)])
 
 
 def test_generation_over_the_cache():

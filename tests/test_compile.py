@@ -25,16 +25,48 @@ class Attention(torch.nn.Module):
         return out + 0.0
 
 
-def random_step(rng, mode, batch_size):
+def random_step(rng, mode, batch_size, **case_kwargs):
     """A batch for `mode`: uniform query lengths on the decode path, ragged ones (zero included) otherwise."""
     if mode == ForwardMode.IDLE:
-        return make_case([], [], seed=rng.random())
+        return make_case([], [], seed=rng.random(), **case_kwargs)
     if hybrid_ops.select_path(mode, "decode") == "decode":
         n = 1 if mode == ForwardMode.DECODE else rng.randint(2, 4)
         q_lens = [n] * batch_size
     else:
         q_lens = [rng.randint(0, 6) for _ in range(batch_size)]
-    return make_case(q_lens, [rng.randint(0, 12) for _ in range(batch_size)], seed=rng.random())
+    return make_case(q_lens, [rng.randint(0, 12) for _ in range(batch_size)], seed=rng.random(), **case_kwargs)
+
+
+class FeatureAttention(torch.nn.Module):
+    """A layer with attention sinks (a parameter, as gpt-oss), chunks of 5 positions and a value head dim of 8."""
+
+    def __init__(self):
+        super().__init__()
+        self.sinks = torch.nn.Parameter(torch.randn(4) * 2)
+
+    def forward(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode: int):
+        return torch.ops.hybrid.attn(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode,
+                                     sinks=self.sinks.float(), attention_chunk=5, speculative_attention_mode="decode")
+
+
+def test_features_all_modes_no_recompiles():
+    rng = random.Random(1)
+    counter = CompileCounter()
+    layer = FeatureAttention()
+    compiled = torch.compile(layer, backend=counter, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for mode in ForwardMode:
+            for batch_size in (1, 2, 3):
+                compiled(*random_step(rng, mode, batch_size, v_head_dim=8).args, int(mode))
+        warm = counter.frame_count
+        assert warm <= 6
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for _ in range(30):
+                mode = rng.choice(list(ForwardMode))
+                case = random_step(rng, mode, rng.randint(1, 6), v_head_dim=8)
+                out = compiled(*case.args, int(mode))
+                assert_close(out, reference(case, sinks=layer.sinks.detach(), attention_chunk=5), torch.float32)
+    assert counter.frame_count == warm
 
 
 def test_all_modes_one_graph_no_recompiles():

@@ -40,7 +40,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 def check_call(op, case, options, dtype, **kwargs):
     k_ref, v_ref = expected_cache(case)
     out = op(*case.args, **options, **kwargs)
-    assert out.shape == case.q.shape and out.is_contiguous()
+    assert out.shape == (*case.q.shape[:2], case.v.shape[2]) and out.is_contiguous()
     assert_close(out, reference(case, **options), dtype)
     assert torch.equal(case.k_cache, k_ref) and torch.equal(case.v_cache, v_ref), "cache differs from the expected"
 
@@ -91,6 +91,58 @@ def test_attn_every_mode(backend, spec, mode):
     case = make_case(q_lens, prefixes, num_q_heads=4, num_kv_heads=1)
     check_call(torch.ops.hybrid.attn, case, {"sliding_window": 6}, torch.float32, forward_mode=int(mode),
                prefill_backend=backend, decode_backend=backend, speculative_attention_mode=spec)
+
+
+def sinks(num_q_heads, seed=0):
+    """[Hq] float32 logits around the scores' scale (N(0, 1) inputs, scale 1/sqrt(D)), so they move the output."""
+    return torch.randn(num_q_heads, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+# The options that only some backends serve (`options`): the torch backend serves them all, Triton all but a value
+# head dim of its own; "auto" finds one that does.
+FEATURES = {
+    "sinks": dict(sinks=sinks(8)),
+    "chunk": dict(attention_chunk=5),  # chunks of 5 positions across 4-token pages
+    "chunk_window": dict(attention_chunk=8, sliding_window=3),
+    "chunk_softcap_sinks": dict(attention_chunk=3, logit_cap=2.0, sinks=sinks(8, 1)),
+    "v_head_dim": dict(),
+    "all": dict(attention_chunk=6, sliding_window=4, sinks=sinks(8, 2), scale=0.2),
+}
+FEATURE_V_HEAD_DIM = {"v_head_dim": 24, "all": 8}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "auto"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("op, q_lens, prefix_lens", [
+    ("prefill", [6, 13, 2, 0], [4, 0, 11, 3]),  # prefill, chunked prefill past chunk and page boundaries
+    ("decode", [1] * 4, [0, 5, 17, 33]),
+    ("decode", [3] * 2, [9, 20]),  # verify
+])
+def test_features(backend, dtype, feature, op, q_lens, prefix_lens):
+    if backend == "triton" and feature in FEATURE_V_HEAD_DIM:
+        pytest.skip("the Triton kernels take one head dim for K and V")
+    case = make_case(q_lens, prefix_lens, num_q_heads=8, num_kv_heads=2, dtype=dtype,
+                     v_head_dim=FEATURE_V_HEAD_DIM.get(feature))
+    check_call(getattr(torch.ops.hybrid, op), case, FEATURES[feature], dtype, backend=backend)
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_features_under_attn(feature):
+    """attn passes the options to either path's backend, and the sink is per head (a wrong head's sink fails)."""
+    case = make_case([1, 1, 1], [2, 9, 14], num_q_heads=8, num_kv_heads=2, v_head_dim=FEATURE_V_HEAD_DIM.get(feature))
+    check_call(torch.ops.hybrid.attn, case, FEATURES[feature], torch.float32, forward_mode=int(ForwardMode.DECODE))
+
+
+@pytest.mark.parametrize("backend, feature", [("cpu", "sinks"), ("cpu", "chunk"), ("cpu", "v_head_dim"),
+                                              ("triton", "v_head_dim")])
+def test_features_refused_by_backends_without_them(backend, feature):
+    case = make_case([3, 2], [1, 4], num_q_heads=8, num_kv_heads=2, v_head_dim=FEATURE_V_HEAD_DIM.get(feature))
+    before = case.k_cache.clone()
+    name = {"chunk": "attention_chunk"}.get(feature, feature)
+    with pytest.raises(hybrid_ops.HybridInputError, match=f"backend='{backend}' does not support {name}"):
+        torch.ops.hybrid.prefill(*case.args, **FEATURES[feature], backend=backend)
+    assert torch.equal(case.k_cache, before)
 
 
 @pytest.mark.parametrize("op", ["prefill", "decode"])
@@ -156,6 +208,14 @@ OPCHECK_CASES = [
 def test_opcheck(op, case_kwargs):
     case = make_case(**case_kwargs, seed=0)
     torch.library.opcheck(getattr(torch.ops.hybrid, op).default, case.args, {"sliding_window": 4, "logit_cap": 3.0})
+
+
+@pytest.mark.parametrize("op", ["prefill", "decode", "attn"])
+def test_opcheck_features(op):
+    case = make_case([2, 2], [3, 6], num_q_heads=4, num_kv_heads=2, v_head_dim=8, seed=0)
+    args = (*case.args, int(ForwardMode.DECODE)) if op == "attn" else case.args
+    torch.library.opcheck(getattr(torch.ops.hybrid, op).default, args,
+                          {"sinks": sinks(4), "attention_chunk": 3, "sliding_window": 4})
 
 
 @pytest.mark.parametrize("mode, q_lens", [(ForwardMode.EXTEND, [3, 5]), (ForwardMode.DECODE, [1, 1]),

@@ -5,7 +5,10 @@ A backend stores a step's new k, v in the paged cache and attends; the ops (`hyb
 
     q: [T, Hq, D]; k, v: [T, Hkv, D]; k_cache, v_cache: [num_pages, page_size, Hkv, D], contiguous, q's dtype;
     cu_seqlens_q: [B + 1], seq_lens: [B], block_table: [B, max_pages], int32 (`hybrid_ops.metadata`);
-    scale: float; sliding_window: int (-1: none); logit_cap: float (0.0: none). Returns [T, Hq, D] in q's dtype.
+    scale: float; sliding_window: int (-1: none); logit_cap: float (0.0: none). Returns [T, Hq, Dv] in q's dtype.
+
+v and v_cache may have a head dim Dv of their own, and `sinks=` ([Hq] float32) and `attention_chunk=` (int) come as
+keywords when in use: only to a backend whose `options` names them ("v_head_dim", "sinks", "attention_chunk").
 
 Subclass it, then `hybrid_ops.register_backend(MyBackend())`.
 """
@@ -20,6 +23,8 @@ class Backend:
     # True if the backend reads the metadata to the host and checks its values itself on every call; otherwise the
     # ops run `validation.check_metadata_values` for it when validation is switched on.
     checks_values: bool = False
+    # What it serves beyond plain paged attention: any of "sinks", "attention_chunk", "v_head_dim" (Dv != D).
+    options: frozenset = frozenset()
 
     def is_available(self) -> bool:
         """Whether its requirement is installed (and, for kernels built at first use, built)."""

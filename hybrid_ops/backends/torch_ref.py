@@ -29,9 +29,11 @@ BATCHED_DECODE_BYTES = 8 << 20
 MATMUL_QUERY_ROWS = 32
 
 
-def _matmul_branch(batch, query_rows, logit_cap):
-    """Whether `attend` takes the matmul branch (SDPA has no soft-cap)."""
-    return logit_cap > 0 or (batch == 1 and query_rows <= MATMUL_QUERY_ROWS)
+def _matmul_branch(batch, query_rows, logit_cap, sinks, head_dims):
+    """Whether `attend` takes the matmul branch: SDPA has no soft-cap and no sinks, and is not used when the value
+    head dim differs (head_dims: (D, Dv))."""
+    return (logit_cap > 0 or sinks is not None or head_dims[0] != head_dims[1]
+            or (batch == 1 and query_rows <= MATMUL_QUERY_ROWS))
 
 
 class StepPlan:
@@ -40,7 +42,7 @@ class StepPlan:
     key: what else it depends on (T, the caches' shape, dtype and device, decode, determinism).
     """
 
-    def __init__(self, key, cu_seqlens_q, seq_lens, block_table, num_tokens, k_cache, decode):
+    def __init__(self, key, cu_seqlens_q, seq_lens, block_table, num_tokens, k_cache, v_cache, decode):
         num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
         self.key = key
         self.metadata = (cu_seqlens_q.clone(), seq_lens.clone(), block_table.clone())
@@ -49,8 +51,8 @@ class StepPlan:
         self.slots = new_token_slots(cu_seqlens_q, seq_lens, block_table, num_tokens, page_size)  # [T] int64
         self.page_size = page_size
         self.max_pages = -(-max(self.lens, default=0) // page_size)
-        row_bytes = num_kv_heads * head_dim * k_cache.element_size()
-        gather_bytes = 2 * len(self.lens) * self.max_pages * page_size * row_bytes
+        row_bytes = num_kv_heads * (head_dim + v_cache.shape[3]) * k_cache.element_size()  # one K and one V row
+        gather_bytes = len(self.lens) * self.max_pages * page_size * row_bytes
         # Padding changes a request's reduction, so the batch-invariant (deterministic) mode never batches.
         self.batched = decode and gather_bytes <= BATCHED_DECODE_BYTES and not deterministic_enabled()
         self.device = block_table.device
@@ -95,18 +97,19 @@ class StepPlan:
             self._requests[i] = (pages[0], None) if consecutive else (None, torch.tensor(pages, device=self.device))
         return self._requests[i]
 
-    def mask(self, request, num_queries, sliding_window, matmul):
+    def mask(self, request, num_queries, sliding_window, attention_chunk, matmul):
         """(bias, is_causal) for request `request`'s queries, or for the whole batch when `request` is None.
 
         bias: [B, 1, n, L] float32 (0 where a query sees a key, -inf elsewhere; L the longest sequence), or None
         when every query sees every key, or when `is_causal` (the queries are the whole sequence, SDPA's plain
-        causal case, which needs no mask unless `matmul`).
+        causal case, which needs no mask unless `matmul`). A query at position p sees keys at positions
+        max(p - sliding_window, p - p % attention_chunk) < ... <= p when those options are on.
         """
-        key = (request, num_queries, sliding_window, matmul)
+        key = (request, num_queries, sliding_window, attention_chunk, matmul)
         if key not in self._masks:
             lens = self.lens if request is None else [self.lens[request]]
             length = max(lens)
-            windowed = 0 < sliding_window < length
+            windowed = 0 < sliding_window < length or 0 < attention_chunk < length
             is_causal = len(lens) == 1 and num_queries == length and not windowed and not matmul
             if is_causal or (num_queries == 1 and min(lens) == length and not windowed):
                 self._masks[key] = None, is_causal
@@ -115,8 +118,10 @@ class StepPlan:
                 query_pos = seq_lens[:, None] - num_queries + torch.arange(num_queries, device=self.device)
                 key_pos = torch.arange(length, device=self.device)
                 visible = key_pos <= query_pos[:, :, None]  # causal; also hides the padding of shorter requests
-                if windowed:
+                if sliding_window > 0:
                     visible &= key_pos > query_pos[:, :, None] - sliding_window
+                if attention_chunk > 0:
+                    visible &= key_pos >= (query_pos - query_pos % attention_chunk)[:, :, None]
                 bias = torch.zeros(visible.shape, device=self.device).masked_fill_(~visible, float("-inf"))
                 self._masks[key] = bias[:, None], False
         return self._masks[key]
@@ -131,7 +136,7 @@ class Workspace:
         self._buffers = {}
 
     def get(self, role, cache, num_pages):
-        """A [num_pages, page_size, Hkv, D] buffer like `cache`'s pages; role: "k" or "v"."""
+        """A [num_pages, page_size, Hkv, D or Dv] buffer like `cache`'s pages; role: "k" or "v"."""
         key = (role, cache.dtype, cache.device)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.shape[0] < num_pages or buffer.shape[1:] != cache.shape[1:]:
@@ -141,24 +146,24 @@ class Workspace:
         return buffer[:num_pages]
 
     def gather(self, role, cache, index):
-        """cache[index]: [len(index), page_size, Hkv, D], into the reused buffer."""
+        """cache[index]: [len(index), page_size, Hkv, D or Dv], into the reused buffer."""
         return torch.index_select(cache, 0, index, out=self.get(role, cache, index.shape[0]))
 
 
-def attend(q, k, v, bias, is_causal, scale, logit_cap):
+def attend(q, k, v, bias, is_causal, scale, logit_cap, sinks=None):
     """Attention of B requests' new tokens over their K/V, computed in fp32 at least.
 
-    q: [B, n, Hq, D]; k, v: [B, L, Hkv, D] (rows a query must not see are masked by `bias`);
+    q: [B, n, Hq, D]; k: [B, L, Hkv, D]; v: [B, L, Hkv, Dv] (rows a query must not see are masked by `bias`);
     bias: [B, 1, n, L] float32 added to the scores, or None; is_causal: SDPA's plain causal mask instead (n == L;
-    the matmul branch takes its causal mask as a bias, see `StepPlan.mask`).
-    Returns [B, n, Hq, D] in q's dtype.
+    the matmul branch takes its causal mask as a bias, see `StepPlan.mask`); sinks: [Hq] float32 or None.
+    Returns [B, n, Hq, Dv] in q's dtype.
     """
     batch, n, num_q_heads, head_dim = q.shape
-    num_kv_heads = k.shape[2]
+    num_kv_heads, v_head_dim = v.shape[2:]
     group = num_q_heads // num_kv_heads
     out_dtype, compute_dtype = q.dtype, torch.promote_types(q.dtype, torch.float32)
     q, k_t, v_t = q.to(compute_dtype), k.to(compute_dtype).transpose(1, 2), v.to(compute_dtype).transpose(1, 2)
-    if _matmul_branch(batch, n * group, logit_cap):
+    if _matmul_branch(batch, n * group, logit_cap, sinks, (head_dim, v_head_dim)):
         # Each kv head serves its `group` query heads as extra rows: [B, Hkv, n * group, D], no K/V repeat.
         q_rows = q.view(batch, n, num_kv_heads, group, head_dim).transpose(1, 2).reshape(batch, num_kv_heads, -1,
                                                                                          head_dim)
@@ -167,8 +172,13 @@ def attend(q, k, v, bias, is_causal, scale, logit_cap):
             scores = logit_cap * torch.tanh(scores / logit_cap)
         if bias is not None:  # [B, 1, n, L] against the scores' [B, Hkv, n, group, L]
             scores.view(batch, num_kv_heads, n, group, -1).add_(bias[:, :, :, None])
-        out = torch.matmul(scores.softmax(dim=-1), v_t).view(batch, num_kv_heads, n, group, head_dim)
-        out = out.transpose(1, 2).reshape(batch, n, num_q_heads, head_dim)
+        if sinks is None:
+            probs = scores.softmax(dim=-1)
+        else:  # each head's sink joins its rows' softmax as one more logit, whose value row is zero
+            sink = sinks.to(compute_dtype).view(1, num_kv_heads, 1, group, 1).expand(batch, -1, n, -1, -1)
+            probs = torch.cat([scores, sink.reshape(batch, num_kv_heads, n * group, 1)], -1).softmax(-1)[..., :-1]
+        out = torch.matmul(probs, v_t).view(batch, num_kv_heads, n, group, v_head_dim)
+        out = out.transpose(1, 2).reshape(batch, n, num_q_heads, v_head_dim)
     else:
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k_t, v_t, attn_mask=bias, is_causal=is_causal,
                                              scale=scale, enable_gqa=True).transpose(1, 2)
@@ -179,6 +189,7 @@ class TorchBackend(Backend):
     name = "torch"
     requirement = "torch"
     checks_values = True
+    options = frozenset({"sinks", "attention_chunk", "v_head_dim"})
 
     def __init__(self):
         self.workspace = Workspace()
@@ -188,39 +199,43 @@ class TorchBackend(Backend):
     def supports(self, device, dtype, head_dim) -> bool:
         return dtype in FLOAT_DTYPES
 
-    def step_plan(self, cu_seqlens_q, seq_lens, block_table, num_tokens, k_cache, decode) -> StepPlan:
+    def step_plan(self, cu_seqlens_q, seq_lens, block_table, num_tokens, k_cache, v_cache, decode) -> StepPlan:
         """The plan for this metadata: the kept one when its values are the same, else a new one (which checks
         them, raising `HybridInputError` before anything is written)."""
-        key = (num_tokens, k_cache.shape, k_cache.dtype, k_cache.device, decode, deterministic_enabled())
+        key = (num_tokens, k_cache.shape, v_cache.shape[3], k_cache.dtype, k_cache.device, decode,
+               deterministic_enabled())
         plan = self._plan
         if plan is None or not plan.matches(key, cu_seqlens_q, seq_lens, block_table):
-            plan = StepPlan(key, cu_seqlens_q, seq_lens, block_table, num_tokens, k_cache, decode)
+            plan = StepPlan(key, cu_seqlens_q, seq_lens, block_table, num_tokens, k_cache, v_cache, decode)
             self._plan = plan
             self.plans_made += 1
         return plan
 
     def prefill(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                logit_cap, decode=False):
+                logit_cap, sinks=None, attention_chunk=-1, decode=False):
         _, page_size, num_kv_heads, head_dim = k_cache.shape
-        plan = self.step_plan(cu_seqlens_q, seq_lens, block_table, q.shape[0], k_cache, decode)
+        head_dims = (head_dim, v_cache.shape[3])
+        plan = self.step_plan(cu_seqlens_q, seq_lens, block_table, q.shape[0], k_cache, v_cache, decode)
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slots, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slots, v)
+        v_cache.view(-1, num_kv_heads, head_dims[1]).index_copy_(0, plan.slots, v)
         lens = plan.lens
+        out_shape = (*q.shape[:2], head_dims[1])
         if not lens or q.shape[0] == 0:
-            return q.new_empty(q.shape)
+            return q.new_empty(out_shape)
         group = q.shape[1] // num_kv_heads
-        options = (scale, logit_cap)
+        options = (scale, logit_cap, sinks)
         if plan.batched:
             n = q.shape[0] // len(lens)
             index, longest = plan.gather_index(), max(lens)
-            kv_shape = (len(lens), plan.max_pages * page_size, num_kv_heads, head_dim)
-            k_padded, v_padded = (self.workspace.gather(role, cache, index).view(-1, num_kv_heads, head_dim)
-                                  .index_fill_(0, plan.padding_rows(), 0).view(kv_shape)[:, :longest]
+            k_padded, v_padded = (self.workspace.gather(role, cache, index).view(-1, num_kv_heads, cache.shape[3])
+                                  .index_fill_(0, plan.padding_rows(), 0)
+                                  .view(len(lens), plan.max_pages * page_size, num_kv_heads, -1)[:, :longest]
                                   for role, cache in (("k", k_cache), ("v", v_cache)))
-            bias, is_causal = plan.mask(None, n, sliding_window, _matmul_branch(len(lens), n * group, logit_cap))
+            matmul = _matmul_branch(len(lens), n * group, logit_cap, sinks, head_dims)
+            bias, is_causal = plan.mask(None, n, sliding_window, attention_chunk, matmul)
             return attend(q.view(len(lens), n, *q.shape[1:]), k_padded, v_padded, bias, is_causal,
                           *options).flatten(0, 1)
-        out = q.new_empty(q.shape)
+        out = q.new_empty(out_shape)
         for i, length in enumerate(lens):
             start, end = plan.cu[i], plan.cu[i + 1]
             if start == end:
@@ -229,14 +244,15 @@ class TorchBackend(Backend):
             kv = []
             for role, cache in (("k", k_cache), ("v", v_cache)):
                 if first is not None:  # consecutive pages: a view of the cache
-                    rows = cache.view(-1, num_kv_heads, head_dim)[first * page_size : first * page_size + length]
+                    rows = cache.view(-1, num_kv_heads, cache.shape[3])[first * page_size : first * page_size
+                                                                         + length]
                 else:
                     rows = self.workspace.gather(role, cache, index).flatten(0, 1)[:length]
                 kv.append(rows[None])
-            bias, is_causal = plan.mask(i, end - start, sliding_window, _matmul_branch(1, (end - start) * group,
-                                                                                      logit_cap))
+            matmul = _matmul_branch(1, (end - start) * group, logit_cap, sinks, head_dims)
+            bias, is_causal = plan.mask(i, end - start, sliding_window, attention_chunk, matmul)
             out[start:end] = attend(q[None, start:end], *kv, bias, is_causal, *options)[0]
         return out
 
-    def decode(self, *args):
-        return self.prefill(*args, decode=True)
+    def decode(self, *args, **options):
+        return self.prefill(*args, **options, decode=True)

@@ -34,6 +34,7 @@ class TritonBackend(Backend):
     name = "triton"
     requirement = "triton (pip install 'hybrid_ops[triton]')"
     checks_values = False
+    options = frozenset({"sinks", "attention_chunk"})
 
     def __init__(self):
         self.target = None  # a kernels.config.Target that overrides the device's
@@ -52,17 +53,18 @@ class TritonBackend(Backend):
         return self.target if self.target is not None else _device_target(q.device)
 
     def prefill(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                logit_cap):
+                logit_cap, sinks=None, attention_chunk=-1):
         from ..kernels import kv_store, prefill
 
         kv_store.store_kv(k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table)
         return prefill.prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                               logit_cap, self.launch_target(q))
+                               logit_cap, self.launch_target(q), sinks=sinks, attention_chunk=attention_chunk)
 
     def decode(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-               logit_cap):
+               logit_cap, sinks=None, attention_chunk=-1):
         from ..kernels import decode, kv_store
 
         kv_store.store_kv(k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table)
         return decode.decode(q, k_cache, v_cache, seq_lens, block_table, scale, sliding_window, logit_cap,
-                             self.launch_target(q), batch_invariant=deterministic_enabled())
+                             self.launch_target(q), batch_invariant=deterministic_enabled(), sinks=sinks,
+                             attention_chunk=attention_chunk)

@@ -6,7 +6,9 @@
 // the checks of validation.args_ok, the routing of modes.ROUTING, the kernel; a few microseconds per call, eager or
 // from a compiled graph. Any other call (another backend, an argument that fails a check, a mode or backend name
 // not in the tables) goes to the Python implementation, which runs the other backends and raises the errors that
-// name the argument. Python sets the tables (`configure`, hybrid_ops/backends/cpu.py) on every change to the
+// name the argument. Calls that use an option the native kernel does not implement (attention sinks, chunked
+// attention, a value head dim other than q's) go to Python too, where "auto" picks a backend that has them. Python
+// sets the tables (`configure`, hybrid_ops/backends/cpu.py) on every change to the
 // backend registry; until it does, every call goes to Python.
 //
 // The Python module's `forward` is the backend object's call of the same kernel.
@@ -88,12 +90,15 @@ bool decode_shape_ok(int64_t num_tokens, int64_t num_requests) {
   return num_requests > 0 ? num_tokens % num_requests == 0 : num_tokens == 0;
 }
 
-// The kernel's output, or an undefined tensor (nothing written) when a check fails.
+// The kernel's output, or an undefined tensor (nothing written) when a check fails or an option is in use that the
+// kernel does not implement (sinks, attention_chunk; a Dv other than D fails args_ok).
 at::Tensor run_native(bool decode, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& cu_seqlens_q,
                       const at::Tensor& seq_lens, const at::Tensor& block_table, std::optional<double> scale,
-                      int64_t sliding_window, double logit_cap) {
-  if (!args_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap)) {
+                      int64_t sliding_window, double logit_cap, const std::optional<at::Tensor>& sinks,
+                      int64_t attention_chunk) {
+  if (sinks.has_value() || attention_chunk != -1 ||
+      !args_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap)) {
     return {};
   }
   const int64_t num_tokens = q.size(0), num_requests = seq_lens.size(0);
@@ -118,40 +123,44 @@ template <bool Decode>
 at::Tensor path_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                     at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
                     const at::Tensor& block_table, std::optional<double> scale, int64_t sliding_window,
-                    double logit_cap, c10::string_view backend) {
+                    double logit_cap, const std::optional<at::Tensor>& sinks, int64_t attention_chunk,
+                    c10::string_view backend) {
   const auto t = current_tables();
   if (t && Tables::has(t->native, backend)) {
     auto out = run_native(Decode, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale,
-                          sliding_window, logit_cap);
+                          sliding_window, logit_cap, sinks, attention_chunk);
     if (out.defined()) return out;
   }
   return call_python([&](const py::object& impls) {
     return impls[Decode ? "decode" : "prefill"](
         q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, py::arg("scale") = scale,
-        py::arg("sliding_window") = sliding_window, py::arg("logit_cap") = logit_cap,
-        py::arg("backend") = std::string(backend));
+        py::arg("sliding_window") = sliding_window, py::arg("logit_cap") = logit_cap, py::arg("sinks") = sinks,
+        py::arg("attention_chunk") = attention_chunk, py::arg("backend") = std::string(backend));
   });
 }
 
 at::Tensor attn_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                     at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
                     const at::Tensor& block_table, int64_t forward_mode, std::optional<double> scale,
-                    int64_t sliding_window, double logit_cap, c10::string_view prefill_backend,
-                    c10::string_view decode_backend, c10::string_view speculative_attention_mode) {
+                    int64_t sliding_window, double logit_cap, const std::optional<at::Tensor>& sinks,
+                    int64_t attention_chunk, c10::string_view prefill_backend, c10::string_view decode_backend,
+                    c10::string_view speculative_attention_mode) {
   if (const auto t = current_tables()) {
     const int route = t->route(forward_mode, speculative_attention_mode);
     const bool decode = route == 1;
     if (route >= 0 && Tables::has(t->native, decode ? decode_backend : prefill_backend) &&
         Tables::has(t->known, decode ? prefill_backend : decode_backend)) {
       auto out = run_native(decode, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale,
-                            sliding_window, logit_cap);
+                            sliding_window, logit_cap, sinks, attention_chunk);
       if (out.defined()) return out;
     }
   }
   return call_python([&](const py::object& impls) {
     return impls["attn"](q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode,
                          py::arg("scale") = scale, py::arg("sliding_window") = sliding_window,
-                         py::arg("logit_cap") = logit_cap, py::arg("prefill_backend") = std::string(prefill_backend),
+                         py::arg("logit_cap") = logit_cap, py::arg("sinks") = sinks,
+                         py::arg("attention_chunk") = attention_chunk,
+                         py::arg("prefill_backend") = std::string(prefill_backend),
                          py::arg("decode_backend") = std::string(decode_backend),
                          py::arg("speculative_attention_mode") = std::string(speculative_attention_mode));
   });

@@ -1,0 +1,79 @@
+"""Architectures through `hybrid_ops.generate`: greedy tokens equal to transformers' own generate on each prompt
+alone, or a HybridInputError naming the model type before any token for what cannot be served exactly. The sweep
+over every causal LM type is scripts/model_coverage.py (bench/results/models.md)."""
+
+import pytest
+import torch
+from models import hybrid_tokens, make_model, reference_tokens, tiny_config
+
+import hybrid_ops
+from hybrid_ops import HybridGenerator, HybridInputError
+
+# model type -> what it covers; tiny configs (tests/models.py), 3 layers.
+IDENTICAL = {
+    "llama": "plain GQA",
+    "qwen3": "q/k norms",
+    "mistral": "a sliding window on every layer",
+    "gemma2": "soft-capping, alternating sliding and global layers",
+    "gemma3_text": "sliding and global layers of different rope",
+    "phi3": "fused qkv",
+    "gpt2": "no num_key_value_heads in the config (MHA)",
+    "opt": "no num_key_value_heads, learned positions",
+    "gpt_neox": "no num_key_value_heads, partial rotary",
+    "gpt_oss": "attention sinks (s_aux), sliding layers",
+    "llama4_text": "chunked attention layers (chunks of 5 tokens, prompts up to 17)",
+    "deepseek_v3": "MLA: q/k head dim 24, v head dim 16",
+    "mimo_v2_flash": "per-layer KV layouts",
+    "jetmoe": "K/V repeated to every head before the attention call",
+}
+# model type -> words of the refusal.
+REFUSED = {
+    "nemotron": "nemotron cannot be served exactly: the decoder layers [0, 1, 2] do not pass hybrid_step",
+    "stablelm": "stablelm cannot be served exactly: the decoder layers [0, 1, 2] do not pass hybrid_step",
+    "diffllama": "diffllama cannot be served exactly: its layers call attention several times with one layer_idx",
+    "qwen3_next": "qwen3_next cannot be served exactly: its layer_types include ['linear_attention']",
+    "falcon_h1": "falcon_h1 cannot be served exactly: its layer_types include ['hybrid']",
+    "doge": "doge cannot be served exactly: the attention of layers [0, 1, 2] adds a bias of its own",
+    "bart": "bart cannot be served exactly: its positions do not follow position_ids",
+    "phimoe": "phimoe cannot be served exactly: its config sets sliding_window=6 but layers [0, 1, 2] call attention "
+              "without it",
+    "whisper": "whisper cannot be served exactly: it does not take logits_to_keep as a tensor of row indices",
+    "jamba": "jamba cannot be served exactly",
+    "bamba": "bamba cannot be served exactly",
+}
+
+
+@pytest.mark.parametrize("model_type", IDENTICAL)
+def test_greedy_tokens_equal_transformers(model_type):
+    config = tiny_config(model_type)
+    assert hybrid_tokens(make_model(config)) == reference_tokens(make_model(config))
+
+
+@pytest.mark.parametrize("model_type", REFUSED)
+def test_refused_before_generating(model_type):
+    with pytest.raises(HybridInputError, match=REFUSED[model_type].replace("[", r"\[").replace("]", r"\]")):
+        hybrid_tokens(make_model(tiny_config(model_type)))
+
+
+def test_cache_sized_per_layer():
+    """MLA: K pages of the q/k head dim (nope 16 + rope 8), V pages of v_head_dim; gpt2: every head is a KV head."""
+    cache = HybridGenerator(make_model(tiny_config("deepseek_v3")), max_batch_size=1, max_seq_len=8,
+                            compile=False).cache
+    assert [(k.shape[2:], v.shape[2:]) for k, v in zip(cache.k_caches, cache.v_caches)] == [((4, 24), (4, 16))] * 3
+    cache = HybridGenerator(make_model(tiny_config("gpt2")), max_batch_size=1, max_seq_len=8, compile=False).cache
+    assert [k.shape[2:] for k in cache.k_caches] == [(4, 16)] * 3
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "llama4_text", "deepseek_v3"])
+def test_compiled_features_never_recompile(model_type):
+    """Sinks, chunks and a separate value head dim in one compiled forward across EXTEND, MIXED and DECODE."""
+    torch._dynamo.reset()
+    config = tiny_config(model_type)
+    expected = reference_tokens(make_model(config))
+    generator = HybridGenerator(make_model(config), max_batch_size=3, max_seq_len=32, page_size=4, prefill_chunk=8)
+    stats = hybrid_ops.GenerationStats()
+    prompts = [[(7 * i + 3 * j) % 90 + 3 for j in range(n)] for i, n in enumerate([11, 3, 17])]
+    assert generator.generate(prompts, 8, stats=stats) == expected
+    assert set(stats.steps) == {"EXTEND", "MIXED", "DECODE"}
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert generator.generate(prompts[::-1], 8) == expected[::-1]
