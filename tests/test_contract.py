@@ -23,10 +23,10 @@ class TestContract(expecttest.TestCase):
         schemas = "\n".join(str(getattr(torch.ops.hybrid, name).default._schema)
                             for name in ("prefill", "decode", "attn", "plan"))
         self.assertExpectedInline(schemas, """\
-hybrid::prefill(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, *, float? scale=None, int sliding_window=-1, float logit_cap=0., str backend="auto") -> Tensor
-hybrid::decode(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, *, float? scale=None, int sliding_window=-1, float logit_cap=0., str backend="auto") -> Tensor
-hybrid::attn(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, SymInt forward_mode, *, float? scale=None, int sliding_window=-1, float logit_cap=0., str prefill_backend="auto", str decode_backend="auto", str speculative_attention_mode="prefill") -> Tensor
-hybrid::plan(Tensor k_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, SymInt forward_mode, *, ScalarType q_dtype, int num_q_heads, float? scale=None, int sliding_window=-1, float logit_cap=0., str prefill_backend="auto", str decode_backend="auto", str speculative_attention_mode="prefill", bool cuda_graph=False) -> ()""")
+hybrid::prefill(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, *, float? scale=None, int sliding_window=-1, float logit_cap=0., Tensor? sinks=None, int attention_chunk=-1, str backend="auto") -> Tensor
+hybrid::decode(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, *, float? scale=None, int sliding_window=-1, float logit_cap=0., Tensor? sinks=None, int attention_chunk=-1, str backend="auto") -> Tensor
+hybrid::attn(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, SymInt forward_mode, *, float? scale=None, int sliding_window=-1, float logit_cap=0., Tensor? sinks=None, int attention_chunk=-1, str prefill_backend="auto", str decode_backend="auto", str speculative_attention_mode="prefill") -> Tensor
+hybrid::plan(Tensor k_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, SymInt forward_mode, *, ScalarType q_dtype, int num_q_heads, float? scale=None, int sliding_window=-1, float logit_cap=0., Tensor? sinks=None, int attention_chunk=-1, str prefill_backend="auto", str decode_backend="auto", str speculative_attention_mode="prefill", bool cuda_graph=False) -> ()""")
 
     def test_bad_input_messages(self):
         messages = "\n".join(f"{name}: {message(op, mutation)}" for name, (op, mutation, _) in BAD_INPUTS.items())
@@ -47,7 +47,11 @@ k_tokens: k must have q's 7 tokens, got 6
 v_heads: v must have k_cache's 2 kv heads, got shape (7, 1, 16)
 head_dim_mismatch: k_cache head dim 16 must equal q's head dim 8
 gqa_ratio: q's 3 heads must be a multiple of the caches' 2 kv heads (Hq % Hkv == 0)
-v_cache_shape: v_cache must have k_cache's shape (8, 4, 2, 16), got (7, 4, 2, 16)
+v_cache_shape: v_cache must be [num_pages, page_size, Hkv, Dv] with k_cache's first three sizes (8, 4, 2), got (7, 4, 2, 16)
+v_head_dim: v head dim must equal its cache's 16, got 8
+sinks_heads: sinks must have q's 4 heads, got 3
+sinks_dtype: sinks must be a [Hq] float32 tensor on q's device cpu, got torch.bfloat16 of shape (4,) on cpu
+zero_chunk: attention_chunk must be -1 (no chunking) or a positive int, got 0
 cache_not_contiguous: k_cache must be a contiguous [num_pages, page_size, Hkv, D] tensor, got strides (32, 256, 16, 1)
 cu_seqlens_len: cu_seqlens_q must have B + 1 = 3 entries (B = len(seq_lens)), got 2
 block_table_rows: block_table must have B = 2 rows (B = len(seq_lens)), got 1
