@@ -9,7 +9,6 @@ A full run writes bench/results/cpu.json, .md (the tables) and .png (decode time
 
 import argparse
 import json
-import math
 import platform
 import statistics
 import sys
@@ -117,7 +116,7 @@ class Batch:
     def sdpa_exact(self):
         """Per-request SDPA over exact contiguous K/V: the dense ideal."""
         def run():
-            for q, k, v, p in zip(self.q_per_request, self.k, self.v, self.prefix_lens):
+            for q, k, v in zip(self.q_per_request, self.k, self.v):
                 mask = None if q.shape[2] == 1 else causal_lower_right(q.shape[2], k.shape[2])
                 F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return run
@@ -193,7 +192,7 @@ def op_section(quick, bandwidth):
         times = timeit_side_by_side(methods, reps)
         for layout, batch in batches.items():
             ours = times[(layout, f"hybrid_ops {HYBRID_BACKENDS[0]}")]
-            measured = {m: t for (l, m), t in times.items() if l == layout}
+            measured = {m: t for (pages, m), t in times.items() if pages == layout}
             for method, seconds in measured.items():
                 rows.append(dict(case=name, dtype=dtype_name, pages=layout, method=method,
                                  ms=seconds and seconds * 1e3, kv_gbps=seconds and batch.kv_bytes / seconds / 1e9,
@@ -341,7 +340,8 @@ def markdown(results):
                   f"| time / hybrid_ops {HYBRID_BACKENDS[0]} |", "|---|---|---|---|---:|---:|---:|---:|"]
         lines += [f"| {r['case']} | {r['dtype']} | {r['pages']} | {r['method']} | {r['ms']:.1f} | {r['kv_gbps']:.1f} "
                   f"| {r['of_read_bandwidth']:.0%} | {r['vs_hybrid']:.2f} |" if r["ms"] else
-                  f"| {r['case']} | {r['dtype']} | {r['pages']} | {r['method']} | failed | | | |" for r in results["op"]]
+                  f"| {r['case']} | {r['dtype']} | {r['pages']} | {r['method']} | failed | | | |"
+                  for r in results["op"]]
         lines.append("")
     if "dispatch" in results:
         lines += ["| dispatch | kernel us | floor op us | op us | op - floor us | op - floor - kernel us |",

@@ -36,7 +36,8 @@ def main():
         error, start = 0.0, 0
         for rid, n in zip(requests, new_tokens):
             keys, values = history.get(rid, (k[:0], v[:0]))
-            history[rid] = keys, values = torch.cat([keys, k[start : start + n]]), torch.cat([values, v[start : start + n]])
+            keys, values = torch.cat([keys, k[start : start + n]]), torch.cat([values, v[start : start + n]])
+            history[rid] = keys, values
             ref = dense_attention(q[start : start + n], keys, values)
             error = max(error, (out[start : start + n] - ref).abs().max().item())
             start += n

@@ -16,8 +16,8 @@ from .modes import ROUTING, ForwardMode, select_path
 from .settings import deterministic_enabled, set_deterministic, set_validation, validation_enabled
 
 __all__ = [
-    "AttentionLayer", "Backend", "backend_names", "build_metadata", "deterministic_enabled", "ForwardBatch", "ForwardMode",
-    "generate", "GenerationStats", "get_backend", "HybridAttnBackend", "HybridGenerator", "HybridInputError",
-    "HybridOpsError", "OutOfPagesError", "PagedKVCache", "PhaseBackend", "register_backend", "ROUTING", "select_path",
-    "set_deterministic", "set_validation", "unregister_backend", "validation_enabled",
+    "AttentionLayer", "Backend", "backend_names", "build_metadata", "deterministic_enabled", "ForwardBatch",
+    "ForwardMode", "generate", "GenerationStats", "get_backend", "HybridAttnBackend", "HybridGenerator",
+    "HybridInputError", "HybridOpsError", "OutOfPagesError", "PagedKVCache", "PhaseBackend", "register_backend",
+    "ROUTING", "select_path", "set_deterministic", "set_validation", "unregister_backend", "validation_enabled",
 ]

@@ -34,7 +34,6 @@ from .cache import PagedKVCache
 from .errors import HybridInputError, HybridOpsError
 from .modes import ForwardMode
 
-
 # (tokens per request, logits rows, mode) of steps with one request, one token or one logits row: sizes that
 # Dynamo specialises, with a graph each.
 _WARM_UP_STEPS = [([1], [0], ForwardMode.DECODE), ([2], [1], ForwardMode.EXTEND), ([2, 1], [2], ForwardMode.MIXED),

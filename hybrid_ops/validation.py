@@ -12,7 +12,6 @@ import torch
 
 from .errors import HybridInputError
 
-
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

@@ -217,8 +217,8 @@ def paged_batch(q_lens, prefixes, hq, hkv, d, page, dtype, device):
     meta = hybrid_ops.build_metadata(q_lens, seq_lens, [p.tolist() for p in pages], device=device)
     k_cache = torch.randn(sum(counts), page, hkv, d, dtype=dtype, device=device)
     total = sum(q_lens)
-    return (torch.randn(total, hq, d, dtype=dtype, device=device), torch.randn(total, hkv, d, dtype=dtype, device=device),
-            torch.randn(total, hkv, d, dtype=dtype, device=device), k_cache, torch.randn_like(k_cache), *meta.metadata)
+    q, k, v = (torch.randn(total, heads, d, dtype=dtype, device=device) for heads in (hq, hkv, hkv))
+    return q, k, v, k_cache, torch.randn_like(k_cache), *meta.metadata
 
 
 def benchmark(device, smoke, rows):

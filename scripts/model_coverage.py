@@ -25,8 +25,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-import hybrid_ops  # noqa: E402
 from models import hybrid_tokens, make_model, reference_tokens, tiny_config  # noqa: E402
+
+import hybrid_ops  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "models.md"
 NO_INTERFACE = "does not run through transformers' AttentionInterface"  # check_servable's reason

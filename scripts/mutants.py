@@ -23,9 +23,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 from collections import namedtuple
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -6,8 +6,17 @@ from reference import CPU_BACKENDS, assert_close, expected_cache, make_case, ref
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hybrid_ops
-from hybrid_ops import (AttentionLayer, ForwardBatch, ForwardMode, GenerationStats, HybridAttnBackend,
-                        HybridGenerator, HybridInputError, PagedKVCache, PhaseBackend)
+from hybrid_ops import (
+    AttentionLayer,
+    ForwardBatch,
+    ForwardMode,
+    GenerationStats,
+    HybridAttnBackend,
+    HybridGenerator,
+    HybridInputError,
+    PagedKVCache,
+    PhaseBackend,
+)
 from hybrid_ops.buckets import UNIFORM_MODES, batch_buckets, bucket_for, pad_batch, padding_q_lens, token_buckets
 
 PAGE = 4

@@ -47,7 +47,8 @@ def inputs(draw, first=None):
     q_lens = [draw(st.integers(1, 3))] * num_requests if decode else draw(
         st.lists(st.integers(0, 5), min_size=num_requests, max_size=num_requests))
     case = make_case(q_lens, draw(st.lists(st.integers(0, 9), min_size=num_requests, max_size=num_requests)),
-                     num_q_heads=draw(st.sampled_from([2, 4, 8])), num_kv_heads=2, head_dim=draw(st.sampled_from([8, 16])),
+                     num_q_heads=draw(st.sampled_from([2, 4, 8])), num_kv_heads=2,
+                     head_dim=draw(st.sampled_from([8, 16])),
                      page_size=draw(st.sampled_from([1, 4])), strided=draw(st.booleans()),
                      seed=draw(st.integers(0, 2**16)))
     args, options = case.args, {name: draw(st.sampled_from(values)) for name, values in VALID_OPTIONS.items()}

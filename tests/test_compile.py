@@ -11,7 +11,6 @@ from torch._inductor.utils import run_and_get_code
 import hybrid_ops
 from hybrid_ops import ForwardMode
 
-
 # Dynamo keeps what it learnt about a code object (which sizes are dynamic) across compiles.
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 

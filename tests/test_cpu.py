@@ -83,7 +83,7 @@ def test_16_bit_products_on_amx(dtype):
     test_long_contexts_against_float64 covers."""
     kernels = hybrid_ops.get_backend("cpu", torch.device("cpu"), dtype, 128)._module
     if not kernels.multiplies_in_cache_dtype(dtype):
-        pytest.skip(f"this CPU has no AMX for {dtype} (oneDNN's brgemm cannot pack it): 16-bit products cannot run here")
+        pytest.skip(f"this CPU has no AMX for {dtype} (oneDNN's brgemm cannot pack it): 16-bit products cannot run")
     for name in ("prefill", "chunk_over_prefix", "head_dim_20"):
         test_long_contexts_against_float64(name, "window_softcap", dtype)
 

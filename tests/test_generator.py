@@ -184,7 +184,7 @@ def test_a_failing_step_frees_every_request_of_the_call(model, monkeypatch, wher
     elif where == "sampling":
         monkeypatch.setattr(hybrid_ops.generator, "_next_tokens", fail_at_step(hybrid_ops.generator._next_tokens))
     with pytest.raises(error, match="injected"):
-        for event in generator.stream(prompts, 8, do_sample=True, top_k=3, seed=1):
+        for _event in generator.stream(prompts, 8, do_sample=True, top_k=3, seed=1):
             if where == "consumer":
                 fail_at_step(lambda: None)()
     assert_empty(generator)
@@ -446,7 +446,7 @@ def test_load_ragged_requests_through_a_small_budget(model):
         if len(queue) <= stream_at:  # a stream in the middle: the step API's requests go on meanwhile
             stream_at = -1
             seeded = [requests[i] for i in streamed]
-            for index, tokens, done in generator.stream([p for p, _, _ in seeded], 8, stats=stats, do_sample=True,
+            for index, tokens, _done in generator.stream([p for p, _, _ in seeded], 8, stats=stats, do_sample=True,
                                                         seed=1000):
                 got.setdefault(streamed[index], []).extend(tokens)
         collect(generator.step())

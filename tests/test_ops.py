@@ -9,7 +9,6 @@ from reference import CPU_BACKENDS, assert_close, expected_cache, make_case, ref
 import hybrid_ops
 from hybrid_ops import ForwardMode
 
-
 # Each axis covered once or twice; the product of all axes is the property-based tests' job.
 PREFILL_CASES = {
     "single": dict(q_lens=[7], prefix_lens=[0]),

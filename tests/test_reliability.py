@@ -6,12 +6,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from reference import (CPU_BACKENDS, POISON, assert_close, dense_attention, expected_cache, make_case,
-                       reference)
+from reference import CPU_BACKENDS, POISON, assert_close, dense_attention, expected_cache, make_case, reference
 
 import hybrid_ops
 from hybrid_ops import ForwardMode, PagedKVCache
-
 
 
 @pytest.fixture

@@ -4,8 +4,13 @@ never leave the tokens they keep."""
 import pytest
 import torch
 from test_transformers import PROMPTS, make_model
-from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper,
-                                                    TopKLogitsWarper, TopPLogitsWarper)
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 import hybrid_ops
 from hybrid_ops.generator import _sample, _Sampling

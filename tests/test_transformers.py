@@ -46,8 +46,8 @@ def reference_tokens(name):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_eager_generate_matches_transformers(name):
-    tokens = hybrid_ops.generate(make_model(name, MODELS[name][1]), PROMPTS, NEW_TOKENS, compile=False, max_batch_size=3,
-                                 page_size=4, prefill_chunk=12)
+    tokens = hybrid_ops.generate(make_model(name, MODELS[name][1]), PROMPTS, NEW_TOKENS, compile=False,
+                                 max_batch_size=3, page_size=4, prefill_chunk=12)
     assert tokens == reference_tokens(name)
 
 

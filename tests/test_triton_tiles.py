@@ -7,6 +7,7 @@ that a 1% softmax-scale error fails, checked on the same case.
 """
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -72,7 +73,7 @@ def test_decode(sms, q_len, dtype):
     programs = len(prefixes) * row_tiles  # requests x kv heads x row tiles
     target = MANY_SMS if sms == "132_sms" else Target(num_sms=2 * programs, interpret=True)
     splits = num_kv_splits(programs, case.block_table.shape[1] * 16, tiles.block_n, target.num_sms)
-    chunk = -(-(-(-(prefixes[0] + q_len) // splits)) // tiles.block_n) * tiles.block_n
+    chunk = math.ceil(math.ceil((prefixes[0] + q_len) / splits) / tiles.block_n) * tiles.block_n
     assert (prefixes[0] + q_len) // chunk >= 2, "fewer than 3 non-empty splits"
     assert target is MANY_SMS or chunk >= 2 * tiles.block_n, "one KV block per program"
     assert q_len == 1 or row_tiles >= 2, "one row tile"

@@ -12,7 +12,8 @@ The metadata lives on the host, so the kernel checks its values on every call be
 
 Loading the kernels also registers their C++ entry points with the dispatcher (`kernels/cpu/dispatch.cpp`): from
 then on, `torch.ops.hybrid.*` calls on CPU tensors that this backend serves skip Python entirely, and the others go
-to the ops' Python implementation as before. `configure_entry_points` tells them which backend names this backend answers to.
+to the ops' Python implementation as before. `configure_entry_points` tells them which backend names this backend
+answers to.
 """
 
 import hashlib

@@ -16,7 +16,7 @@ from .base import Backend
 from .deps import importable
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_target(device: torch.device):
     """The launch target for tensors on `device`: the interpreter on the CPU, else the GPU's SM count."""
     from ..kernels.config import INTERPRETER, Target

@@ -13,8 +13,6 @@
 //
 // The Python module's `forward` is the backend object's call of the same kernel.
 
-#include "paged_attention.h"
-
 #include <torch/extension.h>
 #include <torch/library.h>
 
@@ -24,6 +22,8 @@
 #include <string>
 #include <tuple>
 #include <vector>
+
+#include "paged_attention.h"
 
 namespace {
 
@@ -92,11 +92,10 @@ bool decode_shape_ok(int64_t num_tokens, int64_t num_requests) {
 
 // The kernel's output, or an undefined tensor (nothing written) when a check fails or an option is in use that the
 // kernel does not implement (sinks, attention_chunk; a Dv other than D fails args_ok).
-at::Tensor run_native(bool decode, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                      at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& cu_seqlens_q,
-                      const at::Tensor& seq_lens, const at::Tensor& block_table, std::optional<double> scale,
-                      int64_t sliding_window, double logit_cap, const std::optional<at::Tensor>& sinks,
-                      int64_t attention_chunk) {
+at::Tensor run_native(bool decode, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                      at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+                      const at::Tensor& block_table, std::optional<double> scale, int64_t sliding_window,
+                      double logit_cap, const std::optional<at::Tensor>& sinks, int64_t attention_chunk) {
   if (sinks.has_value() || attention_chunk != -1 ||
       !args_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap)) {
     return {};
@@ -114,8 +113,7 @@ template <typename F>
 at::Tensor call_python(F&& call) {
   py::gil_scoped_acquire gil;
   // Looked up once and kept for the process: destroying it after the interpreter's exit would crash.
-  static py::object* impls =
-      new py::object(py::module_::import("hybrid_ops.ops").attr("PYTHON_IMPLEMENTATIONS"));
+  static py::object* impls = new py::object(py::module_::import("hybrid_ops.ops").attr("PYTHON_IMPLEMENTATIONS"));
   return call(*impls).template cast<at::Tensor>();
 }
 
@@ -127,8 +125,8 @@ at::Tensor path_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                     c10::string_view backend) {
   const auto t = current_tables();
   if (t && Tables::has(t->native, backend)) {
-    auto out = run_native(Decode, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale,
-                          sliding_window, logit_cap, sinks, attention_chunk);
+    auto out = run_native(Decode, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
+                          logit_cap, sinks, attention_chunk);
     if (out.defined()) return out;
   }
   return call_python([&](const py::object& impls) {
@@ -156,20 +154,19 @@ at::Tensor attn_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     }
   }
   return call_python([&](const py::object& impls) {
-    return impls["attn"](q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode,
-                         py::arg("scale") = scale, py::arg("sliding_window") = sliding_window,
-                         py::arg("logit_cap") = logit_cap, py::arg("sinks") = sinks,
-                         py::arg("attention_chunk") = attention_chunk,
-                         py::arg("prefill_backend") = std::string(prefill_backend),
-                         py::arg("decode_backend") = std::string(decode_backend),
-                         py::arg("speculative_attention_mode") = std::string(speculative_attention_mode));
+    return impls["attn"](
+        q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, py::arg("scale") = scale,
+        py::arg("sliding_window") = sliding_window, py::arg("logit_cap") = logit_cap, py::arg("sinks") = sinks,
+        py::arg("attention_chunk") = attention_chunk, py::arg("prefill_backend") = std::string(prefill_backend),
+        py::arg("decode_backend") = std::string(decode_backend),
+        py::arg("speculative_attention_mode") = std::string(speculative_attention_mode));
   });
 }
 
 void configure(std::vector<std::tuple<int64_t, std::string, bool>> routes, std::vector<std::string> native,
                std::vector<std::string> known) {
-  std::atomic_store(&tables, std::shared_ptr<const Tables>(
-                                 new Tables{std::move(routes), std::move(native), std::move(known)}));
+  std::atomic_store(&tables,
+                    std::shared_ptr<const Tables>(new Tables{std::move(routes), std::move(native), std::move(known)}));
 }
 
 }  // namespace

@@ -40,16 +40,16 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t VEC = Vec::size();
-constexpr int64_t BLOCK_N = 64;      // keys per tile (a multiple of VEC)
-constexpr int64_t KV_SPLIT = 512;    // keys per slice of a request with one query block (a multiple of BLOCK_N)
+constexpr int64_t BLOCK_N = 64;              // keys per tile (a multiple of VEC)
+constexpr int64_t KV_SPLIT = 512;            // keys per slice of a request with one query block (a multiple of BLOCK_N)
 constexpr int64_t KV_SPLIT_ALL_HEADS = 256;  // the same for a unit of every kv head
 // The hardware prefetcher follows streams that rise within a 4 KiB page of memory: units of every kv head read each
 // such page in order, PAGES_PER_PASS of them side by side (attend_tile); units of one kv head, whose rows lie Hkv * D
 // apart, prefetch in software.
 constexpr int64_t PAGE_BYTES = 4096;
 constexpr int64_t PAGES_PER_PASS = 8;  // with 4 (fewer streams in flight), bf16 decode from L3 ran 20% slower
-constexpr int64_t BLOCK_ROWS = 512;  // query rows (tokens x group) per unit of a longer prefill
-constexpr int64_t GEMM_ROWS = 16;    // from this many rows, the products go through brgemm (see attend_tile_brgemm)
+constexpr int64_t BLOCK_ROWS = 512;    // query rows (tokens x group) per unit of a longer prefill
+constexpr int64_t GEMM_ROWS = 16;      // from this many rows, the products go through brgemm (see attend_tile_brgemm)
 constexpr int64_t GEMM_BLOCK_N = 256;  // keys per tile of the brgemm path (see attend_tile_brgemm)
 constexpr int64_t GEMM_M = 16;         // its products' row counts are multiples of this (AMX tile rows): few shapes
 constexpr int64_t GEMM_N = 32;         // and their key counts (a divisor of GEMM_BLOCK_N)
@@ -77,7 +77,11 @@ struct Metadata {
 
 // Views of contiguous metadata tensors.
 Metadata metadata_of(const at::Tensor& cu, const at::Tensor& lens, const at::Tensor& table) {
-  return {cu.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), table.data_ptr<int32_t>(), table.size(1), table.size(1),
+  return {cu.data_ptr<int32_t>(),
+          lens.data_ptr<int32_t>(),
+          table.data_ptr<int32_t>(),
+          table.size(1),
+          table.size(1),
           lens.size(0)};
 }
 
@@ -119,7 +123,7 @@ struct Merge {
 template <typename T>
 struct Problem {
   const T *q, *k_cache, *v_cache;
-  T* out;  // [T, Hq, D] contiguous
+  T* out;                            // [T, Hq, D] contiguous
   float *partial_out, *partial_lse;  // [rows, D], [rows]
   void* packed;  // tiles of PackJobs in the products' type: K^T then V, GEMM_BLOCK_N * padded_dim elements each
   Metadata md;
@@ -170,9 +174,16 @@ struct Scratch {
   GemmTiles<T> amx16;
   // rows: the most rows of a unit; gemm_rows: of a unit whose products go through brgemm (0: none).
   Scratch(int64_t rows, int64_t gemm_rows, int64_t padded_dim)
-      : amx(amx_available<T>()), q(rows * padded_dim), acc(round_up(rows, GEMM_M) * padded_dim),
-        scores(round_up(rows, GEMM_M) * GEMM_BLOCK_N), m(rows), l(rows), tile_max(rows), alpha(rows),
-        packed_k(BLOCK_N * padded_dim, 0.f), packed_v(BLOCK_N * padded_dim, 0.f) {
+      : amx(amx_available<T>()),
+        q(rows * padded_dim),
+        acc(round_up(rows, GEMM_M) * padded_dim),
+        scores(round_up(rows, GEMM_M) * GEMM_BLOCK_N),
+        m(rows),
+        l(rows),
+        tile_max(rows),
+        alpha(rows),
+        packed_k(BLOCK_N * padded_dim, 0.f),
+        packed_v(BLOCK_N * padded_dim, 0.f) {
     if (gemm_rows < GEMM_ROWS) return;
     if (amx) {
       amx16.allocate(gemm_rows, padded_dim);
@@ -224,8 +235,8 @@ void scores_dot(const float* q, int64_t dim, const R* const* k, int64_t a, int64
 // acc[r] += sum_j p[r, j] v_j for RB rows and DB vectors of the head dim, j = a, a + ks, ... below b, v_j at v[j] +
 // offset: one load of each V chunk serves the RB rows.
 template <int RB, int DB, typename R>
-[[gnu::always_inline]] inline void accumulate_pv(const float* p, const R* const* v, int64_t a, int64_t b,
-                                                 int64_t ks, int64_t offset, int64_t d0, int64_t dim, float* acc) {
+[[gnu::always_inline]] inline void accumulate_pv(const float* p, const R* const* v, int64_t a, int64_t b, int64_t ks,
+                                                 int64_t offset, int64_t d0, int64_t dim, float* acc) {
   Vec sum[RB][DB];
   for (int r = 0; r < RB; ++r)
     for (int c = 0; c < DB; ++c) sum[r][c] = Vec::loadu(acc + r * dim + d0 + c * VEC);
@@ -247,10 +258,17 @@ void for_row_blocks(int64_t rows, F&& fn) {
   int64_t r = 0;
   for (; r + 4 <= rows; r += 4) fn(std::integral_constant<int, 4>(), r);
   switch (rows - r) {
-    case 3: fn(std::integral_constant<int, 3>(), r); break;
-    case 2: fn(std::integral_constant<int, 2>(), r); break;
-    case 1: fn(std::integral_constant<int, 1>(), r); break;
-    default: break;
+    case 3:
+      fn(std::integral_constant<int, 3>(), r);
+      break;
+    case 2:
+      fn(std::integral_constant<int, 2>(), r);
+      break;
+    case 1:
+      fn(std::integral_constant<int, 1>(), r);
+      break;
+    default:
+      break;
   }
 }
 
@@ -472,7 +490,7 @@ void pack_tile(const Problem<T>& pb, int64_t request, int64_t head, int64_t j0, 
     for (int64_t j = 0; j < n; ++j) copy_row(v[j], vt + j * dim, pb.head_dim);
   }
   const int64_t n_padded = round_up(n, GEMM_N);  // the products read keys up to here
-  if (n < n_padded) {  // zero the keys past n (the last tile of a request or unit)
+  if (n < n_padded) {                            // zero the keys past n (the last tile of a request or unit)
     auto* kt_words = reinterpret_cast<float*>(kt);
     for (int64_t i = 0; i < dim / per_word; ++i) {
       std::fill(kt_words + i * GEMM_BLOCK_N + n, kt_words + i * GEMM_BLOCK_N + n_padded, 0.f);
@@ -498,8 +516,8 @@ void attend_tile_brgemm(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t
     const int64_t seen = visible(pb, u, r1 - 1, j0, n).second, cols = round_up(seen, GEMM_N);
     if (seen == 0 || visible(pb, u, r0, j0, n).first == n) continue;
     float* scores = s.scores.data() + r0 * GEMM_BLOCK_N;
-    at::native::cpublas::brgemm(m, cols, dim, dim, GEMM_BLOCK_N, GEMM_BLOCK_N, false, g.q.data() + r0 * dim, kt,
-                                scores, vnni);
+    at::native::cpublas::brgemm(m, cols, dim, dim, GEMM_BLOCK_N, GEMM_BLOCK_N, false, g.q.data() + r0 * dim, kt, scores,
+                                vnni);
     // Columns past n hold scores against K's zero columns (0), which meet V's zero rows; columns past the last
     // visible key get probability 0.
     softmax_tile(pb, u, j0, std::min(n, cols), GEMM_BLOCK_N, pb.scale, r0, r1, s);
@@ -673,8 +691,8 @@ void run_merge(const Problem<T>& pb, const Merge& mg) {
       for (int64_t d = 0; d < pb.head_dim; ++d) acc[d] += w * pb.partial_out[row * pb.head_dim + d];
     }
     const float inv = total > 0 ? 1.f / total : 0.f;
-    T* dst = pb.out + ((q_start + r / pb.group) * pb.num_kv_heads * pb.group + mg.head * pb.group + r % pb.group) *
-                          pb.head_dim;
+    T* dst = pb.out +
+             ((q_start + r / pb.group) * pb.num_kv_heads * pb.group + mg.head * pb.group + r % pb.group) * pb.head_dim;
     for (int64_t d = 0; d < pb.head_dim; ++d) dst[d] = static_cast<T>(acc[d] * inv);
   }
 }
@@ -772,10 +790,24 @@ at::Tensor forward_typed(const at::Tensor& q, const at::Tensor& k, const at::Ten
   auto partial_lse = at::empty({partial_rows}, q.options().dtype(at::kFloat));
   auto packed = at::empty({static_cast<int64_t>(pack_jobs.size()) * 2 * GEMM_BLOCK_N * padded_dim},
                           q.options().dtype(amx_available<T>() ? q.scalar_type() : at::kFloat));
-  Problem<T> pb{q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), out.data_ptr<T>(),
-                partial_out.data_ptr<float>(), partial_lse.data_ptr<float>(), packed.data_ptr(), md,
-                {q.stride(0), q.stride(1), q.stride(2)}, page_size, num_kv_heads, group, head_dim, padded_dim,
-                static_cast<float>(scale), static_cast<float>(logit_cap), window, num_kv_heads * head_dim};
+  Problem<T> pb{q.data_ptr<T>(),
+                k_cache.data_ptr<T>(),
+                v_cache.data_ptr<T>(),
+                out.data_ptr<T>(),
+                partial_out.data_ptr<float>(),
+                partial_lse.data_ptr<float>(),
+                packed.data_ptr(),
+                md,
+                {q.stride(0), q.stride(1), q.stride(2)},
+                page_size,
+                num_kv_heads,
+                group,
+                head_dim,
+                padded_dim,
+                static_cast<float>(scale),
+                static_cast<float>(logit_cap),
+                window,
+                num_kv_heads * head_dim};
   std::vector<std::unique_ptr<Scratch<T>>> scratch(at::get_num_threads());
   const auto thread_scratch = [&]() -> Scratch<T>& {
     auto& s = scratch[at::get_thread_num()];
@@ -796,24 +828,30 @@ namespace hybrid_ops {
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                            at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
-                           const at::Tensor& block_table, double scale, int64_t window, double logit_cap,
-                           bool decode) {
+                           const at::Tensor& block_table, double scale, int64_t window, double logit_cap, bool decode) {
   const auto cu = cu_seqlens_q.contiguous(), lens = seq_lens.contiguous(), table = block_table.contiguous();
   const Metadata md = metadata_of(cu, lens, table);
   if (!metadata_ok(md, q.size(0), k_cache.size(0), k_cache.size(1), decode)) return at::Tensor();
   switch (q.scalar_type()) {
-    case at::kFloat: return forward_typed<float>(q, k, v, k_cache, v_cache, md, scale, window, logit_cap);
-    case at::kHalf: return forward_typed<at::Half>(q, k, v, k_cache, v_cache, md, scale, window, logit_cap);
-    case at::kBFloat16: return forward_typed<at::BFloat16>(q, k, v, k_cache, v_cache, md, scale, window, logit_cap);
-    default: TORCH_CHECK(false, "q must be float32, float16 or bfloat16");
+    case at::kFloat:
+      return forward_typed<float>(q, k, v, k_cache, v_cache, md, scale, window, logit_cap);
+    case at::kHalf:
+      return forward_typed<at::Half>(q, k, v, k_cache, v_cache, md, scale, window, logit_cap);
+    case at::kBFloat16:
+      return forward_typed<at::BFloat16>(q, k, v, k_cache, v_cache, md, scale, window, logit_cap);
+    default:
+      TORCH_CHECK(false, "q must be float32, float16 or bfloat16");
   }
 }
 
 bool multiplies_in_cache_dtype(at::ScalarType dtype) {
   switch (dtype) {
-    case at::kHalf: return amx_available<at::Half>();
-    case at::kBFloat16: return amx_available<at::BFloat16>();
-    default: return false;
+    case at::kHalf:
+      return amx_available<at::Half>();
+    case at::kBFloat16:
+      return amx_available<at::BFloat16>();
+    default:
+      return false;
   }
 }
 

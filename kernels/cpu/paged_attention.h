@@ -12,8 +12,7 @@ namespace hybrid_ops {
 // invalid.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                            at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
-                           const at::Tensor& block_table, double scale, int64_t window, double logit_cap,
-                           bool decode);
+                           const at::Tensor& block_table, double scale, int64_t window, double logit_cap, bool decode);
 
 // The values validation.check_metadata_values accepts (cu_seqlens_q from 0 to num_tokens, non-decreasing; each
 // request's length within its table row and at least its new tokens; its pages' ids in [0, num_pages); one query
