@@ -374,6 +374,7 @@ def test_a_small_page_budget_preempts_and_gives_unconstrained_tokens(model):
 
 # Compiled: one graph set, warmed up on the first step.
 
+@pytest.mark.slow
 def test_compiled_generator_warms_up_once_and_never_recompiles(model, tmp_path):
     """The first call compiles every graph, a batch of one's included; later ones of any shape compile none. The
     compiled artifacts land in the compile cache file, which torch can load back."""
@@ -463,6 +464,7 @@ def test_load_ragged_requests_through_a_small_budget(model):
             assert got[i] == want, f"request {i}"
 
 
+@pytest.mark.slow
 def test_serve_example():
     """examples/serve.py, eager: its stream and its step API through a page budget give generate's tokens."""
     examples = Path(__file__).resolve().parent.parent / "examples"

@@ -64,6 +64,7 @@ def test_cache_sized_per_layer():
     assert [k.shape[2:] for k in cache.k_caches] == [(4, 16)] * 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["gpt_oss", "llama4_text", "deepseek_v3"])
 def test_compiled_features_never_recompile(model_type):
     """Sinks, chunks and a separate value head dim in one compiled forward across EXTEND, MIXED and DECODE."""
