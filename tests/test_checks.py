@@ -92,3 +92,22 @@ def test_cpp_and_python_checks_agree(first, data):
     accepted = python_accepts(check_metadata_values, *metadata, *sizes)
     assert native().metadata_values_ok(*metadata, *sizes) == accepted
     event(f"metadata values accepted: {accepted}")
+
+
+@pytest.mark.parametrize("page_size", [4, 5])
+@pytest.mark.parametrize("bad_id", ["negative", "past_the_cache"])
+def test_block_table_checked_through_the_last_partly_filled_page(page_size, bad_id):
+    """Every table entry a request's keys reach is checked, the last, partly filled page included; the spare entries
+    past it are not read, so any value there is accepted. Each entry of the table in turn holds a bad page id."""
+    q_lens, prefix_lens = [2, 1, 3], [5, 9, 0]  # seq_lens 7, 10, 3: none a multiple of the page size
+    case = make_case(q_lens, prefix_lens, page_size=page_size)
+    num_pages = case.k_cache.shape[0]
+    sizes = (case.q.shape[0], num_pages, page_size, False)
+    for i, seq_len in enumerate(case.seq_lens.tolist()):
+        for j in range(case.block_table.shape[1]):
+            table = case.block_table.clone()
+            table[i, j] = -1 if bad_id == "negative" else num_pages
+            metadata = (case.cu_seqlens_q, case.seq_lens, table)
+            expected = j >= -(-seq_len // page_size)  # the pages holding positions 0 .. seq_len - 1
+            assert python_accepts(check_metadata_values, *metadata, *sizes) == expected, (i, j)
+            assert native().metadata_values_ok(*metadata, *sizes) == expected, (i, j)
