@@ -16,6 +16,7 @@ reported as stale and fails the check. Needs Python >= 3.11 (tomllib) and git.
 
 import argparse
 import os
+import queue
 import re
 import shlex
 import shutil
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import time
 from collections import namedtuple
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import tomllib
@@ -327,9 +329,25 @@ def verdict(returncode: int) -> str:
     return "caught"  # 1: a test failed; 2: collection failed; < 0: timed out, or died (an interpreter abort)
 
 
+def apply_and_test(copy: Path, env, mutant, extra) -> tuple:
+    """One mutant in `copy`, undone afterwards -> its table row (name, tests, summary, verdict, seconds)."""
+    path = copy / mutant.file
+    original = path.read_text()
+    if original.count(mutant.original) != 1:
+        return (mutant.name, mutant.tests, f"its text occurs {original.count(mutant.original)} times in {mutant.file}",
+                "stale anchor", 0.0)
+    path.write_text(original.replace(mutant.original, mutant.mutated))
+    try:
+        returncode, summary, seconds = run_tests(copy, env, mutant.tests, extra)
+    finally:
+        path.write_text(original)
+    return mutant.name, mutant.tests, summary, verdict(returncode), seconds
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-k", dest="name", default="", help="only mutants whose name contains this")
+    parser.add_argument("-j", dest="jobs", type=int, default=2, help="mutants tested at once, each in its own copy")
     parser.add_argument("--list", action="store_true", help="print the table and exit")
     parser.add_argument("--tests", help="run these tests (pytest arguments) for every mutant instead of the table's")
     parser.add_argument("pytest_args", nargs="*", help="after --: extra pytest arguments for every mutant")
@@ -343,45 +361,48 @@ def main() -> int:
             print(f"{m.name:42} {m.file:42} {m.tests}")
         return 0 if mutants else 1
 
-    rows, failed = [], False
     with tempfile.TemporaryDirectory(prefix="hybrid_ops_mutants_") as tmp:
-        copy = Path(tmp).resolve()
-        copy_repository(copy)
-        # No bytecode: a mutant of the same size written within the same second would reuse a stale .pyc.
-        python_path = [str(copy)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(python_path), "PYTHONDONTWRITEBYTECODE": "1",
-               "HF_HUB_OFFLINE": "1", "HYPOTHESIS_PROFILE": "mutants"}
-        check_imports_from(copy, env, [m.file for m in mutants])
-        # The unmutated copy must pass every selection, or a "caught" would mean nothing.
-        for tests in dict.fromkeys(m.tests for m in mutants):
-            returncode, summary, seconds = run_tests(copy, env, tests, args.pytest_args)
-            print(f"baseline  {tests:64} {summary:24} {seconds:5.1f} s", flush=True)
-            if returncode not in (0, 5):  # 5: --deselect may empty a selection
-                sys.exit(f"the unmutated copy fails `pytest {tests}`: fix the tests or the code first")
-        for m in mutants:
-            path = copy / m.file
-            original = path.read_text()
-            if original.count(m.original) != 1:
-                rows.append((m.name, m.tests, "-", "stale anchor", 0.0))
-                failed = True
-                print(f"{'stale anchor':12} {m.name}: {m.file} has its text {original.count(m.original)} times",
-                      flush=True)
-                continue
-            path.write_text(original.replace(m.original, m.mutated))
+        # No bytecode: a mutant of the same size written within the same second would reuse a stale .pyc. No
+        # shrinking of hypothesis's failing examples: a mutant is caught at its first failure.
+        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "HF_HUB_OFFLINE": "1", "HYPOTHESIS_PROFILE": "mutants"}
+
+        def env_of(copy):
+            python_path = [str(copy)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+            return {**env, "PYTHONPATH": os.pathsep.join(python_path)}
+
+        copies = queue.SimpleQueue()  # a job takes a copy of its own and puts it back when done
+        for i in range(max(1, args.jobs)):
+            copy = Path(tmp, str(i)).resolve()
+            copy_repository(copy)
+            check_imports_from(copy, env_of(copy), [m.file for m in mutants])
+            copies.put(copy)
+
+        def in_a_copy(work, *work_args):
+            copy = copies.get()
             try:
-                returncode, summary, seconds = run_tests(copy, env, m.tests, args.pytest_args)
+                return work(copy, env_of(copy), *work_args)
             finally:
-                path.write_text(original)
-            rows.append((m.name, m.tests, summary, verdict(returncode), seconds))
-            failed |= rows[-1][3] != "caught"
-            print(f"{rows[-1][3]:12} {m.name} ({seconds:.1f} s)", flush=True)
+                copies.put(copy)
+
+        with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+            # The unmutated copy must pass every selection, or a "caught" would mean nothing.
+            selections = list(dict.fromkeys(m.tests for m in mutants))
+            baselines = pool.map(lambda tests: in_a_copy(run_tests, tests, args.pytest_args), selections)
+            for tests, (returncode, summary, seconds) in zip(selections, baselines):
+                print(f"baseline  {tests:64} {summary:24} {seconds:5.1f} s", flush=True)
+                if returncode not in (0, 5):  # 5: --deselect may empty a selection
+                    sys.exit(f"the unmutated copy fails `pytest {tests}`: fix the tests or the code first")
+            rows = []
+            for row in pool.map(lambda m: in_a_copy(apply_and_test, m, args.pytest_args), mutants):
+                rows.append(row)
+                print(f"{row[3]:12} {row[0]} ({row[4]:.1f} s)", flush=True)
 
     print("\n| mutant | tests run | result | s |\n|---|---|---|---:|")
     for name, tests, summary, result, seconds in rows:
         print(f"| {name} | `{tests}`: {summary} | {result} | {seconds:.1f} |")
     caught = sum(r[3] == "caught" for r in rows)
     print(f"\n{caught} of {len(rows)} mutants caught")
-    return 1 if failed else 0
+    return 0 if caught == len(rows) else 1
 
 
 if __name__ == "__main__":
