@@ -1,6 +1,6 @@
 """hybrid_ops against its peers, measured side by side in one run (this machine is shared: read the ratios).
 
-    python -m bench                 # everything: op level, dispatch overhead, end to end, plot
+    python -m bench                 # everything: op level, dispatch overhead, end to end, prefix caching, plot
     python -m bench op dispatch     # some sections
     python -m bench --quick         # smaller sizes, fewer repetitions (prints only)
 
@@ -26,7 +26,7 @@ from hybrid_ops import PagedKVCache
 RESULTS = Path(__file__).resolve().parent / "results"
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 STATIC_CACHE_LEN = 4096
-SECTIONS = ["op", "dispatch", "e2e", "plot"]
+SECTIONS = ["op", "dispatch", "e2e", "prefix", "plot"]
 
 
 def timeit(fn, reps=7, warmup=5):
@@ -94,7 +94,7 @@ class Batch:
         self.v = [torch.randn(1, HKV, s, D, generator=gen).to(dtype) for s in self.seq_lens]
         k_cache, v_cache = self.cache.layer(0)
         for i, s in enumerate(self.seq_lens):
-            pages = self.cache._pages[i]
+            pages = self.cache.pages(i)
             for dense, cache in ((self.k[i], k_cache), (self.v[i], v_cache)):
                 rows = dense[0].transpose(0, 1)  # [L, Hkv, D]
                 padded = torch.zeros(len(pages) * PAGE, HKV, D, dtype=dtype)
@@ -333,6 +333,40 @@ def e2e_section(quick):
     return rows
 
 
+def prefix_section(quick):
+    """The demo's model on 16 prompts sharing a 1,000-token prefix (tails of 8..64 tokens), prefix caching on against
+    off: one compiled generator each, warmed up on prompts of another prefix, so the measured run shares only within
+    its own batch. The tokens must be the same."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from examples.generate import demo_model
+
+    model = demo_model()
+    new_tokens = 8 if quick else 32
+    tails = torch.linspace(8, 64, 16).long().tolist()
+
+    def prompts(seed):
+        gen = torch.Generator().manual_seed(seed)
+        prefix = torch.randint(1, model.config.vocab_size, (1000,), generator=gen).tolist()
+        return [prefix + torch.randint(1, model.config.vocab_size, (n,), generator=gen).tolist() for n in tails]
+
+    warm_up, measured = prompts(1), prompts(2)
+    runs = {}
+    for caching in (False, True):
+        generator = hybrid_ops.HybridGenerator(model, max_batch_size=len(tails), max_seq_len=1000 + max(tails) +
+                                               new_tokens, prefill_chunk=1024, prefix_caching=caching)
+        generator.generate(warm_up, new_tokens)
+        stats = hybrid_ops.GenerationStats()
+        runs[caching] = generator.generate(measured, new_tokens, stats=stats), stats
+    assert runs[True][0] == runs[False][0], "prefix caching changed the tokens"
+    rows = [dict(method=f"prefix caching {'on' if caching else 'off'}", ttft_ms=statistics.mean(
+                 stats.first_token_seconds) * 1e3, seconds=stats.seconds, prompt_tokens=stats.prompt_tokens)
+            for caching, (_, stats) in runs.items()]
+    off, on = rows
+    rows.append(dict(method="ratio on / off", ttft_ms=on["ttft_ms"] / off["ttft_ms"],
+                     seconds=on["seconds"] / off["seconds"], prompt_tokens=on["prompt_tokens"] / off["prompt_tokens"]))
+    return rows
+
+
 def markdown(results):
     lines = [f"Measured {results['date']} on {results['machine']}; read bandwidth {results['read_gbps']:.1f} GB/s.", ""]
     if "op" in results:
@@ -358,6 +392,14 @@ def markdown(results):
             fmt = "{:.2f}x" if r["method"].startswith("ratio") else "{:.1f}"
             lines.append(f"| {r['workload']} | {r['method']} | {fmt.format(r['tokens_per_s'])} "
                          f"| {fmt.format(r['ttft_ms'])} |")
+        lines.append("")
+    if "prefix" in results:
+        lines += ["| 16 prompts sharing a 1,000-token prefix | time to first token (ms) | total (s) "
+                  "| prefilled tokens |", "|---|---:|---:|---:|"]
+        for r in results["prefix"]:
+            fmts = ["{:.2f}x"] * 3 if r["method"].startswith("ratio") else ["{:.1f}", "{:.1f}", "{:.0f}"]
+            cells = [f.format(r[k]) for f, k in zip(fmts, ("ttft_ms", "seconds", "prompt_tokens"))]
+            lines.append(f"| {r['method']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -400,6 +442,8 @@ def main(argv=None):
         results["dispatch"] = dispatch_section()
     if "e2e" in args.sections:
         results["e2e"] = e2e_section(args.quick)
+    if "prefix" in args.sections:
+        results["prefix"] = prefix_section(args.quick)
     # Only a full run replaces the kept results; a partial or quick one just prints.
     save = set(args.sections) == set(SECTIONS) and not args.quick
     if "plot" in args.sections:

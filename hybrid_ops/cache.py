@@ -1,10 +1,22 @@
-"""`PagedKVCache`: the pages of every layer, a page allocator, and the metadata of each step's batch."""
+"""`PagedKVCache`: the pages of every layer, a reference-counting page allocator with a prefix cache, and the
+metadata of each step's batch."""
+
+from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
 from .errors import HybridInputError, OutOfPagesError
 from .metadata import ForwardBatch, build_metadata
 from .modes import ForwardMode
+
+
+@dataclass(eq=False)  # hashed by identity: a key names its parent entry itself, never a page id that is reused later
+class _CachedPage:
+    """A full page whose K/V rows are known to hold `key`'s tokens."""
+
+    page: int
+    key: tuple  # (the previous page's _CachedPage or None for a first page, the page's token ids as a tuple)
 
 
 class PagedKVCache:
@@ -19,6 +31,20 @@ class PagedKVCache:
     a token count that happens to equal one of them (duck sizing) and recompile when they differ.
     With `reserve_scratch=True` the caches hold one more page, `scratch_page` (id `num_pages`), which no request is
     ever given: padding requests (`hybrid_ops.buckets`) point every block-table column at it.
+
+    Shared pages. Pages are reference counted: `fork(parent, child)` starts `child` on `parent`'s pages (the same
+    page ids), and a page returns to the allocator when no request holds it. A request's new tokens are written only
+    into pages that it alone holds and that no prefix-cache key describes: `step` first gives the request a copy of
+    any other page they land in, in every layer's k and v cache (copy on write). So a forked request's partly filled
+    last page is copied at the first new token written into it (by either request), and a request truncated into a
+    shared page copies it before writing.
+
+    Prefix cache. `register_tokens(request_id, token_ids)` tells the cache the token ids whose K/V a forward has
+    written. Each page they fill gets a key: its token ids chained to the key of the page before it (exact tuples,
+    never a hash: equal keys mean equal tokens from the first position on, so equal K/V). `add(request_id,
+    token_ids)` starts a request on the cached pages of the longest run of full pages of `token_ids`. A keyed page
+    that no request holds stays cached until the allocator needs it (the least recently released first) and counts
+    in `num_free_pages`.
     """
 
     def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, num_layers: int = 1,
@@ -47,6 +73,11 @@ class PagedKVCache:
         self._free_pages = list(range(num_pages - 1, -1, -1))
         self._pages = {}  # request id -> list of page ids
         self._lengths = {}  # request id -> tokens stored
+        self._tokens = {}  # request id -> ids of its first tokens, those registered (at most its length)
+        self._refs = [0] * num_pages  # page id -> requests holding it
+        self._evictable = OrderedDict()  # page ids no request holds that carry a key, least recently released first
+        self._prefix = {}  # key -> _CachedPage
+        self._cached = {}  # page id -> its _CachedPage
 
     def layer(self, layer_id: int):
         """(k_cache, v_cache) of one layer."""
@@ -54,44 +85,151 @@ class PagedKVCache:
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free_pages)
+        """Pages the allocator can hand out: unused ones and the cached pages no request holds."""
+        return len(self._free_pages) + len(self._evictable)
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Of `num_free_pages`, those keeping a cached prefix until the allocator needs them."""
+        return len(self._evictable)
 
     @property
     def requests(self):
         return list(self._pages)
 
+    def pages(self, request_id) -> list:
+        """The request's page ids in order: its block-table row."""
+        return list(self._pages[self._known(request_id)])
+
     def seq_len(self, request_id) -> int:
         return self._lengths[self._known(request_id)]
 
-    def _known(self, request_id):
+    def _known(self, request_id, name="request_id"):
         if request_id not in self._pages:
-            raise HybridInputError(f"request_id {request_id!r} is not in the cache (never added, or freed already)")
+            raise HybridInputError(f"{name} {request_id!r} is not in the cache (never added, or freed already)")
         return request_id
 
-    def add(self, request_id) -> None:
-        """Start a request with no tokens."""
+    def _start(self, request_id, pages, tokens, length, name="request_id"):
+        """A new request holding `pages` (out of the eviction order, if cached) with `tokens` of `length` registered."""
         if request_id in self._pages:
-            raise HybridInputError(f"request_id {request_id!r} is in the cache already")
-        self._pages[request_id] = []
-        self._lengths[request_id] = 0
+            raise HybridInputError(f"{name} {request_id!r} is in the cache already")
+        for page in pages:
+            self._evictable.pop(page, None)
+            self._refs[page] += 1
+        self._pages[request_id], self._tokens[request_id], self._lengths[request_id] = list(pages), tokens, length
+
+    def add(self, request_id, token_ids=()) -> int:
+        """Start a request; returns the number of tokens it starts with.
+
+        token_ids: its first token ids (a prompt), or none. The request starts on the cached pages of the longest
+        run of full pages of `token_ids` from its start (`match`): it holds them and their tokens, a multiple of
+        page_size and at most len(token_ids). Pass a prompt without its last token to have that one computed.
+        """
+        pages = self.match(token_ids)
+        length = len(pages) * self.page_size
+        self._start(request_id, pages, list(token_ids[:length]), length)
+        return length
+
+    def fork(self, parent, child) -> None:
+        """Start request `child` as a copy of request `parent`: the same tokens on the same pages, shared (see the
+        class docstring: the first write into a shared page copies it)."""
+        self._start(child, self._pages[self._known(parent, "parent")], list(self._tokens[parent]),
+                    self._lengths[parent], "child")
+
+    def match(self, token_ids) -> list:
+        """The page ids of the cached pages that hold the longest run of full pages of `token_ids` from its start."""
+        pages, parent = [], None
+        for start in range(0, len(token_ids) - self.page_size + 1, self.page_size):
+            parent = self._prefix.get((parent, tuple(token_ids[start : start + self.page_size])))
+            if parent is None:
+                break
+            pages.append(parent.page)
+        return pages
+
+    def register_tokens(self, request_id, token_ids) -> None:
+        """Record the ids of a request's next tokens after those registered so far (from its first token on, at most
+        up to its length), once a forward has written their K/V. Each page they fill becomes a cached prefix page."""
+        tokens = self._tokens[self._known(request_id)]
+        if len(tokens) + len(token_ids) > self._lengths[request_id]:
+            raise HybridInputError(f"token_ids: {len(token_ids)} ids after the {len(tokens)} registered exceed the "
+                                   f"{self._lengths[request_id]} tokens of request {request_id!r}")
+        full = len(tokens) // self.page_size
+        tokens += token_ids
+        self._key_pages(request_id, full, len(tokens) // self.page_size)
+
+    def _key_pages(self, request_id, start, stop):
+        """Keys the request's full pages start..stop-1, each chained to the key of the page before it. Stops at a page
+        whose key another page has (the same tokens computed twice: the first stays their cached copy), since the
+        pages after it have no key to chain to."""
+        pages, tokens, size = self._pages[request_id], self._tokens[request_id], self.page_size
+        parent = self._cached.get(pages[start - 1]) if start else None
+        if start and parent is None:
+            return
+        for i in range(start, stop):
+            entry = self._cached.get(pages[i])
+            if entry is None:
+                key = (parent, tuple(tokens[i * size : (i + 1) * size]))
+                if key in self._prefix:
+                    return
+                entry = self._prefix[key] = self._cached[pages[i]] = _CachedPage(pages[i], key)
+            parent = entry
 
     def free(self, request_id) -> None:
-        """End a request and return its pages."""
-        self._free_pages.extend(reversed(self._pages.pop(self._known(request_id))))
-        del self._lengths[request_id]
+        """End a request and drop its hold on its pages."""
+        self._release(reversed(self._pages.pop(self._known(request_id))))
+        del self._lengths[request_id], self._tokens[request_id]
 
     def truncate(self, request_id, length: int) -> None:
-        """Keep only the first `length` tokens of a request (rejected draft tokens), freeing pages past them."""
+        """Keep only the first `length` tokens of a request (rejected draft tokens), dropping its pages past them."""
         if not (isinstance(length, int) and 0 <= length <= self.seq_len(request_id)):
             raise HybridInputError(f"length must be an int in [0, {self.seq_len(request_id)}], got {length!r}")
         pages = self._pages[request_id]
         keep = -(-length // self.page_size)
-        self._free_pages.extend(reversed(pages[keep:]))
-        del pages[keep:]
+        self._release(reversed(pages[keep:]))
+        del pages[keep:], self._tokens[request_id][length:]
         self._lengths[request_id] = length
 
+    def _release(self, pages):
+        """Drops one hold on each page; a page no request holds goes back to the allocator (a keyed one stays
+        cached). Callers release a request's last pages first, so those are evicted before the pages they follow."""
+        for page in pages:
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                if page in self._cached:
+                    self._evictable[page] = None
+                else:
+                    self._free_pages.append(page)
+
+    def _allocate(self) -> int:
+        """A page for one request: an unused one, else the least recently released cached page, evicted."""
+        if self._free_pages:
+            page = self._free_pages.pop()
+        else:
+            page, _ = self._evictable.popitem(last=False)
+            del self._prefix[self._cached.pop(page).key]
+        self._refs[page] = 1
+        return page
+
+    def _shared_write(self, request_id, num_new_tokens) -> bool:
+        """Whether the request's new tokens start inside a page that another request or the prefix cache holds."""
+        length = self._lengths[request_id]
+        if num_new_tokens == 0 or length % self.page_size == 0:
+            return False
+        page = self._pages[request_id][length // self.page_size]
+        return self._refs[page] > 1 or page in self._cached
+
+    def _copy_on_write(self, request_id):
+        """Gives the request its own copy of the page its next token goes to."""
+        pages, index = self._pages[request_id], self._lengths[request_id] // self.page_size
+        page = self._allocate()
+        for cache in self.k_caches + self.v_caches:
+            cache[page] = cache[pages[index]]
+        self._release([pages[index]])
+        pages[index] = page
+
     def step(self, request_ids, num_new_tokens, forward_mode=ForwardMode.EXTEND) -> ForwardBatch:
-        """Grow each request by its new tokens (allocating pages) and return the step's `ForwardBatch`.
+        """Grow each request by its new tokens (allocating pages, copying shared ones written into) and return the
+        step's `ForwardBatch`.
 
         Either every request grows or, when pages or table width run out, none does and the cache is unchanged.
         """
@@ -109,14 +247,16 @@ class PagedKVCache:
             if num_pages > self.max_pages_per_request:
                 raise OutOfPagesError(f"request {rid!r} needs {num_pages} pages for {length} tokens, more than "
                                       f"max_pages_per_request = {self.max_pages_per_request}")
-            pages_needed += num_pages - len(self._pages[rid])
+            pages_needed += num_pages - len(self._pages[rid]) + self._shared_write(rid, n)
             new_lens.append(length)
-        if pages_needed > len(self._free_pages):
-            raise OutOfPagesError(f"the step needs {pages_needed} new pages, only {len(self._free_pages)} are free")
-        for rid, length in zip(request_ids, new_lens):
+        if pages_needed > self.num_free_pages:
+            raise OutOfPagesError(f"the step needs {pages_needed} new pages, only {self.num_free_pages} are free")
+        for rid, n, length in zip(request_ids, num_new_tokens, new_lens):
+            if self._shared_write(rid, n):  # asked again: a request that copied a page first left it to this one
+                self._copy_on_write(rid)
             pages = self._pages[rid]
             while len(pages) * self.page_size < length:
-                pages.append(self._free_pages.pop())
+                pages.append(self._allocate())
             self._lengths[rid] = length
         batch = build_metadata(num_new_tokens, new_lens, [self._pages[r] for r in request_ids],
                                max_pages=self.max_pages_per_request, device=self.device, forward_mode=forward_mode)

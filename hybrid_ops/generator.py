@@ -7,7 +7,8 @@ request is preempted (its pages freed, its prompt and tokens so far prefilled ag
 smaller than the worst case still gives every request the tokens of an unconstrained run. One compiled forward
 (`fullgraph=True, dynamic=True`) serves every step and mode. With `cuda_graphs=True` every step is padded to a bucket
 (`hybrid_ops.buckets`) and, on CUDA, the forward is compiled with `mode="reduce-overhead"`: one CUDA graph per bucket
-and mode, not per batch.
+and mode, not per batch. With `prefix_caching=True` a request whose prompt begins with full pages that the cache holds
+(from a finished request, or from a running one that has computed them) starts after them.
 
 The API: `generate(prompts, ...)` returns every request's tokens, `stream(prompts, ...)` yields them step by step,
 and `add_request` / `step` / `abort` serve requests that come and go (docs/generation.md).
@@ -56,7 +57,7 @@ class _Request:
     sampling: _Sampling | None  # None: greedy
     generator: torch.Generator | None  # a seeded request's own; None: torch's default generator
     generated: list = field(default_factory=list)
-    cached: int = 0  # tokens in the cache
+    cached: int = 0  # tokens in the cache (prefilled, or taken from the prefix cache)
     prefill_end: int = 0  # tokens to prefill since admission: the prompt, or prompt + generated after a preemption
 
     @property
@@ -73,6 +74,7 @@ class _Request:
 class GenerationStats:
     steps: Counter = field(default_factory=Counter)  # ForwardMode name -> steps
     prompt_tokens: int = 0  # prefilled tokens, recomputed ones included
+    cached_tokens: int = 0  # tokens taken from the prefix cache at admission instead of prefilled
     generated_tokens: int = 0
     preemptions: int = 0
     seconds: float = 0.0
@@ -99,6 +101,15 @@ class HybridGenerator:
     under a plain compile. The backends must then be CUDA-graph safe: on CUDA "auto" means "triton" here (FlashInfer
     plans on the host, and this forward does not plan outside its graphs).
 
+    `prefix_caching=True` keeps the K/V of every full page of tokens in the cache, keyed by its tokens and all before
+    it (`PagedKVCache`), until the pages are needed: an admitted request starts on the cached pages of its prompt
+    (and of its tokens so far, after a preemption) and prefills only the rest, at least its last token, whose logits
+    it samples from. A request waits while a running request's prefill computes the next page it could take, so
+    requests sharing a prompt prefix compute it once. Greedy and seeded tokens are those of `prefix_caching=False`
+    (tested); `GenerationStats.cached_tokens` counts the tokens not prefilled. It is off by default because it
+    changes which step each request samples in: unseeded sampling, which draws from torch's default generator in
+    step order, would then depend on what earlier calls left in the cache.
+
     One generator serves one thread: a call made while another thread's call runs raises `HybridOpsError`.
     If a step raises (the model's forward, a KeyboardInterrupt, ...), the requests of that step are dropped and
     their pages freed; `generate` and `stream` drop all of their call's requests. The error propagates and the
@@ -111,7 +122,7 @@ class HybridGenerator:
     def __init__(self, model, max_batch_size: int = 8, max_seq_len: int | None = None, page_size: int = 16,
                  prefill_chunk: int = 256, compile: bool = True, prefill_backend: str = "auto",
                  decode_backend: str = "auto", cuda_graphs: bool = False, num_pages: int | None = None,
-                 compile_cache: str | None = None):
+                 compile_cache: str | None = None, prefix_caching: bool = False):
         from .integrations.transformers import HybridStep, check_servable, kv_heads_per_rank, tensor_parallel_group
 
         config = model.config.get_text_config()
@@ -128,6 +139,7 @@ class HybridGenerator:
         model.set_attn_implementation("hybrid")
         self.model = model.eval()
         self.max_batch_size, self.max_seq_len, self.prefill_chunk = max_batch_size, max_seq_len, prefill_chunk
+        self.prefix_caching = prefix_caching
         self.vocab_size = config.vocab_size
         self.eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         if tensor_parallel_group(model) is not None:  # refuses KV heads split across ranks, before any forward
@@ -324,19 +336,36 @@ class HybridGenerator:
 
     # Scheduling.
 
-    def _admit(self):
-        """Moves waiting requests to running, oldest first, while a slot and the pages for their prefill are free."""
+    def _admit(self, stats):
+        """Moves waiting requests to running, oldest first, while a slot and the pages for their prefill are free.
+        With prefix caching a request starts on the cached pages of its tokens, and waits while a running request's
+        prefill computes the next page it could take."""
         promised = sum(self._pages(r.prefill_end) - self._pages(r.cached) for r in self._running)
         while self._waiting and len(self._running) < self.max_batch_size:
             request = self._waiting[0]
-            need = self._pages(request.num_tokens)
-            if need > self.cache.num_free_pages - promised:
+            # Never the last token from the cache: the step that prefills it samples from its logits.
+            cached = self.cache.add(request.id, request.tokens(0, request.num_tokens - 1) if self.prefix_caching
+                                    else ())
+            need = self._pages(request.num_tokens) - self._pages(cached)
+            # Taking cached pages that no request held lowered num_free_pages already.
+            if need > self.cache.num_free_pages - promised or self._computing(request, cached):
+                self.cache.free(request.id)
                 break
             self._waiting.popleft()
-            request.cached, request.prefill_end = 0, request.num_tokens
-            self.cache.add(request.id)
+            request.cached, request.prefill_end = cached, request.num_tokens
             bisect.insort(self._running, request, key=lambda r: r.id)
             promised += need
+            if stats is not None:
+                stats.cached_tokens += cached
+
+    def _computing(self, request, cached) -> bool:
+        """Whether a running request's prefill will compute the page of `request` after its first `cached` tokens
+        (the same tokens from the first on), which `request` can then take from the prefix cache."""
+        end = cached + self.cache.page_size
+        if not self.prefix_caching or end >= request.num_tokens:
+            return False
+        prefix = request.tokens(0, end)
+        return any(r.cached < end <= r.prefill_end and r.tokens(0, end) == prefix for r in self._running)
 
     def _schedule(self, stats):
         """This step's (request, number of new tokens, prefills?) triples and its mode. Preempts the newest running
@@ -376,16 +405,16 @@ class HybridGenerator:
         """One forward step over the running requests -> [(id, new tokens, finished)]."""
         if not self._warm:
             self._warm_up()
-        self._admit()
+        self._admit(stats)
         if not self._running:
             return []
         batch, mode = self._schedule(stats)
         try:
             counts = [n for _, n, _ in batch]
             ends = list(accumulate(counts))
-            tokens, positions, sampled, rows = [], [], [], []
+            chunks = [request.tokens(request.cached, request.cached + n) for request, n, _ in batch]
+            tokens, positions, sampled, rows = [t for chunk in chunks for t in chunk], [], [], []
             for (request, n, _), end in zip(batch, ends):
-                tokens += request.tokens(request.cached, request.cached + n)
                 positions += range(request.cached, request.cached + n)
                 if request.cached + n == request.num_tokens:  # the step reaches its last token: it samples
                     sampled.append(request)
@@ -393,6 +422,9 @@ class HybridGenerator:
             # At least one row even when no request samples (a long prompt mid-chunk): Dynamo gives size 0 a graph
             # of its own, which a later run could meet for the first time.
             logits = self._run([r.id for r, _, _ in batch], counts, tokens, positions, rows or [ends[-1] - 1], mode)
+            if self.prefix_caching:  # their K/V are written: the pages they fill can serve later requests
+                for (request, _, _), chunk in zip(batch, chunks):
+                    self.cache.register_tokens(request.id, chunk)
             next_ids = _next_tokens(logits[: len(rows)], sampled)
             if self._group is not None:
                 dist.broadcast(next_ids, group=self._group, group_src=0)
@@ -566,11 +598,11 @@ def generate(model, prompts, max_new_tokens: int, **kwargs):
     """One-call generation: `HybridGenerator(model, ...)` with sizes fitted to `prompts`, then `.generate`.
 
     Keyword arguments of `HybridGenerator` (max_batch_size, max_seq_len, num_pages, page_size, prefill_chunk,
-    compile, backends, cuda_graphs, compile_cache) go to it, the rest to `generate`. Reuse a `HybridGenerator` to
-    keep its compiled forward across calls.
+    compile, backends, cuda_graphs, compile_cache, prefix_caching) go to it, the rest to `generate`. Reuse a
+    `HybridGenerator` to keep its compiled forward across calls.
     """
     init_keys = ("max_batch_size", "max_seq_len", "num_pages", "page_size", "prefill_chunk", "compile",
-                 "prefill_backend", "decode_backend", "cuda_graphs", "compile_cache")
+                 "prefill_backend", "decode_backend", "cuda_graphs", "compile_cache", "prefix_caching")
     init = {k: kwargs.pop(k) for k in init_keys if k in kwargs}
     prompts = _prompt_list(prompts)
     max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None) or math.inf

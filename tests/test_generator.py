@@ -372,6 +372,84 @@ def test_a_small_page_budget_preempts_and_gives_unconstrained_tokens(model):
     assert_empty(tight)
 
 
+# Prefix caching.
+
+def shared_prefix_prompts():
+    """Prompts sharing a prefix of 14 tokens (3.5 pages of 4) with ragged tails: one an exact prefix of another, one
+    inside the shared part, one given twice."""
+    common = random_prompts(1, (14, 14))[0]
+    prompts = [common + tail for tail in random_prompts(4, (1, 12))]
+    return prompts + [prompts[1][:17], common[:9], prompts[2]]
+
+
+def reusable_tokens(prompts):
+    """Per prompt, the tokens it can take from the cache: its longest common prefix with an earlier prompt, short of
+    its last token, in whole pages (SIZES' page_size)."""
+    def common(a, b):
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+    page = SIZES["page_size"]
+    return [min(max((common(p, q) for q in prompts[:i]), default=0), len(p) - 1) // page * page
+            for i, p in enumerate(prompts)]
+
+
+def test_prefix_caching_prefills_a_shared_prefix_once_and_keeps_every_token(model):
+    """Requests admitted together wait for the pages another's prefill computes, then start on them: every prompt
+    prefills only what no earlier prompt shares (at least its last token), and the tokens are those of the requests
+    run alone. A second call finds every prompt's pages cached from the first."""
+    prompts = shared_prefix_prompts()
+    want = [solo(model, p, 8) for p in prompts]
+    plain = GenerationStats()
+    assert HybridGenerator(model, **SIZES, compile=False).generate(prompts, 8, stats=plain) == want
+    assert plain.prompt_tokens == sum(map(len, prompts)) and plain.cached_tokens == 0
+    generator = HybridGenerator(model, **SIZES, compile=False, prefix_caching=True)
+    stats = GenerationStats()
+    assert generator.generate(prompts, 8, stats=stats) == want
+    assert stats.cached_tokens == sum(reusable_tokens(prompts)) > 0
+    assert stats.prompt_tokens == plain.prompt_tokens - stats.cached_tokens
+    assert_empty(generator)
+    assert generator.cache.num_cached_pages > 0
+
+    again = GenerationStats()
+    assert generator.generate(prompts, 8, stats=again) == want
+    assert again.cached_tokens == sum((len(p) - 1) // 4 * 4 for p in prompts)
+    assert_empty(generator)
+
+
+@pytest.mark.parametrize("options", [dict(num_pages=11), dict(cuda_graphs=True)])
+def test_prefix_caching_keeps_tokens_through_preemption_and_padding(model, options):
+    """Through a tight page budget (preempted requests start again on their own cached pages) and the padded path of
+    cuda_graphs, greedy and seeded tokens with prefix caching are those without; every page is free at the end."""
+    prompts = shared_prefix_prompts()
+    sampled = dict(do_sample=True, temperature=1.3, seed=9)
+    off = HybridGenerator(model, **SIZES, **options, compile=False)
+    on = HybridGenerator(model, **SIZES, **options, compile=False, prefix_caching=True)
+    stats = GenerationStats()
+    assert on.generate(prompts, 8, stats=stats) == off.generate(prompts, 8)
+    assert on.generate(prompts, 8, **sampled) == off.generate(prompts, 8, **sampled)
+    assert stats.cached_tokens > 0 and (stats.preemptions > 0) == ("num_pages" in options)
+    assert_empty(on)
+
+
+def test_prefix_caching_changes_no_step_for_prompts_sharing_no_page(model):
+    """Nothing to share: no request waits for another's prefill (a chunk takes several prompts at once)."""
+    prompts, runs = random_prompts(8), []
+    for prefix_caching in (False, True):
+        stats = GenerationStats()
+        generator = HybridGenerator(model, **{**SIZES, "prefill_chunk": 64}, compile=False,
+                                    prefix_caching=prefix_caching)
+        runs.append((generator.generate(prompts, 6, stats=stats), stats.steps, stats.prompt_tokens))
+    assert runs[0] == runs[1]
+
+
+def test_generate_forwards_prefix_caching(model):
+    prompts = shared_prefix_prompts()
+    stats = GenerationStats()
+    tokens = hybrid_ops.generate(model, prompts, 5, compile=False, page_size=4, prefix_caching=True, stats=stats)
+    assert tokens == hybrid_ops.generate(model, prompts, 5, compile=False, page_size=4)
+    assert stats.cached_tokens > 0
+
+
 # Compiled: one graph set, warmed up on the first step.
 
 @pytest.mark.slow
