@@ -76,8 +76,10 @@ def build():
     flags = _CAPABILITY_FLAGS.get(capability, [])
     name = f"hybrid_ops_cpu_{capability.lower()}"
     sources = [_path(n) for n in _SOURCES]
-    # One directory per source text: checkouts that share the build root never load each other's kernels.
-    digest = hashlib.sha1(b"".join(Path(p).read_bytes() for p in sources + [_path(n) for n in _HEADERS]))
+    # One directory per source text and place: checkouts that share the build root never load each other's kernels,
+    # nor rebuild in turn (ninja's build file names the sources' paths).
+    files = sources + [_path(n) for n in _HEADERS]
+    digest = hashlib.sha1(b"".join(Path(p).read_bytes() + os.fsencode(os.path.abspath(p)) for p in files))
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     build_dir = os.path.join(root, f"{name}_torch{torch.__version__.replace('+', '_')}_{digest.hexdigest()[:12]}")
     os.makedirs(build_dir, exist_ok=True)
