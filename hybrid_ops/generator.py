@@ -133,6 +133,9 @@ class HybridGenerator:
                             ("page_size", page_size), ("prefill_chunk", prefill_chunk), ("num_pages", num_pages)):
             if value is not None and not _is_int(value, 1):
                 raise HybridInputError(f"{name} must be a positive int, got {value!r}")
+        for name, value in (("compile", compile), ("cuda_graphs", cuda_graphs), ("prefix_caching", prefix_caching)):
+            if not isinstance(value, bool):
+                raise HybridInputError(f"{name} must be a bool, got {value!r}")
         if max_positions and max_seq_len > max_positions:
             raise HybridInputError(f"max_seq_len ({max_seq_len}) exceeds the model's max_position_embeddings "
                                    f"({max_positions}); raise model.config.max_position_embeddings to go past it")

@@ -136,12 +136,15 @@ def test_a_request_larger_than_the_page_budget_is_refused(model):
     (dict(max_batch_size=2.5), "max_batch_size must be a positive int, got 2.5"),
     (dict(num_pages=0), "num_pages must be a positive int, got 0"),
     (dict(max_seq_len=True), "max_seq_len must be a positive int, got True"),
+    (dict(prefix_caching=1), "prefix_caching must be a bool, got 1"),
+    (dict(cuda_graphs="yes"), "cuda_graphs must be a bool, got 'yes'"),
+    (dict(compile=None), "compile must be a bool, got None"),
     (dict(max_seq_len=129), "max_seq_len (129) exceeds the model's max_position_embeddings (128); raise "
                             "model.config.max_position_embeddings to go past it"),
 ])
 def test_bad_constructor_options(model, options, message):
     with pytest.raises(HybridInputError) as error:
-        HybridGenerator(model, compile=False, **options)
+        HybridGenerator(model, **{"compile": False, **options})
     assert str(error.value) == message
 
 
