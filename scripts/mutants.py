@@ -374,6 +374,9 @@ def main() -> int:
     parser.add_argument("-k", dest="name", default="", help="only mutants whose name contains this")
     parser.add_argument("-j", dest="jobs", type=int, default=2, help="mutants tested at once, each in its own copy")
     parser.add_argument("--list", action="store_true", help="print the table and exit")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip running each selection on the unmutated copy (for a caller that has just run "
+                             "every test on this tree, as .ci/run has)")
     parser.add_argument("--tests", help="run these tests (pytest arguments) for every mutant instead of the table's")
     parser.add_argument("pytest_args", nargs="*", help="after --: extra pytest arguments for every mutant")
     args = parser.parse_args()
@@ -411,7 +414,7 @@ def main() -> int:
 
         with ThreadPoolExecutor(max(1, args.jobs)) as pool:
             # The unmutated copy must pass every selection, or a "caught" would mean nothing.
-            selections = list(dict.fromkeys(m.tests for m in mutants))
+            selections = [] if args.no_baseline else list(dict.fromkeys(m.tests for m in mutants))
             baselines = pool.map(lambda tests: in_a_copy(run_tests, tests, args.pytest_args), selections)
             for tests, (returncode, summary, seconds) in zip(selections, baselines):
                 print(f"baseline  {tests:64} {summary:24} {seconds:5.1f} s", flush=True)

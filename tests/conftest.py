@@ -51,3 +51,9 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+def pytest_collection_modifyitems(items):
+    """The slow tier first: with several workers (pytest-xdist) the short tests then fill in at the end, instead of
+    one worker finishing a long test alone."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

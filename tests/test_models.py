@@ -69,7 +69,7 @@ def test_cache_sized_per_layer():
 def test_compiled_features_never_recompile(model_type):
     """Sinks, chunks and a separate value head dim in one compiled forward across EXTEND, MIXED and DECODE."""
     torch._dynamo.reset()
-    config = tiny_config(model_type)
+    config = tiny_config(model_type, num_hidden_layers=2)  # still a sliding and a full layer; a dense and a MoE one
     expected = reference_tokens(make_model(config))
     generator = HybridGenerator(make_model(config), max_batch_size=3, max_seq_len=32, page_size=4, prefill_chunk=8)
     stats = hybrid_ops.GenerationStats()

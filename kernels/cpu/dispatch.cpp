@@ -13,7 +13,9 @@
 //
 // The Python module's `forward` is the backend object's call of the same kernel.
 
-#include <torch/extension.h>
+// Not torch/extension.h: the whole C++ frontend it brings would double the build time.
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
 #include <cmath>

@@ -21,11 +21,12 @@
 
 #include "paged_attention.h"
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <atomic>
