@@ -24,6 +24,7 @@ import hybrid_ops
 from hybrid_ops import PagedKVCache
 
 RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(RESULTS.parent.parent))  # the e2e and prefix sections import examples/generate.py
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 STATIC_CACHE_LEN = 4096
 SECTIONS = ["op", "dispatch", "e2e", "prefix", "plot"]
@@ -310,7 +311,6 @@ def dispatch_section():
 def e2e_section(quick):
     """The demo's model through our generation loop and transformers' static-cache compiled generate, on the demo's
     prompts and on a more ragged batch."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from examples.generate import PROMPT_LENGTHS, demo_model, demo_prompts, run_hybrid, run_transformers_static
 
     model = demo_model()
@@ -337,7 +337,6 @@ def prefix_section(quick):
     """The demo's model on 16 prompts sharing a 1,000-token prefix (tails of 8..64 tokens), prefix caching on against
     off: one compiled generator each, warmed up on prompts of another prefix, so the measured run shares only within
     its own batch. The tokens must be the same."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from examples.generate import demo_model
 
     model = demo_model()
