@@ -11,7 +11,9 @@ Options beyond plain causal attention: `scale`, `sliding_window`, `logit_cap` (s
 logits, one per query head, that join each row's softmax denominator and attend to nothing, as gpt-oss) and
 `attention_chunk` (a query at position p sees only keys at positions in [p - p % chunk, p], as Llama 4's chunked
 layers); v and v_cache may have a head dim Dv other than q's and k's D (MLA-style models), and the output is then
-[T, Hq, Dv]. Backends declare which of the last three they serve (`options`); "auto" picks one that does.
+[T, Hq, Dv]. The caches may hold fp8 (float8_e4m3fn or float8_e5m2) with `k_scale`, `v_scale` (float32 tensors,
+one scale or one per kv head; 1.0 when not given): the store quantizes, attention dequantizes (`hybrid_ops.fp8`).
+Backends declare which of these they serve (`options`); "auto" picks one that does.
 
 Each op writes the new k, v into the paged cache (declared as mutated, `Tensor(a!)`, so torch.compile calls it on
 the caller's cache without a copy), then attends. `Library.define` + `impl` keeps the eager dispatch cost to a few
@@ -25,13 +27,15 @@ import math
 import torch
 
 from .backends import check_backend_name, get_backend
+from .fp8 import FP8_DTYPES, per_head
 from .modes import check_speculative_attention_mode, select_path
 from .settings import validation_enabled
 from .validation import args_ok, check_args, check_decode_shape, check_metadata_values, decode_shape_ok
 
 _ARGS = ("Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
          "Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table")
-_OPTIONS = "float? scale=None, int sliding_window=-1, float logit_cap=0.0, Tensor? sinks=None, int attention_chunk=-1"
+_OPTIONS = ("float? scale=None, int sliding_window=-1, float logit_cap=0.0, Tensor? sinks=None, "
+            "int attention_chunk=-1, Tensor? k_scale=None, Tensor? v_scale=None")
 
 SCHEMAS = {
     "prefill": f"prefill({_ARGS}, *, {_OPTIONS}, str backend=\"auto\") -> Tensor",
@@ -52,14 +56,14 @@ torch.fx.node.has_side_effect(torch.ops.hybrid.plan.default)
 
 
 def _run(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
-         sinks, attention_chunk, backend, arg="backend"):
+         sinks, attention_chunk, k_scale, v_scale, backend, arg="backend"):
     if not args_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
-                   sinks, attention_chunk):
+                   sinks, attention_chunk, k_scale, v_scale):
         check_args(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
-                   sinks, attention_chunk)
+                   sinks, attention_chunk, k_scale, v_scale)
     if path == "decode" and not decode_shape_ok(q.shape[0], seq_lens.shape[0]):
         check_decode_shape(q, seq_lens)
-    options = _extra_options(sinks, attention_chunk)
+    options = _extra_options(sinks, attention_chunk, k_cache, k_scale, v_scale)
     impl = get_backend(backend, q.device, q.dtype, q.shape[-1], arg, _features(options, q.shape[-1], v.shape[-1]))
     if validation_enabled() and not impl.checks_values:
         check_metadata_values(cu_seqlens_q, seq_lens, block_table, q.shape[0], k_cache.shape[0], k_cache.shape[1],
@@ -68,20 +72,25 @@ def _run(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, s
                                _scale(scale, q.shape[-1]), sliding_window, logit_cap, **options)
 
 
-def _extra_options(sinks, attention_chunk):
+def _extra_options(sinks, attention_chunk, k_cache, k_scale, v_scale):
     """The options in use that not every backend serves, as keywords for the backend's call: a backend that does
-    not declare them is never passed them."""
+    not declare them is never passed them. An fp8 cache comes with both scales, [Hkv] each (`fp8.per_head`)."""
     options = {}
     if sinks is not None:
         options["sinks"] = sinks
     if attention_chunk != -1:
         options["attention_chunk"] = attention_chunk
+    if k_cache.dtype in FP8_DTYPES:
+        num_kv_heads, device = k_cache.shape[2], k_cache.device
+        options["k_scale"], options["v_scale"] = (per_head(s, num_kv_heads, device) for s in (k_scale, v_scale))
     return options
 
 
 def _features(options, head_dim, v_head_dim):
-    """What a backend must serve (`Backend.options`): the extra options in use, and "v_head_dim" when Dv != D."""
-    return frozenset((*options, *(("v_head_dim",) if v_head_dim != head_dim else ())))
+    """What a backend must serve (`Backend.options`): the extra options in use ("fp8_kv" for the scales of an fp8
+    cache), and "v_head_dim" when Dv != D."""
+    names = {"k_scale": "fp8_kv", "v_scale": "fp8_kv"}
+    return frozenset((*(names.get(n, n) for n in options), *(("v_head_dim",) if v_head_dim != head_dim else ())))
 
 
 def _scale(scale, head_dim):
@@ -98,17 +107,17 @@ def _route(forward_mode, speculative_attention_mode, prefill_backend, decode_bac
 
 
 def _attn(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, *, scale=None,
-          sliding_window=-1, logit_cap=0.0, sinks=None, attention_chunk=-1, prefill_backend="auto",
-          decode_backend="auto", speculative_attention_mode="prefill"):
+          sliding_window=-1, logit_cap=0.0, sinks=None, attention_chunk=-1, k_scale=None, v_scale=None,
+          prefill_backend="auto", decode_backend="auto", speculative_attention_mode="prefill"):
     path, backend, arg = _route(forward_mode, speculative_attention_mode, prefill_backend, decode_backend)
     return _run(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                logit_cap, sinks, attention_chunk, backend, arg)
+                logit_cap, sinks, attention_chunk, k_scale, v_scale, backend, arg)
 
 
 def _fake(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
-          sinks, attention_chunk):
+          sinks, attention_chunk, k_scale, v_scale):
     check_args(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
-               sinks, attention_chunk)
+               sinks, attention_chunk, k_scale, v_scale)
     if path == "decode":
         check_decode_shape(q, seq_lens)
     return q.new_empty((*q.shape[:2], v.shape[2]))
@@ -118,23 +127,23 @@ def _path_op(path):
     """The real and fake implementations of `hybrid::prefill` or `hybrid::decode`."""
 
     def impl(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *, scale=None, sliding_window=-1,
-             logit_cap=0.0, sinks=None, attention_chunk=-1, backend="auto"):
+             logit_cap=0.0, sinks=None, attention_chunk=-1, k_scale=None, v_scale=None, backend="auto"):
         return _run(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                    logit_cap, sinks, attention_chunk, backend)
+                    logit_cap, sinks, attention_chunk, k_scale, v_scale, backend)
 
     def fake(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *, scale=None, sliding_window=-1,
-             logit_cap=0.0, sinks=None, attention_chunk=-1, backend="auto"):
+             logit_cap=0.0, sinks=None, attention_chunk=-1, k_scale=None, v_scale=None, backend="auto"):
         check_backend_name(backend)
         return _fake(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                     logit_cap, sinks, attention_chunk)
+                     logit_cap, sinks, attention_chunk, k_scale, v_scale)
 
     return impl, fake
 
 
 @torch.library.register_fake("hybrid::attn")
 def _attn_fake(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, *, scale=None,
-               sliding_window=-1, logit_cap=0.0, sinks=None, attention_chunk=-1, prefill_backend="auto",
-               decode_backend="auto", speculative_attention_mode="prefill"):
+               sliding_window=-1, logit_cap=0.0, sinks=None, attention_chunk=-1, k_scale=None, v_scale=None,
+               prefill_backend="auto", decode_backend="auto", speculative_attention_mode="prefill"):
     check_backend_name(prefill_backend, "prefill_backend")
     check_backend_name(decode_backend, "decode_backend")
     check_speculative_attention_mode(speculative_attention_mode)
@@ -143,12 +152,12 @@ def _attn_fake(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, f
     if isinstance(forward_mode, int):
         path = select_path(forward_mode, speculative_attention_mode)
     return _fake(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                 logit_cap, sinks, attention_chunk)
+                 logit_cap, sinks, attention_chunk, k_scale, v_scale)
 
 
 def _plan(k_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, *, q_dtype, num_q_heads, scale=None,
-          sliding_window=-1, logit_cap=0.0, sinks=None, attention_chunk=-1, prefill_backend="auto",
-          decode_backend="auto", speculative_attention_mode="prefill", cuda_graph=False):
+          sliding_window=-1, logit_cap=0.0, sinks=None, attention_chunk=-1, k_scale=None, v_scale=None,
+          prefill_backend="auto", decode_backend="auto", speculative_attention_mode="prefill", cuda_graph=False):
     """Plan the step for the backend that `forward_mode` routes to; a no-op for backends that do not plan.
 
     With `cuda_graph`, the plan goes into the CUDA-graph buffers of this batch shape (B, T), which a graph captured
@@ -156,7 +165,7 @@ def _plan(k_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, *, q_dtype
     path, backend, arg = _route(forward_mode, speculative_attention_mode, prefill_backend, decode_backend)
     head_dim = k_cache.shape[-1]
     # The same backend as the call it plans for: a backend without the options in use is never chosen.
-    features = _features(_extra_options(sinks, attention_chunk), head_dim, head_dim)
+    features = _features(_extra_options(sinks, attention_chunk, k_cache, k_scale, v_scale), head_dim, head_dim)
     impl = get_backend(backend, k_cache.device, q_dtype, head_dim, arg, features)
     impl.plan(path, q_dtype, num_q_heads, k_cache, cu_seqlens_q, seq_lens, block_table, _scale(scale, head_dim),
               sliding_window, logit_cap, cuda_graph=cuda_graph)
@@ -164,8 +173,8 @@ def _plan(k_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, *, q_dtype
 
 @torch.library.register_fake("hybrid::plan")
 def _plan_fake(k_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, *, q_dtype, num_q_heads, scale=None,
-               sliding_window=-1, logit_cap=0.0, sinks=None, attention_chunk=-1, prefill_backend="auto",
-               decode_backend="auto", speculative_attention_mode="prefill", cuda_graph=False):
+               sliding_window=-1, logit_cap=0.0, sinks=None, attention_chunk=-1, k_scale=None, v_scale=None,
+               prefill_backend="auto", decode_backend="auto", speculative_attention_mode="prefill", cuda_graph=False):
     check_backend_name(prefill_backend, "prefill_backend")
     check_backend_name(decode_backend, "decode_backend")
     check_speculative_attention_mode(speculative_attention_mode)

@@ -11,6 +11,7 @@ import math
 import torch
 
 from .errors import HybridInputError
+from .fp8 import FP8_DTYPES
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -21,7 +22,7 @@ def _check(cond, message) -> None:
 
 
 def args_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
-            sinks=None, attention_chunk=-1):
+            sinks=None, attention_chunk=-1, k_scale=None, v_scale=None):
     """True when `check_args` would pass, in about a microsecond: the per-call path of the real ops.
 
     It compares sizes with `==`, which on symbolic sizes would add guards, so the fake implementations call
@@ -34,8 +35,11 @@ def args_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scal
         and len(v_cache_shape) == 4 and v_shape[:2] == k_shape[:2] and v_cache_shape[:3] == cache_shape[:3]
         and v_shape[2] == v_cache_shape[3] > 0 and k_shape[0] == q_shape[0] and k_shape[1] == cache_shape[2] > 0
         and k_shape[2] == q_shape[2] == cache_shape[3] and q_shape[1] % cache_shape[2] == 0
-        and dtype in FLOAT_DTYPES and k.dtype == dtype and v.dtype == dtype and k_cache.dtype == dtype
-        and v_cache.dtype == dtype and cu_seqlens_q.dtype == torch.int32 and seq_lens.dtype == torch.int32
+        and dtype in FLOAT_DTYPES and k.dtype == dtype and v.dtype == dtype
+        and (k_cache.dtype == dtype or k_cache.dtype in FP8_DTYPES) and v_cache.dtype == k_cache.dtype
+        and (k_scale is None and v_scale is None or k_cache.dtype in FP8_DTYPES
+             and _kv_scale_ok(k_scale, k_shape[1], device) and _kv_scale_ok(v_scale, k_shape[1], device))
+        and cu_seqlens_q.dtype == torch.int32 and seq_lens.dtype == torch.int32
         and block_table.dtype == torch.int32 and cu_seqlens_q.dim() == 1 and seq_lens.dim() == 1
         and block_table.dim() == 2 and cu_seqlens_q.shape[0] == seq_lens.shape[0] + 1 == block_table.shape[0] + 1
         and k.device == device and v.device == device and k_cache.device == device and v_cache.device == device
@@ -47,13 +51,20 @@ def args_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scal
     )
 
 
+def _kv_scale_ok(kv_scale, num_kv_heads, device):
+    return (kv_scale is not None and kv_scale.dtype == torch.float32 and kv_scale.device == device
+            and kv_scale.shape in ((), (1,), (num_kv_heads,)))
+
+
 def check_args(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
-               sinks=None, attention_chunk=-1):
+               sinks=None, attention_chunk=-1, k_scale=None, v_scale=None):
     """Shape, dtype and device checks that need no data; raises `HybridInputError` naming the argument. Shapes:
 
     q: [T, Hq, D]; k: [T, Hkv, D]; v: [T, Hkv, Dv]; k_cache: [num_pages, page_size, Hkv, D], v_cache:
-    [num_pages, page_size, Hkv, Dv], contiguous; cu_seqlens_q: [B + 1] int32; seq_lens: [B] int32;
-    block_table: [B, max_pages] int32; sinks: [Hq] float32 or None. Dv may differ from D (MLA-style models).
+    [num_pages, page_size, Hkv, Dv], contiguous, q's dtype or both one of FP8_DTYPES; cu_seqlens_q: [B + 1] int32;
+    seq_lens: [B] int32; block_table: [B, max_pages] int32; sinks: [Hq] float32 or None; k_scale, v_scale: float32
+    [] or [1] (one scale) or [Hkv] (one per kv head), both or neither, with fp8 caches only (neither: 1.0). Dv may
+    differ from D (MLA-style models).
     """
     for name, t, rank in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4),
                           ("cu_seqlens_q", cu_seqlens_q, 1), ("seq_lens", seq_lens, 1),
@@ -64,9 +75,14 @@ def check_args(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, s
             raise HybridInputError(f"{name} must be on q's device {q.device}, got {t.device}")
     if q.dtype not in FLOAT_DTYPES:
         raise HybridInputError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
-    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+    for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise HybridInputError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+    if k_cache.dtype != q.dtype and k_cache.dtype not in FP8_DTYPES:
+        raise HybridInputError(f"k_cache must have q's dtype {q.dtype} or be float8_e4m3fn or float8_e5m2, "
+                               f"got {k_cache.dtype}")
+    if v_cache.dtype != k_cache.dtype:
+        raise HybridInputError(f"v_cache must have k_cache's dtype {k_cache.dtype}, got {v_cache.dtype}")
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens), ("block_table", block_table)):
         if t.dtype != torch.int32:
             raise HybridInputError(f"{name} must be int32, got {t.dtype}")
@@ -111,6 +127,24 @@ def check_args(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, s
             raise HybridInputError(f"sinks must be a [Hq] float32 tensor on q's device {q.device}, got "
                                    f"{sinks.dtype} of shape {tuple(sinks.shape)} on {sinks.device}")
         _check(sinks.shape[0] == num_q_heads, lambda: f"sinks must have q's {num_q_heads} heads, got {sinks.shape[0]}")
+    _check_kv_scales(k_scale, v_scale, k_cache.dtype, num_kv_heads, q.device)
+
+
+def _check_kv_scales(k_scale, v_scale, cache_dtype, num_kv_heads, device):
+    if k_scale is None and v_scale is None:
+        return
+    if cache_dtype not in FP8_DTYPES:
+        name = "k_scale" if k_scale is not None else "v_scale"
+        raise HybridInputError(f"{name} applies to float8 caches only; k_cache is {cache_dtype}")
+    for name, kv_scale, other in (("k_scale", k_scale, "v_scale"), ("v_scale", v_scale, "k_scale")):
+        if kv_scale is None:
+            raise HybridInputError(f"{name} must be given with {other}: an fp8 cache takes both scales or neither")
+        if kv_scale.dtype != torch.float32 or kv_scale.device != device or kv_scale.dim() > 1:
+            raise HybridInputError(f"{name} must be a float32 tensor of shape [], [1] or [Hkv] on q's device {device}, "
+                                   f"got {kv_scale.dtype} of shape {tuple(kv_scale.shape)} on {kv_scale.device}")
+        if kv_scale.dim() == 1:
+            _check((kv_scale.shape[0] == 1) | (kv_scale.shape[0] == num_kv_heads),
+                   lambda: f"{name} must have 1 or the caches' {num_kv_heads} kv heads, got {kv_scale.shape[0]}")
 
 
 def decode_shape_ok(num_tokens, num_requests):

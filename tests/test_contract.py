@@ -23,10 +23,10 @@ class TestContract(expecttest.TestCase):
         schemas = "\n".join(str(getattr(torch.ops.hybrid, name).default._schema)
                             for name in ("prefill", "decode", "attn", "plan"))
         self.assertExpectedInline(schemas, """\
-hybrid::prefill(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, *, float? scale=None, int sliding_window=-1, float logit_cap=0., Tensor? sinks=None, int attention_chunk=-1, str backend="auto") -> Tensor
-hybrid::decode(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, *, float? scale=None, int sliding_window=-1, float logit_cap=0., Tensor? sinks=None, int attention_chunk=-1, str backend="auto") -> Tensor
-hybrid::attn(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, SymInt forward_mode, *, float? scale=None, int sliding_window=-1, float logit_cap=0., Tensor? sinks=None, int attention_chunk=-1, str prefill_backend="auto", str decode_backend="auto", str speculative_attention_mode="prefill") -> Tensor
-hybrid::plan(Tensor k_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, SymInt forward_mode, *, ScalarType q_dtype, int num_q_heads, float? scale=None, int sliding_window=-1, float logit_cap=0., Tensor? sinks=None, int attention_chunk=-1, str prefill_backend="auto", str decode_backend="auto", str speculative_attention_mode="prefill", bool cuda_graph=False) -> ()""")
+hybrid::prefill(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, *, float? scale=None, int sliding_window=-1, float logit_cap=0., Tensor? sinks=None, int attention_chunk=-1, Tensor? k_scale=None, Tensor? v_scale=None, str backend="auto") -> Tensor
+hybrid::decode(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, *, float? scale=None, int sliding_window=-1, float logit_cap=0., Tensor? sinks=None, int attention_chunk=-1, Tensor? k_scale=None, Tensor? v_scale=None, str backend="auto") -> Tensor
+hybrid::attn(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, SymInt forward_mode, *, float? scale=None, int sliding_window=-1, float logit_cap=0., Tensor? sinks=None, int attention_chunk=-1, Tensor? k_scale=None, Tensor? v_scale=None, str prefill_backend="auto", str decode_backend="auto", str speculative_attention_mode="prefill") -> Tensor
+hybrid::plan(Tensor k_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, SymInt forward_mode, *, ScalarType q_dtype, int num_q_heads, float? scale=None, int sliding_window=-1, float logit_cap=0., Tensor? sinks=None, int attention_chunk=-1, Tensor? k_scale=None, Tensor? v_scale=None, str prefill_backend="auto", str decode_backend="auto", str speculative_attention_mode="prefill", bool cuda_graph=False) -> ()""")
 
     def test_bad_input_messages(self):
         messages = "\n".join(f"{name}: {message(op, mutation)}" for name, (op, mutation, _) in BAD_INPUTS.items())
@@ -38,7 +38,13 @@ int64_cu_seqlens: cu_seqlens_q must be int32, got torch.int64
 int_q: q must be float16, bfloat16 or float32, got torch.int32
 float64_q: q must be float16, bfloat16 or float32, got torch.float64
 k_dtype: k must have q's dtype torch.float32, got torch.float16
-cache_dtype: v_cache must have q's dtype torch.float32, got torch.float16
+cache_dtype: v_cache must have k_cache's dtype torch.float32, got torch.float16
+int8_cache: k_cache must have q's dtype torch.float32 or be float8_e4m3fn or float8_e5m2, got torch.int8
+fp8_caches_differ: v_cache must have k_cache's dtype torch.float8_e4m3fn, got torch.float8_e5m2
+scale_without_fp8: k_scale applies to float8 caches only; k_cache is torch.float32
+fp8_k_scale_alone: v_scale must be given with k_scale: an fp8 cache takes both scales or neither
+fp8_scale_dtype: k_scale must be a float32 tensor of shape [], [1] or [Hkv] on q's device cpu, got torch.float64 of shape (2,) on cpu
+fp8_scale_heads: v_scale must have 1 or the caches' 2 kv heads, got 3
 meta_device: block_table must be on q's device cpu, got meta
 q_rank: q must have 3 dimensions, got shape (1, 7, 4, 16)
 cache_rank: k_cache must have 4 dimensions, got shape (28, 2, 16)

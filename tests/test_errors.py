@@ -10,6 +10,7 @@ from reference import assert_close, make_case, reference
 import hybrid_ops
 from hybrid_ops import HybridInputError, OutOfPagesError, PagedKVCache
 
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 ARGS = ("q", "k", "v", "k_cache", "v_cache", "cu_seqlens_q", "seq_lens", "block_table")
 
 
@@ -44,7 +45,21 @@ BAD_INPUTS = {
     "int_q": ("prefill", replace(q=lambda t: t.int()), "q must be float16, bfloat16 or float32"),
     "float64_q": ("prefill", replace(q=lambda t: t.double()), "q must be float16, bfloat16 or float32"),
     "k_dtype": ("prefill", replace(k=lambda t: t.half()), "k must have q's dtype"),
-    "cache_dtype": ("prefill", replace(v_cache=lambda t: t.half()), "v_cache must have q's dtype"),
+    "cache_dtype": ("prefill", replace(v_cache=lambda t: t.half()), "v_cache must have k_cache's dtype"),
+    "int8_cache": ("prefill", replace(k_cache=lambda t: t.to(torch.int8), v_cache=lambda t: t.to(torch.int8)),
+                   "k_cache must have q's dtype torch.float32 or be float8_e4m3fn or float8_e5m2"),
+    "fp8_caches_differ": ("prefill", replace(k_cache=lambda t: t.to(E4M3), v_cache=lambda t: t.to(E5M2)),
+                          "v_cache must have k_cache's dtype"),
+    "scale_without_fp8": ("prefill", replace(k_scale=lambda _: torch.ones(()), v_scale=lambda _: torch.ones(())),
+                          "k_scale applies to float8 caches only"),
+    "fp8_k_scale_alone": ("decode", replace(k_cache=lambda t: t.to(E4M3), v_cache=lambda t: t.to(E4M3),
+                                            k_scale=lambda _: torch.ones(())), "v_scale must be given with k_scale"),
+    "fp8_scale_dtype": ("attn", replace(k_cache=lambda t: t.to(E5M2), v_cache=lambda t: t.to(E5M2),
+                                        k_scale=lambda _: torch.ones(2, dtype=torch.float64),
+                                        v_scale=lambda _: torch.ones(2)), "k_scale must be a float32 tensor"),
+    "fp8_scale_heads": ("prefill", replace(k_cache=lambda t: t.to(E4M3), v_cache=lambda t: t.to(E4M3),
+                                           k_scale=lambda _: torch.ones(2), v_scale=lambda _: torch.ones(3)),
+                        "v_scale must have 1 or the caches'"),
     "meta_device": ("prefill", replace(block_table=lambda t: t.to("meta")), "block_table must be on q's device"),
     "q_rank": ("prefill", replace(q=lambda t: t[None]), "q must have 3 dimensions"),
     "cache_rank": ("decode", replace(k_cache=lambda t: t.flatten(0, 1)), "k_cache must have 4 dimensions"),

@@ -17,6 +17,7 @@ Two ways through a batch, both over `attend`:
 import torch
 import torch.nn.functional as F
 
+from ..fp8 import quantize, raw
 from ..metadata import new_token_slots
 from ..settings import deterministic_enabled
 from ..validation import FLOAT_DTYPES, check_metadata_values
@@ -150,19 +151,21 @@ class Workspace:
         return torch.index_select(cache, 0, index, out=self.get(role, cache, index.shape[0]))
 
 
-def attend(q, k, v, bias, is_causal, scale, logit_cap, sinks=None):
+def attend(q, k, v, bias, is_causal, scale, logit_cap, sinks=None, k_scale=None, v_scale=None):
     """Attention of B requests' new tokens over their K/V, computed in fp32 at least.
 
     q: [B, n, Hq, D]; k: [B, L, Hkv, D]; v: [B, L, Hkv, Dv] (rows a query must not see are masked by `bias`);
     bias: [B, 1, n, L] float32 added to the scores, or None; is_causal: SDPA's plain causal mask instead (n == L;
-    the matmul branch takes its causal mask as a bias, see `StepPlan.mask`); sinks: [Hq] float32 or None.
-    Returns [B, n, Hq, Dv] in q's dtype.
+    the matmul branch takes its causal mask as a bias, see `StepPlan.mask`); sinks: [Hq] float32 or None;
+    k_scale, v_scale: [Hkv] float32 that k and v (fp8) are read with, or None. Returns [B, n, Hq, Dv] in q's dtype.
     """
     batch, n, num_q_heads, head_dim = q.shape
     num_kv_heads, v_head_dim = v.shape[2:]
     group = num_q_heads // num_kv_heads
     out_dtype, compute_dtype = q.dtype, torch.promote_types(q.dtype, torch.float32)
-    q, k_t, v_t = q.to(compute_dtype), k.to(compute_dtype).transpose(1, 2), v.to(compute_dtype).transpose(1, 2)
+    k, v = (x.to(compute_dtype) if kv_scale is None else x.to(compute_dtype).mul_(kv_scale[:, None])
+            for x, kv_scale in ((k, k_scale), (v, v_scale)))
+    q, k_t, v_t = q.to(compute_dtype), k.transpose(1, 2), v.transpose(1, 2)
     if _matmul_branch(batch, n * group, logit_cap, sinks, (head_dim, v_head_dim)):
         # Each kv head serves its `group` query heads as extra rows: [B, Hkv, n * group, D], no K/V repeat.
         q_rows = q.view(batch, n, num_kv_heads, group, head_dim).transpose(1, 2).reshape(batch, num_kv_heads, -1,
@@ -189,7 +192,7 @@ class TorchBackend(Backend):
     name = "torch"
     requirement = "torch"
     checks_values = True
-    options = frozenset({"sinks", "attention_chunk", "v_head_dim"})
+    options = frozenset({"sinks", "attention_chunk", "v_head_dim", "fp8_kv"})
 
     def __init__(self):
         self.workspace = Workspace()
@@ -212,23 +215,25 @@ class TorchBackend(Backend):
         return plan
 
     def prefill(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                logit_cap, sinks=None, attention_chunk=-1, decode=False):
+                logit_cap, sinks=None, attention_chunk=-1, k_scale=None, v_scale=None, decode=False):
         _, page_size, num_kv_heads, head_dim = k_cache.shape
         head_dims = (head_dim, v_cache.shape[3])
         plan = self.step_plan(cu_seqlens_q, seq_lens, block_table, q.shape[0], k_cache, v_cache, decode)
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slots, k)
-        v_cache.view(-1, num_kv_heads, head_dims[1]).index_copy_(0, plan.slots, v)
+        for cache, new, kv_scale in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
+            if kv_scale is not None:
+                new = quantize(new, kv_scale, cache.dtype)
+            raw(cache).view(-1, num_kv_heads, cache.shape[3]).index_copy_(0, plan.slots, raw(new))
         lens = plan.lens
         out_shape = (*q.shape[:2], head_dims[1])
         if not lens or q.shape[0] == 0:
             return q.new_empty(out_shape)
         group = q.shape[1] // num_kv_heads
-        options = (scale, logit_cap, sinks)
+        options = (scale, logit_cap, sinks, k_scale, v_scale)
         if plan.batched:
             n = q.shape[0] // len(lens)
             index, longest = plan.gather_index(), max(lens)
-            k_padded, v_padded = (self.workspace.gather(role, cache, index).view(-1, num_kv_heads, cache.shape[3])
-                                  .index_fill_(0, plan.padding_rows(), 0)
+            k_padded, v_padded = (self.workspace.gather(role, raw(cache), index).view(-1, num_kv_heads, cache.shape[3])
+                                  .index_fill_(0, plan.padding_rows(), 0).view(cache.dtype)
                                   .view(len(lens), plan.max_pages * page_size, num_kv_heads, -1)[:, :longest]
                                   for role, cache in (("k", k_cache), ("v", v_cache)))
             matmul = _matmul_branch(len(lens), n * group, logit_cap, sinks, head_dims)
@@ -247,7 +252,7 @@ class TorchBackend(Backend):
                     rows = cache.view(-1, num_kv_heads, cache.shape[3])[first * page_size : first * page_size
                                                                          + length]
                 else:
-                    rows = self.workspace.gather(role, cache, index).flatten(0, 1)[:length]
+                    rows = self.workspace.gather(role, raw(cache), index).view(cache.dtype).flatten(0, 1)[:length]
                 kv.append(rows[None])
             matmul = _matmul_branch(1, (end - start) * group, logit_cap, sinks, head_dims)
             bias, is_causal = plan.mask(i, end - start, sliding_window, attention_chunk, matmul)

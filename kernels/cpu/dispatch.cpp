@@ -97,8 +97,9 @@ bool decode_shape_ok(int64_t num_tokens, int64_t num_requests) {
 at::Tensor run_native(bool decode, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                       at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
                       const at::Tensor& block_table, std::optional<double> scale, int64_t sliding_window,
-                      double logit_cap, const std::optional<at::Tensor>& sinks, int64_t attention_chunk) {
-  if (sinks.has_value() || attention_chunk != -1 ||
+                      double logit_cap, const std::optional<at::Tensor>& sinks, int64_t attention_chunk,
+                      const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+  if (sinks.has_value() || attention_chunk != -1 || k_scale.has_value() || v_scale.has_value() ||
       !args_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap)) {
     return {};
   }
@@ -124,18 +125,20 @@ at::Tensor path_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                     at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
                     const at::Tensor& block_table, std::optional<double> scale, int64_t sliding_window,
                     double logit_cap, const std::optional<at::Tensor>& sinks, int64_t attention_chunk,
+                    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
                     c10::string_view backend) {
   const auto t = current_tables();
   if (t && Tables::has(t->native, backend)) {
     auto out = run_native(Decode, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                          logit_cap, sinks, attention_chunk);
+                          logit_cap, sinks, attention_chunk, k_scale, v_scale);
     if (out.defined()) return out;
   }
   return call_python([&](const py::object& impls) {
     return impls[Decode ? "decode" : "prefill"](
         q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, py::arg("scale") = scale,
         py::arg("sliding_window") = sliding_window, py::arg("logit_cap") = logit_cap, py::arg("sinks") = sinks,
-        py::arg("attention_chunk") = attention_chunk, py::arg("backend") = std::string(backend));
+        py::arg("attention_chunk") = attention_chunk, py::arg("k_scale") = k_scale, py::arg("v_scale") = v_scale,
+        py::arg("backend") = std::string(backend));
   });
 }
 
@@ -143,25 +146,27 @@ at::Tensor attn_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                     at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
                     const at::Tensor& block_table, int64_t forward_mode, std::optional<double> scale,
                     int64_t sliding_window, double logit_cap, const std::optional<at::Tensor>& sinks,
-                    int64_t attention_chunk, c10::string_view prefill_backend, c10::string_view decode_backend,
-                    c10::string_view speculative_attention_mode) {
+                    int64_t attention_chunk, const std::optional<at::Tensor>& k_scale,
+                    const std::optional<at::Tensor>& v_scale, c10::string_view prefill_backend,
+                    c10::string_view decode_backend, c10::string_view speculative_attention_mode) {
   if (const auto t = current_tables()) {
     const int route = t->route(forward_mode, speculative_attention_mode);
     const bool decode = route == 1;
     if (route >= 0 && Tables::has(t->native, decode ? decode_backend : prefill_backend) &&
         Tables::has(t->known, decode ? prefill_backend : decode_backend)) {
       auto out = run_native(decode, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale,
-                            sliding_window, logit_cap, sinks, attention_chunk);
+                            sliding_window, logit_cap, sinks, attention_chunk, k_scale, v_scale);
       if (out.defined()) return out;
     }
   }
   return call_python([&](const py::object& impls) {
-    return impls["attn"](
-        q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, py::arg("scale") = scale,
-        py::arg("sliding_window") = sliding_window, py::arg("logit_cap") = logit_cap, py::arg("sinks") = sinks,
-        py::arg("attention_chunk") = attention_chunk, py::arg("prefill_backend") = std::string(prefill_backend),
-        py::arg("decode_backend") = std::string(decode_backend),
-        py::arg("speculative_attention_mode") = std::string(speculative_attention_mode));
+    return impls["attn"](q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode,
+                         py::arg("scale") = scale, py::arg("sliding_window") = sliding_window,
+                         py::arg("logit_cap") = logit_cap, py::arg("sinks") = sinks,
+                         py::arg("attention_chunk") = attention_chunk, py::arg("k_scale") = k_scale,
+                         py::arg("v_scale") = v_scale, py::arg("prefill_backend") = std::string(prefill_backend),
+                         py::arg("decode_backend") = std::string(decode_backend),
+                         py::arg("speculative_attention_mode") = std::string(speculative_attention_mode));
   });
 }
 
