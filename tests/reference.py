@@ -157,3 +157,32 @@ def assert_close(out, ref, dtype):
     assert out.dtype == dtype
     err = (out.double().cpu() - ref).abs().max().item() if out.numel() else 0.0
     assert err <= TOLERANCE[dtype], f"max abs error {err:.3g} > {TOLERANCE[dtype]:.1g} for {dtype}"
+
+
+def to_fp8(x, kv_scale, dtype):
+    """The store of an fp8 cache, written plainly: x [..., Hkv, D] / kv_scale ([Hkv] or one value) in fp32, saturated
+    to the format's largest value, rounded to nearest even by the conversion."""
+    limit = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}[dtype]
+    per_head = kv_scale.float().reshape(-1, 1).expand(x.shape[-2], 1)
+    return (x.float() / per_head).clamp(-limit, limit).to(dtype)
+
+
+def from_fp8(x, kv_scale):
+    """The read of an fp8 cache: float64 stored value times its kv head's scale."""
+    return x.double() * kv_scale.double().reshape(-1, 1).expand(x.shape[-2], 1)
+
+
+def fp8_case(case: Case, dtype, k_scale, v_scale):
+    """`case` with fp8 caches (every slot quantized, poison included) and the case the float64 reference must attend
+    over: the dequantized prefix rows and new k, v. Returns (fp8 case, reference case, expected caches after the
+    call as uint8)."""
+    k_expected, v_expected = (to_fp8(c, s, dtype).view(torch.uint8) for c, s in zip(expected_cache(case),
+                                                                                       (k_scale, v_scale)))
+    stored = dict(k_cache=to_fp8(case.k_cache, k_scale, dtype), v_cache=to_fp8(case.v_cache, v_scale, dtype))
+    fp8 = Case(**{**case.__dict__, **stored})
+    def read(x, kv_scale):
+        return from_fp8(to_fp8(x, kv_scale, dtype), kv_scale)
+
+    reads = dict(k=read(case.k, k_scale), v=read(case.v, v_scale), prefix_k=[read(x, k_scale) for x in case.prefix_k],
+                 prefix_v=[read(x, v_scale) for x in case.prefix_v])
+    return fp8, Case(**{**case.__dict__, **reads}), (k_expected, v_expected)
