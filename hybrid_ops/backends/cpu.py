@@ -1,11 +1,11 @@
 """The native CPU backend ("cpu"): the C++ kernels of `kernels/cpu/paged_attention.cpp`.
 
 One call stores the new k, v and attends, reading the pages where they lie (no gather), split across the threads
-of `at::parallel_for`. The kernels build at first use with `torch.utils.cpp_extension` (g++ or clang, and ninja)
-into torch's extension directory, for the vector instructions ATen detected on this machine
-(`torch.backends.cpu.get_cpu_capability()`: DEFAULT, AVX2 or AVX512), so a build never uses instructions the CPU
-lacks; later processes load the cached library (one per source text). Without a compiler, "auto" warns once and
-takes the torch backend, and `backend="cpu"` is an error.
+of `at::parallel_for`; the caches in q's dtype, or fp8 with their scales (`options`: "fp8_kv"). The kernels build at
+first use with `torch.utils.cpp_extension` (g++ or clang, and ninja) into torch's extension directory, for the vector
+instructions ATen detected on this machine (`torch.backends.cpu.get_cpu_capability()`: DEFAULT, AVX2 or AVX512), so a
+build never uses instructions the CPU lacks; later processes load the cached library (one per source text). Without a
+compiler, "auto" warns once and takes the torch backend, and `backend="cpu"` is an error.
 
 The metadata lives on the host, so the kernel checks its values on every call before writing anything
 (`checks_values`); on bad values it returns None and `check_metadata_values` names the culprit.
@@ -99,6 +99,7 @@ class CpuBackend(Backend):
     name = "cpu"
     requirement = "a C++ compiler and ninja to build its kernels (pip install ninja)"
     checks_values = True
+    options = frozenset({"fp8_kv"})
 
     def __init__(self):
         self._module = None
@@ -127,17 +128,18 @@ class CpuBackend(Backend):
         return device.type == "cpu" and dtype in FLOAT_DTYPES
 
     def prefill(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                logit_cap, decode=False):
+                logit_cap, decode=False, k_scale=None, v_scale=None):
+        """k_scale, v_scale: [Hkv] float32 with fp8 caches (`fp8.per_head`), else None."""
         out = self._module.forward(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale,
-                                   sliding_window, logit_cap, decode)
+                                   sliding_window, logit_cap, decode, k_scale, v_scale)
         if out is None:
             check_metadata_values(cu_seqlens_q, seq_lens, block_table, q.shape[0], k_cache.shape[0],
                                   k_cache.shape[1], decode)
             raise HybridInputError("the metadata's values are inconsistent (cu_seqlens_q, seq_lens, block_table)")
         return out
 
-    def decode(self, *args):
-        return self.prefill(*args, decode=True)
+    def decode(self, *args, k_scale=None, v_scale=None):
+        return self.prefill(*args, decode=True, k_scale=k_scale, v_scale=v_scale)
 
 
 registry.subscribe(configure_entry_points)

@@ -7,7 +7,8 @@
 // from a compiled graph. Any other call (another backend, an argument that fails a check, a mode or backend name
 // not in the tables) goes to the Python implementation, which runs the other backends and raises the errors that
 // name the argument. Calls that use an option the native kernel does not implement (attention sinks, chunked
-// attention, a value head dim other than q's) go to Python too, where "auto" picks a backend that has them. Python
+// attention, a value head dim other than q's) go to Python too, where "auto" picks a backend that has them; fp8
+// caches with their k_scale, v_scale run here. Python
 // sets the tables (`configure`, hybrid_ops/backends/cpu.py) on every change to the
 // backend registry; until it does, every call goes to Python.
 //
@@ -54,10 +55,20 @@ std::shared_ptr<const Tables> tables;
 
 std::shared_ptr<const Tables> current_tables() { return std::atomic_load(&tables); }
 
-// validation.args_ok: true when validation.check_args would pass.
+bool is_fp8(at::ScalarType dtype) { return dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2; }
+
+// validation._kv_scale_ok: float32 of shape [], [1] or [Hkv], on the CPU.
+bool kv_scale_ok(const std::optional<at::Tensor>& kv_scale, int64_t num_kv_heads) {
+  return kv_scale && kv_scale->scalar_type() == at::kFloat && kv_scale->device().is_cpu() &&
+         (kv_scale->dim() == 0 ||
+          (kv_scale->dim() == 1 && (kv_scale->size(0) == 1 || kv_scale->size(0) == num_kv_heads)));
+}
+
+// validation.args_ok: true when validation.check_args would pass (Dv != D aside: false, as the kernel needs Dv = D).
 bool args_ok(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
              const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
-             const at::Tensor& block_table, std::optional<double> scale, int64_t sliding_window, double logit_cap) {
+             const at::Tensor& block_table, std::optional<double> scale, int64_t sliding_window, double logit_cap,
+             const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   if (q.dim() != 3 || k.dim() != 3 || k_cache.dim() != 4 || !v.sizes().equals(k.sizes()) ||
       !v_cache.sizes().equals(k_cache.sizes())) {
     return false;
@@ -67,10 +78,14 @@ bool args_ok(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
       q.size(2) != k_cache.size(3) || q.size(1) % num_kv_heads != 0) {
     return false;
   }
-  const auto dtype = q.scalar_type();
+  // k, v in q's dtype; both caches in q's dtype or both in one fp8 dtype, the scales only with fp8, both or neither.
+  const auto dtype = q.scalar_type(), cache_dtype = k_cache.scalar_type();
   if (dtype != at::kFloat && dtype != at::kHalf && dtype != at::kBFloat16) return false;
-  for (const at::Tensor* t : {&k, &v, &k_cache, &v_cache}) {
-    if (t->scalar_type() != dtype) return false;
+  if (k.scalar_type() != dtype || v.scalar_type() != dtype || v_cache.scalar_type() != cache_dtype) return false;
+  if (cache_dtype != dtype && !is_fp8(cache_dtype)) return false;
+  if ((k_scale || v_scale) &&
+      !(is_fp8(cache_dtype) && kv_scale_ok(k_scale, num_kv_heads) && kv_scale_ok(v_scale, num_kv_heads))) {
+    return false;
   }
   for (const at::Tensor* t : {&cu_seqlens_q, &seq_lens, &block_table}) {
     if (t->scalar_type() != at::kInt) return false;
@@ -99,15 +114,16 @@ at::Tensor run_native(bool decode, const at::Tensor& q, const at::Tensor& k, con
                       const at::Tensor& block_table, std::optional<double> scale, int64_t sliding_window,
                       double logit_cap, const std::optional<at::Tensor>& sinks, int64_t attention_chunk,
                       const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
-  if (sinks.has_value() || attention_chunk != -1 || k_scale.has_value() || v_scale.has_value() ||
-      !args_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap)) {
+  if (sinks.has_value() || attention_chunk != -1 ||
+      !args_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
+               k_scale, v_scale)) {
     return {};
   }
   const int64_t num_tokens = q.size(0), num_requests = seq_lens.size(0);
   if (decode && !decode_shape_ok(num_tokens, num_requests)) return {};
   const double resolved_scale = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
   return hybrid_ops::paged_attention(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, resolved_scale,
-                                     sliding_window, logit_cap, decode);
+                                     sliding_window, logit_cap, decode, k_scale, v_scale);
 }
 
 // call(ops.PYTHON_IMPLEMENTATIONS), with the GIL: the kernels run without it, and building the arguments' Python
@@ -186,9 +202,15 @@ TORCH_LIBRARY_IMPL(hybrid, CPU, m) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &hybrid_ops::paged_attention,
-        "KV store, then paged attention; None when the metadata's values are invalid");
+        "KV store, then paged attention; None when the metadata's values are invalid", py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("cu_seqlens_q"), py::arg("seq_lens"),
+        py::arg("block_table"), py::arg("scale"), py::arg("sliding_window"), py::arg("logit_cap"), py::arg("decode"),
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   // The checks, for tests that hold them to validation.py's on the same inputs.
-  m.def("args_ok", &args_ok);
+  m.def("args_ok", &args_ok, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("cu_seqlens_q"), py::arg("seq_lens"), py::arg("block_table"), py::arg("scale"),
+        py::arg("sliding_window"), py::arg("logit_cap"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none());
   m.def("decode_shape_ok", &decode_shape_ok);
   m.def("metadata_values_ok", &hybrid_ops::metadata_values_ok);
   m.def("multiplies_in_cache_dtype", &hybrid_ops::multiplies_in_cache_dtype,

@@ -1,8 +1,9 @@
 // Paged attention on the CPU: KV store, then attention of every request's new tokens over its pages, read where
 // they lie (no gather copy). Shapes and metadata as in hybrid_ops/metadata.py:
 //   q [T, Hq, D], k, v [T, Hkv, D] (any strides); k_cache, v_cache [num_pages, page_size, Hkv, D] contiguous;
-//   cu_seqlens_q [B + 1], seq_lens [B], block_table [B, max_pages] int32. Caches fp32, fp16 or bf16; softmax and
-//   accumulation in fp32.
+//   cu_seqlens_q [B + 1], seq_lens [B], block_table [B, max_pages] int32. q fp32, fp16 or bf16; caches in q's dtype,
+//   or fp8 (float8_e4m3fn, float8_e5m2) holding saturate(x / scale) with one fp32 scale per kv head for k and for v
+//   (hybrid_ops/fp8.py); softmax and accumulation in fp32.
 //
 // Work is cut into units (request, kv heads, block of query tokens, slice of keys), taken by the threads of
 // at::parallel_for from a shared counter, since units differ in length. One unit keeps the query rows of its kv
@@ -11,10 +12,11 @@
 // dot products over tiles of BLOCK_N keys read in place, a unit taking every kv head and reading each 4 KiB page of
 // memory in order (a position's Hkv * D elements lie together; see attend_tile). Many rows (prefill) take ATen's
 // brgemm (oneDNN) per kv head over tiles of GEMM_BLOCK_N keys packed in fp32, or in the cache's 16-bit type on AMX:
-// by the unit, or once for all the query blocks of a request. A request with one block of queries (decode, verify, a
-// short chunk over a long prefix) splits its keys into slices, merged by log-sum-exp, so a batch of one still uses
-// several cores. The slicing depends on the request alone, so a request's result is the same in any batch and on any
-// number of threads.
+// by the unit, or once for all the query blocks of a request. fp8 rows are read in place one byte per element and
+// widened in registers (see Fp8); their scales apply to the query rows or scores (k) and to the output (v). A request
+// with one block of queries (decode, verify, a short chunk over a long prefix) splits its keys into slices, merged by
+// log-sum-exp, so a batch of one still uses several cores. The slicing depends on the request alone, so a request's
+// result is the same in any batch and on any number of threads.
 //
 // The metadata's values are checked first (before anything is written); on bad values `paged_attention` returns an
 // undefined tensor (None in Python) and the caller reports which value is wrong.
@@ -27,6 +29,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/bit_cast.h>
 
 #include <algorithm>
 #include <atomic>
@@ -57,12 +60,79 @@ constexpr int64_t GEMM_N = 32;         // and their key counts (a divisor of GEM
 constexpr int64_t GEMM_CHUNK = 64;     // rows per pair of its products (a multiple of GEMM_M)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
+// fp8 caches. A byte's raw value, the fp32 of its sign bit and, at the low end of fp32's exponent and mantissa, its
+// other bits, is exactly its value / raw_unit (fp32's subnormals mirror fp8's): a sign extension, a shift and a mask.
+template <typename C>
+struct Fp8 {};
+template <>
+struct Fp8<at::Float8_e4m3fn> {
+  static constexpr int shift = 20;
+  static constexpr uint32_t mask = 0x87F00000u;  // sign, 4 exponent and 3 mantissa bits
+  static constexpr float raw_unit = 0x1p120f, max = 448.f;
+};
+template <>
+struct Fp8<at::Float8_e5m2> {
+  static constexpr int shift = 21;
+  static constexpr uint32_t mask = 0x8FE00000u;  // sign, 5 exponent and 2 mantissa bits
+  static constexpr float raw_unit = 0x1p112f, max = 57344.f;
+};
+template <typename C>
+constexpr bool is_fp8 = std::is_same_v<C, at::Float8_e4m3fn> || std::is_same_v<C, at::Float8_e5m2>;
+
+// The rows of few-rows units hold raw fp8 values, near fp32's smallest normals. So that products and sums stay normal
+// (subnormal results lose bits, and run slowly on some CPUs), the query rows and the probabilities take `lifted` of
+// raw_unit each (they are O(1): far from fp32's largest), and the scores and the output the rest. All 1 but for fp8.
+template <typename C>
+constexpr float raw_unit() {
+  if constexpr (is_fp8<C>) {
+    return Fp8<C>::raw_unit;
+  } else {
+    return 1.f;
+  }
+}
+template <typename C>
+constexpr float lifted() {
+  return is_fp8<C> ? 0x1p64f : 1.f;
+}
+
+// A cache element as few-rows units read it: its value, or (fp8) its raw value.
+template <typename C>
+inline float raw_value(C x) {
+  if constexpr (is_fp8<C>) {
+    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(static_cast<int8_t>(x.x))) << Fp8<C>::shift;
+    return c10::bit_cast<float>(bits & Fp8<C>::mask);
+  } else {
+    return static_cast<float>(x);
+  }
+}
+
+// VEC raw fp8 values: sign-extended bytes (the sign fills the bits the mask clears), shifted into place.
+template <typename C>
+inline Vec load_raw(const C* p) {
+  constexpr auto mask = static_cast<int32_t>(Fp8<C>::mask);
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(b, Fp8<C>::shift), _mm512_set1_epi32(mask)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, Fp8<C>::shift), _mm256_set1_epi32(mask)));
+#else
+  float raw[VEC];
+  for (int64_t i = 0; i < VEC; ++i) raw[i] = raw_value(p[i]);
+  return Vec::loadu(raw);
+#endif
+}
+
 inline Vec load_row(const float* p) { return Vec::loadu(p); }
 template <typename T>
 inline Vec load_row(const T* p) {
-  Vec out;
-  at::vec::load_to_float(p, out);
-  return out;
+  if constexpr (is_fp8<T>) {
+    return load_raw(p);
+  } else {
+    Vec out;
+    at::vec::load_to_float(p, out);
+    return out;
+  }
 }
 
 inline float hsum(const Vec& x) {
@@ -120,12 +190,14 @@ struct Merge {
   int64_t request, head, num_tokens, num_splits, partial, split_stride;
 };
 
-// Everything a unit reads; T is the caches' (and q's) element type.
-template <typename T>
+// Everything a unit reads; T is q's element type, C the caches' (T or fp8).
+template <typename T, typename C>
 struct Problem {
-  const T *q, *k_cache, *v_cache;
+  const T* q;
+  const C *k_cache, *v_cache;
   T* out;                            // [T, Hq, D] contiguous
   float *partial_out, *partial_lse;  // [rows, D], [rows]
+  const float *k_scale, *v_scale;    // [Hkv]: each kv head's scales (1 for caches in q's dtype)
   void* packed;  // tiles of PackJobs in the products' type: K^T then V, GEMM_BLOCK_N * padded_dim elements each
   Metadata md;
   int64_t q_strides[3], page_size, num_kv_heads, group, head_dim, padded_dim;
@@ -135,7 +207,7 @@ struct Problem {
   int64_t row_stride;  // num_kv_heads * head_dim
 
   // One kv head's row `in_page` of the request's `page`-th page.
-  const T* row(const T* cache, int64_t request, int64_t page, int64_t in_page, int64_t head) const {
+  const C* row(const C* cache, int64_t request, int64_t page, int64_t in_page, int64_t head) const {
     const int64_t id = md.table[request * md.table_stride + page];
     return cache + (id * page_size + in_page) * row_stride + head * head_dim;
   }
@@ -143,11 +215,19 @@ struct Problem {
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// Whether many rows of a T cache multiply in T on AMX: oneDNN's brgemm on VNNI-packed tiles. cpublas reports packing
-// available exactly when its brgemm takes the dtype on AMX (bf16: AMX-BF16; fp16: AMX-FP16).
-template <typename T>
+// Whether many rows of q in T over a C cache may multiply in T on AMX: 16-bit caches in q's dtype, not fp8.
+template <typename T, typename C>
+constexpr bool amx_type = std::is_same_v<T, C> && !std::is_same_v<T, float>;
+
+// Whether they do: oneDNN's brgemm on VNNI-packed tiles. cpublas reports packing available exactly when its brgemm
+// takes the dtype on AMX (bf16: AMX-BF16; fp16: AMX-FP16).
+template <typename T, typename C>
 bool amx_available() {
-  return !std::is_same_v<T, float> && at::native::cpublas::could_pack(c10::CppTypeToScalarType<T>::value);
+  if constexpr (amx_type<T, C>) {
+    return at::native::cpublas::could_pack(c10::CppTypeToScalarType<T>::value);
+  } else {
+    return false;
+  }
 }
 
 // The operands of a many-rows tile's two products in G, the type brgemm multiplies (fp32; 16-bit on AMX):
@@ -167,7 +247,7 @@ struct GemmTiles {
 };
 
 // Per-thread scratch, reused across the units a thread takes; the brgemm tiles in the type its products take.
-template <typename T>
+template <typename T, typename C>
 struct Scratch {
   const bool amx;
   std::vector<float> q, acc, scores, m, l, tile_max, alpha, packed_k, packed_v;
@@ -175,7 +255,7 @@ struct Scratch {
   GemmTiles<T> amx16;
   // rows: the most rows of a unit; gemm_rows: of a unit whose products go through brgemm (0: none).
   Scratch(int64_t rows, int64_t gemm_rows, int64_t padded_dim)
-      : amx(amx_available<T>()),
+      : amx(amx_available<T, C>()),
         q(rows * padded_dim),
         acc(round_up(rows, GEMM_M) * padded_dim),
         scores(round_up(rows, GEMM_M) * GEMM_BLOCK_N),
@@ -224,12 +304,16 @@ template <int RB, int KB, typename R>
     for (int c = 0; c < KB; ++c) scores[r * BLOCK_N + j + c * ks] = hsum(acc[r][c]);
 }
 
-// Keys a, a + ks, ... below b.
+// Keys a, a + ks, ... below b, KEY_BLOCK at a time: with 4 rows, the accumulators, key chunks and query chunk then fit
+// the vector registers (16 with AVX2, 32 with AVX512) instead of spilling to the stack.
+constexpr int KEY_BLOCK = VEC >= 16 ? 4 : 2;
 template <int RB, typename R>
 void scores_dot(const float* q, int64_t dim, const R* const* k, int64_t a, int64_t b, int64_t ks, int64_t offset,
                 float* scores) {
   int64_t j = a;
-  for (; j + 3 * ks < b; j += 4 * ks) scores_dot_keys<RB, 4>(q, dim, k, j, ks, offset, scores);
+  for (; j + (KEY_BLOCK - 1) * ks < b; j += KEY_BLOCK * ks) {
+    scores_dot_keys<RB, KEY_BLOCK>(q, dim, k, j, ks, offset, scores);
+  }
   for (; j < b; j += ks) scores_dot_keys<RB, 1>(q, dim, k, j, ks, offset, scores);
 }
 
@@ -275,8 +359,8 @@ void for_row_blocks(int64_t rows, F&& fn) {
 
 // Keys [a, b) of a tile starting at key j0 with n keys that scratch row r of the unit sees (a >= b: none). Rows are
 // head-major: row r is query token r % (num_tokens * group) / group of its kv head.
-template <typename T>
-std::pair<int64_t, int64_t> visible(const Problem<T>& pb, const Unit& u, int64_t r, int64_t j0, int64_t n) {
+template <typename T, typename C>
+std::pair<int64_t, int64_t> visible(const Problem<T, C>& pb, const Unit& u, int64_t r, int64_t j0, int64_t n) {
   const int64_t prefix = pb.md.lens[u.request] - (pb.md.cu[u.request + 1] - pb.md.cu[u.request]);
   const int64_t pos = prefix + u.t0 + r % (u.num_tokens * pb.group) / pb.group;
   const int64_t lo = pb.window > 0 ? std::max<int64_t>(0, pos + 1 - pb.window) : 0;
@@ -284,11 +368,12 @@ std::pair<int64_t, int64_t> visible(const Problem<T>& pb, const Unit& u, int64_t
 }
 
 // Online softmax of rows [r0, r1) over a tile of n keys starting at key j0, whose scores s.scores hold (row r at
-// r * ld) times score_scale: p replaces the scores of each row's visible keys (0 elsewhere in [0, n)), and m, l and
-// acc are updated. Returns the visible span [a_min, b_max) over the rows (empty: nothing to accumulate).
-template <typename T>
-std::pair<int64_t, int64_t> softmax_tile(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, int64_t ld,
-                                         float score_scale, int64_t r0, int64_t r1, Scratch<T>& s) {
+// r * ld) times score_scale: p times p_scale replaces the scores of each row's visible keys (0 elsewhere in [0, n)),
+// and m, l (the sums of p) and acc are updated. Returns the visible span [a_min, b_max) over the rows (empty: nothing
+// to accumulate).
+template <typename T, typename C>
+std::pair<int64_t, int64_t> softmax_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, int64_t ld,
+                                         float score_scale, float p_scale, int64_t r0, int64_t r1, Scratch<T, C>& s) {
   const int64_t dim = pb.padded_dim;
   // Without a soft-cap, a positive scale folds into the exponent: exp(scale * x - m), m the scaled maximum.
   const bool fold = pb.logit_cap == 0 && score_scale > 0;
@@ -329,18 +414,18 @@ std::pair<int64_t, int64_t> softmax_tile(const Problem<T>& pb, const Unit& u, in
     std::fill(sc, sc + a, 0.f);
     std::fill(sc + std::max(a, b), sc + n, 0.f);
     if (a >= b) continue;
-    const Vec scale(k), m_new(-s.m[r]);
+    const Vec scale(k), m_new(-s.m[r]), p_factor(p_scale);
     Vec sum_v(0.f);
     int64_t j = a;
     for (; j + VEC <= b; j += VEC) {
       const Vec e = at::vec::fmadd(Vec::loadu(sc + j), scale, m_new).exp_u20();
       sum_v = sum_v + e;
-      e.store(sc + j);
+      (e * p_factor).store(sc + j);
     }
     if (j < b) {
       const Vec e = Vec::set(Vec(0.f), at::vec::fmadd(Vec::loadu(sc + j, b - j), scale, m_new).exp_u20(), b - j);
       sum_v = sum_v + e;
-      e.store(sc + j, b - j);
+      (e * p_factor).store(sc + j, b - j);
     }
     const float alpha = s.alpha[r];
     s.l[r] = s.l[r] * alpha + hsum(sum_v);
@@ -366,9 +451,9 @@ void prefetch_rows(const T* const* rows, int64_t n, int64_t row_bytes) {
 // takes keys in groups of `pages` memory pages of per_page positions each, and each group in per_page passes of one
 // key from each page (s, s + per_page, ...), every kv head in turn. So pass s reads position s of each page, head by
 // head: within the page, in order.
-template <typename T, typename R>
-void attend_tile(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, const R* const* k, const R* const* v,
-                 int64_t rows, Scratch<T>& s) {
+template <typename T, typename C, typename R>
+void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, const R* const* k, const R* const* v,
+                 int64_t rows, Scratch<T, C>& s) {
   const int64_t dim = pb.padded_dim, heads = u.num_heads;
   const int64_t position_bytes = heads * pb.head_dim * static_cast<int64_t>(sizeof(R));
   // Positions per memory page, when passes are worth taking: a page of BLOCK_N or more positions (16-bit rows of
@@ -393,7 +478,9 @@ void attend_tile(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, con
       }
     });
   }
-  const auto [a_min, b_max] = softmax_tile(pb, u, j0, n, BLOCK_N, 1.f, 0, heads * rows, s);
+  // The query rows hold the scale (and the kv head's k_scale): the scores and probabilities take the rest of raw_unit.
+  const auto [a_min, b_max] =
+      softmax_tile(pb, u, j0, n, BLOCK_N, raw_unit<C>() / lifted<C>(), lifted<C>(), 0, heads * rows, s);
   for (int64_t j = a_min; j < b_max; j += group) {
     passes(j, std::min(j + group, b_max), [&](int64_t a, int64_t b, int64_t ks) {
       for (int64_t h = 0; h < heads; ++h) {
@@ -431,10 +518,17 @@ void round_probs(const float* src, G* dst, int64_t count) {
   at::vec::convert(src, dst, count);
 }
 
+// n values of a row in D; fp8 into fp32, exactly (raw values times a power of two).
 template <typename S, typename D>
 void copy_row(const S* src, D* dst, int64_t n) {
   if constexpr (std::is_same_v<S, D>) {
     std::memcpy(dst, src, n * sizeof(S));
+  } else if constexpr (is_fp8<S>) {
+    static_assert(std::is_same_v<D, float>);
+    const Vec unit(raw_unit<S>());
+    int64_t i = 0;
+    for (; i + VEC <= n; i += VEC) (load_raw(src + i) * unit).store(dst + i);
+    for (; i < n; ++i) dst[i] = raw_value(src[i]) * raw_unit<S>();
   } else {
     at::vec::convert(src, dst, n);
   }
@@ -442,9 +536,9 @@ void copy_row(const S* src, D* dst, int64_t n) {
 
 // Pointers to the rows of keys j0 .. j0 + n - 1 of a request's kv head. Walks the pages instead of dividing per key;
 // table entries past the request's last key are never read.
-template <typename T>
-void tile_rows(const Problem<T>& pb, int64_t request, int64_t head, int64_t j0, int64_t n, const T** k_rows,
-               const T** v_rows) {
+template <typename T, typename C>
+void tile_rows(const Problem<T, C>& pb, int64_t request, int64_t head, int64_t j0, int64_t n, const C** k_rows,
+               const C** v_rows) {
   int64_t page = j0 / pb.page_size, in_page = j0 % pb.page_size;
   for (int64_t j = 0; j < n; ++j, ++in_page) {
     if (in_page == pb.page_size) {
@@ -461,16 +555,17 @@ void tile_rows(const Problem<T>& pb, int64_t request, int64_t head, int64_t j0, 
   }
 }
 
-// K^T and V of keys j0 .. j0 + n - 1 (n <= GEMM_BLOCK_N) of a request's kv head in G, as the products take them
-// (see GemmTiles): kt [D / per_word, GEMM_BLOCK_N, per_word], v [GEMM_BLOCK_N / per_word, D, per_word], zero past n
-// keys (up to the products' padded key count). K^T is zero past the head dim (g.k_rows stages the K rows for the
-// transpose, zero there); V is not written there, as those columns of the accumulators are never read.
-template <typename G, typename T>
-void pack_tile(const Problem<T>& pb, int64_t request, int64_t head, int64_t j0, int64_t n, GemmTiles<G>& g, G* kt,
+// K^T and V of keys j0 .. j0 + n - 1 (n <= GEMM_BLOCK_N) of a request's kv head in G (fp8: its stored values,
+// unscaled), as the products take them (see GemmTiles): kt [D / per_word, GEMM_BLOCK_N, per_word], v [GEMM_BLOCK_N /
+// per_word, D, per_word], zero past n keys (up to the products' padded key count). K^T is zero past the head dim
+// (g.k_rows stages the K rows for the transpose, zero there); V is not written there, as those columns of the
+// accumulators are never read.
+template <typename G, typename T, typename C>
+void pack_tile(const Problem<T, C>& pb, int64_t request, int64_t head, int64_t j0, int64_t n, GemmTiles<G>& g, G* kt,
                G* vt) {
   constexpr bool vnni = !std::is_same_v<G, float>;
-  const T* k[GEMM_BLOCK_N];
-  const T* v[GEMM_BLOCK_N];
+  const C* k[GEMM_BLOCK_N];
+  const C* v[GEMM_BLOCK_N];
   tile_rows(pb, request, head, j0, n, k, v);
   const int64_t dim = pb.padded_dim;
   // K^T is the transpose of the staged rows (zero past the head dim); in VNNI pairs, of the rows read as 32-bit words.
@@ -501,11 +596,11 @@ void pack_tile(const Problem<T>& pb, int64_t request, int64_t head, int64_t j0, 
 }
 
 // One tile of n <= GEMM_BLOCK_N keys starting at key j0 for many rows, by brgemm in G over the packed kt and vt
-// (pack_tile): S = Q K^T, online softmax in fp32, acc += P V. The scale is applied to the fp32 scores; in 16-bit
-// (AMX), P is rounded to the cache dtype for its product, as flash attention does.
-template <typename G, typename T>
-void attend_tile_brgemm(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t n, const G* kt, const G* vt,
-                        int64_t rows, Scratch<T>& s) {
+// (pack_tile): S = Q K^T, online softmax in fp32, acc += P V. The scale (and the kv head's k_scale) is applied to the
+// fp32 scores; in 16-bit (AMX), P is rounded to the cache dtype for its product, as flash attention does.
+template <typename G, typename T, typename C>
+void attend_tile_brgemm(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, const G* kt, const G* vt,
+                        int64_t rows, Scratch<T, C>& s) {
   constexpr bool vnni = !std::is_same_v<G, float>;
   GemmTiles<G>& g = s.template tiles<G>();
   const int64_t dim = pb.padded_dim;
@@ -521,7 +616,7 @@ void attend_tile_brgemm(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t
                                 vnni);
     // Columns past n hold scores against K's zero columns (0), which meet V's zero rows; columns past the last
     // visible key get probability 0.
-    softmax_tile(pb, u, j0, std::min(n, cols), GEMM_BLOCK_N, pb.scale, r0, r1, s);
+    softmax_tile(pb, u, j0, std::min(n, cols), GEMM_BLOCK_N, pb.scale * pb.k_scale[u.head], 1.f, r0, r1, s);
     const G* p;
     if constexpr (vnni) {
       p = g.p.data() + r0 * GEMM_BLOCK_N;
@@ -536,19 +631,19 @@ void attend_tile_brgemm(const Problem<T>& pb, const Unit& u, int64_t j0, int64_t
 }
 
 // A unit's tiles for few rows (attend_tile): K/V rows in place when the head dim is whole vectors (always for a unit
-// of several heads, see forward_typed), else copied (fp32, zero-padded) into the scratch tile.
-template <typename T>
-void attend_dot(const Problem<T>& pb, const Unit& u, int64_t rows, Scratch<T>& s) {
-  const int64_t dim = pb.padded_dim, row_bytes = pb.head_dim * static_cast<int64_t>(sizeof(T));
-  const T* k_tiles[2][BLOCK_N];
-  const T* v_tiles[2][BLOCK_N];
+// of several heads, see forward_typed), else copied (fp32 raw values, zero-padded) into the scratch tile.
+template <typename T, typename C>
+void attend_dot(const Problem<T, C>& pb, const Unit& u, int64_t rows, Scratch<T, C>& s) {
+  const int64_t dim = pb.padded_dim, row_bytes = pb.head_dim * static_cast<int64_t>(sizeof(C));
+  const C* k_tiles[2][BLOCK_N];
+  const C* v_tiles[2][BLOCK_N];
   const float* k_packed[BLOCK_N];
   const float* v_packed[BLOCK_N];
   tile_rows(pb, u.request, u.head, u.lo, std::min(BLOCK_N, u.hi - u.lo), k_tiles[0], v_tiles[0]);
   for (int64_t j0 = u.lo, t = 0; j0 < u.hi; j0 += BLOCK_N, t ^= 1) {
     const int64_t n = std::min(BLOCK_N, u.hi - j0), next = j0 + BLOCK_N;
-    const T** k_rows = k_tiles[t];
-    const T** v_rows = v_tiles[t];
+    const C** k_rows = k_tiles[t];
+    const C** v_rows = v_tiles[t];
     // A unit of one kv head prefetches the whole next tile (see PAGE_BYTES).
     if (next < u.hi) {
       const int64_t n_next = std::min(BLOCK_N, u.hi - next);
@@ -566,8 +661,8 @@ void attend_dot(const Problem<T>& pb, const Unit& u, int64_t rows, Scratch<T>& s
       float* kd = s.packed_k.data() + j * dim;
       float* vd = s.packed_v.data() + j * dim;
       for (int64_t d = 0; d < pb.head_dim; ++d) {
-        kd[d] = static_cast<float>(k_rows[j][d]);
-        vd[d] = static_cast<float>(v_rows[j][d]);
+        kd[d] = raw_value(k_rows[j][d]);
+        vd[d] = raw_value(v_rows[j][d]);
       }
       k_packed[j] = kd;
       v_packed[j] = vd;
@@ -577,13 +672,15 @@ void attend_dot(const Problem<T>& pb, const Unit& u, int64_t rows, Scratch<T>& s
 }
 
 // A unit with brgemm in G, or (G = float) with the dot products.
-template <typename G, typename T>
-void run_unit_typed(const Problem<T>& pb, const Unit& u, Scratch<T>& s, bool brgemm) {
+template <typename G, typename T, typename C>
+void run_unit_typed(const Problem<T, C>& pb, const Unit& u, Scratch<T, C>& s, bool brgemm) {
   const int64_t dim = pb.padded_dim, group = pb.group, rows = u.num_tokens * group, all_rows = u.num_heads * rows;
   const int64_t q_start = pb.md.cu[u.request] + u.t0;
-  // Scratch row r (head-major): query token r % rows / group, query head (u.head + r / rows) * group + r % group.
+  // Scratch row r (head-major): query token r % rows / group, kv head u.head + r / rows, query head
+  // (u.head + r / rows) * group + r % group.
   const auto q_token = [&](int64_t r) { return q_start + r % rows / group; };
-  const auto q_head = [&](int64_t r) { return (u.head + r / rows) * group + r % group; };
+  const auto kv_head = [&](int64_t r) { return u.head + r / rows; };
+  const auto q_head = [&](int64_t r) { return kv_head(r) * group + r % group; };
   for (int64_t r = 0; r < all_rows; ++r) {
     const T* src = pb.q + q_token(r) * pb.q_strides[0] + q_head(r) * pb.q_strides[1];
     if (brgemm) {  // unscaled (the scale applies to the scores); dims past head_dim stay 0
@@ -596,7 +693,8 @@ void run_unit_typed(const Problem<T>& pb, const Unit& u, Scratch<T>& s, bool brg
       continue;
     }
     float* dst = s.q.data() + r * dim;
-    for (int64_t d = 0; d < pb.head_dim; ++d) dst[d] = static_cast<float>(src[d * pb.q_strides[2]]) * pb.scale;
+    const float q_scale = pb.scale * pb.k_scale[kv_head(r)] * lifted<C>();  // see attend_tile
+    for (int64_t d = 0; d < pb.head_dim; ++d) dst[d] = static_cast<float>(src[d * pb.q_strides[2]]) * q_scale;
     std::fill(dst + pb.head_dim, dst + dim, 0.f);
   }
   if (brgemm) {  // rows up to the products' padded count: zero queries (and 16-bit probabilities) add nothing
@@ -631,9 +729,12 @@ void run_unit_typed(const Problem<T>& pb, const Unit& u, Scratch<T>& s, bool brg
   }
   if (!std::is_same_v<G, float>) at::native::cpublas::brgemm_release();  // AMX's tile state, freed per unit
 
+  // The kv head's v_scale, and for raw fp8 rows the rest of raw_unit (see attend_tile); split partials hold the
+  // output's own values, so the merge takes them as they are.
+  const float raw = brgemm ? 1.f : raw_unit<C>() / lifted<C>();
   for (int64_t r = 0; r < all_rows; ++r) {
     const float* acc = s.acc.data() + r * dim;
-    const float inv = s.l[r] > 0 ? 1.f / s.l[r] : 0.f;
+    const float inv = (s.l[r] > 0 ? 1.f / s.l[r] : 0.f) * (pb.v_scale[kv_head(r)] * raw);
     if (u.partial < 0) {
       T* dst = pb.out + (q_token(r) * pb.num_kv_heads * group + q_head(r)) * pb.head_dim;
       for (int64_t d = 0; d < pb.head_dim; ++d) dst[d] = static_cast<T>(acc[d] * inv);
@@ -647,34 +748,34 @@ void run_unit_typed(const Problem<T>& pb, const Unit& u, Scratch<T>& s, bool brg
 
 // Few rows: K/V rows in place when the head dim is whole vectors, else copied (fp32, zero-padded) into the scratch
 // tile. Many rows: brgemm over tiles packed in fp32, or in the cache's 16-bit type on AMX.
-template <typename T>
-void run_unit(const Problem<T>& pb, const Unit& u, Scratch<T>& s) {
+template <typename T, typename C>
+void run_unit(const Problem<T, C>& pb, const Unit& u, Scratch<T, C>& s) {
   if (u.num_tokens * pb.group < GEMM_ROWS) return run_unit_typed<float>(pb, u, s, false);
-  if constexpr (!std::is_same_v<T, float>) {
+  if constexpr (amx_type<T, C>) {
     if (s.amx) return run_unit_typed<T>(pb, u, s, true);
   }
   run_unit_typed<float>(pb, u, s, true);
 }
 
 // A PackJob, in the type G the products take.
-template <typename G, typename T>
-void run_pack_typed(const Problem<T>& pb, const PackJob& job, int64_t index, Scratch<T>& s) {
+template <typename G, typename T, typename C>
+void run_pack_typed(const Problem<T, C>& pb, const PackJob& job, int64_t index, Scratch<T, C>& s) {
   const int64_t tile_elems = GEMM_BLOCK_N * pb.padded_dim;
   G* kt = static_cast<G*>(pb.packed) + index * 2 * tile_elems;
   pack_tile(pb, job.request, job.head, job.j0, job.n, s.template tiles<G>(), kt, kt + tile_elems);
 }
 
-template <typename T>
-void run_pack(const Problem<T>& pb, const PackJob& job, int64_t index, Scratch<T>& s) {
-  if constexpr (!std::is_same_v<T, float>) {
+template <typename T, typename C>
+void run_pack(const Problem<T, C>& pb, const PackJob& job, int64_t index, Scratch<T, C>& s) {
+  if constexpr (amx_type<T, C>) {
     if (s.amx) return run_pack_typed<T>(pb, job, index, s);
   }
   run_pack_typed<float>(pb, job, index, s);
 }
 
 // Combines a request's key slices: out = sum_s exp(lse_s - max) out_s / sum_s exp(lse_s - max).
-template <typename T>
-void run_merge(const Problem<T>& pb, const Merge& mg) {
+template <typename T, typename C>
+void run_merge(const Problem<T, C>& pb, const Merge& mg) {
   const int64_t rows = mg.num_tokens * pb.group, q_start = pb.md.cu[mg.request];
   std::vector<float> acc(pb.head_dim);
   for (int64_t r = 0; r < rows; ++r) {
@@ -707,28 +808,52 @@ void parallel_dynamic(int64_t n, F&& fn) {
   });
 }
 
-template <typename T>
+// x as a cache of C holds it: as it is, or (fp8) as hybrid_ops.fp8.quantize stores it, bit for bit: divided by its kv
+// head's scale in fp32, saturated, then rounded to nearest even by c10's conversion (NaN stays NaN).
+template <typename C, typename T>
+inline C to_cache(T x, float kv_scale) {
+  if constexpr (is_fp8<C>) {
+    return C(std::clamp(static_cast<float>(x) / kv_scale, -Fp8<C>::max, Fp8<C>::max));
+  } else {
+    return x;
+  }
+}
+
+// src [T, Hkv, D] (q's dtype) into the cache's rows of the new tokens; kv_scale [Hkv].
+template <typename T, typename C>
 void store_kv(const at::Tensor& src, at::Tensor& cache, const Metadata& md, const std::vector<int64_t>& request_of,
-              int64_t page_size) {
+              int64_t page_size, const float* kv_scale) {
   const int64_t num_tokens = src.size(0), heads = src.size(1), dim = src.size(2);
   const int64_t st = src.stride(0), sh = src.stride(1), sd = src.stride(2);
   const T* s = src.data_ptr<T>();
-  T* c = cache.data_ptr<T>();
+  C* c = cache.data_ptr<C>();
   at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t i = request_of[t];
       const int64_t pos = md.lens[i] - (md.cu[i + 1] - md.cu[i]) + t - md.cu[i];
       const int64_t page = md.table[i * md.table_stride + pos / page_size];
-      T* dst = c + (page * page_size + pos % page_size) * heads * dim;
+      C* dst = c + (page * page_size + pos % page_size) * heads * dim;
       for (int64_t h = 0; h < heads; ++h)
-        for (int64_t d = 0; d < dim; ++d) dst[h * dim + d] = s[t * st + h * sh + d * sd];
+        for (int64_t d = 0; d < dim; ++d) dst[h * dim + d] = to_cache<C>(s[t * st + h * sh + d * sd], kv_scale[h]);
     }
   });
 }
 
-template <typename T>
+// A scale argument as [Hkv] values: [], [1] or [Hkv] float32 (any stride), or none (1).
+std::vector<float> per_head(const std::optional<at::Tensor>& kv_scale, int64_t num_kv_heads) {
+  std::vector<float> out(num_kv_heads, 1.f);
+  if (!kv_scale) return out;
+  const float* p = kv_scale->data_ptr<float>();
+  const int64_t stride = kv_scale->numel() == 1 ? 0 : kv_scale->stride(0);
+  for (int64_t h = 0; h < num_kv_heads; ++h) out[h] = p[h * stride];
+  return out;
+}
+
+// Scales and the cache's dtype (C) as in paged_attention.
+template <typename T, typename C>
 at::Tensor forward_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
-                         at::Tensor& v_cache, const Metadata& md, double scale, int64_t window, double logit_cap) {
+                         at::Tensor& v_cache, const Metadata& md, double scale, int64_t window, double logit_cap,
+                         const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   const int64_t num_tokens = q.size(0), num_q_heads = q.size(1), head_dim = q.size(2);
   const int64_t page_size = k_cache.size(1), num_kv_heads = k_cache.size(2), group = num_q_heads / num_kv_heads;
   auto out = at::empty({num_tokens, num_q_heads, head_dim}, q.options());
@@ -783,36 +908,39 @@ at::Tensor forward_typed(const at::Tensor& q, const at::Tensor& k, const at::Ten
     }
   }
 
-  store_kv<T>(k, k_cache, md, request_of, page_size);
-  store_kv<T>(v, v_cache, md, request_of, page_size);
+  const std::vector<float> k_scales = per_head(k_scale, num_kv_heads), v_scales = per_head(v_scale, num_kv_heads);
+  store_kv<T, C>(k, k_cache, md, request_of, page_size, k_scales.data());
+  store_kv<T, C>(v, v_cache, md, request_of, page_size, v_scales.data());
 
   const int64_t padded_dim = (head_dim + VEC - 1) / VEC * VEC;
   auto partial_out = at::empty({partial_rows, head_dim}, q.options().dtype(at::kFloat));
   auto partial_lse = at::empty({partial_rows}, q.options().dtype(at::kFloat));
   auto packed = at::empty({static_cast<int64_t>(pack_jobs.size()) * 2 * GEMM_BLOCK_N * padded_dim},
-                          q.options().dtype(amx_available<T>() ? q.scalar_type() : at::kFloat));
-  Problem<T> pb{q.data_ptr<T>(),
-                k_cache.data_ptr<T>(),
-                v_cache.data_ptr<T>(),
-                out.data_ptr<T>(),
-                partial_out.data_ptr<float>(),
-                partial_lse.data_ptr<float>(),
-                packed.data_ptr(),
-                md,
-                {q.stride(0), q.stride(1), q.stride(2)},
-                page_size,
-                num_kv_heads,
-                group,
-                head_dim,
-                padded_dim,
-                static_cast<float>(scale),
-                static_cast<float>(logit_cap),
-                window,
-                num_kv_heads * head_dim};
-  std::vector<std::unique_ptr<Scratch<T>>> scratch(at::get_num_threads());
-  const auto thread_scratch = [&]() -> Scratch<T>& {
+                          q.options().dtype(amx_available<T, C>() ? q.scalar_type() : at::kFloat));
+  Problem<T, C> pb{q.data_ptr<T>(),
+                   k_cache.data_ptr<C>(),
+                   v_cache.data_ptr<C>(),
+                   out.data_ptr<T>(),
+                   partial_out.data_ptr<float>(),
+                   partial_lse.data_ptr<float>(),
+                   k_scales.data(),
+                   v_scales.data(),
+                   packed.data_ptr(),
+                   md,
+                   {q.stride(0), q.stride(1), q.stride(2)},
+                   page_size,
+                   num_kv_heads,
+                   group,
+                   head_dim,
+                   padded_dim,
+                   static_cast<float>(scale),
+                   static_cast<float>(logit_cap),
+                   window,
+                   num_kv_heads * head_dim};
+  std::vector<std::unique_ptr<Scratch<T, C>>> scratch(at::get_num_threads());
+  const auto thread_scratch = [&]() -> Scratch<T, C>& {
     auto& s = scratch[at::get_thread_num()];
-    if (!s) s = std::make_unique<Scratch<T>>(max_rows, max_gemm_rows, padded_dim);
+    if (!s) s = std::make_unique<Scratch<T, C>>(max_rows, max_gemm_rows, padded_dim);
     return *s;
   };
   parallel_dynamic(static_cast<int64_t>(pack_jobs.size()),
@@ -823,23 +951,46 @@ at::Tensor forward_typed(const at::Tensor& q, const at::Tensor& k, const at::Ten
   return out;
 }
 
+template <typename X>
+struct Of {
+  using type = X;
+};
+
 }  // namespace
 
 namespace hybrid_ops {
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                            at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
-                           const at::Tensor& block_table, double scale, int64_t window, double logit_cap, bool decode) {
+                           const at::Tensor& block_table, double scale, int64_t window, double logit_cap, bool decode,
+                           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   const auto cu = cu_seqlens_q.contiguous(), lens = seq_lens.contiguous(), table = block_table.contiguous();
   const Metadata md = metadata_of(cu, lens, table);
   if (!metadata_ok(md, q.size(0), k_cache.size(0), k_cache.size(1), decode)) return at::Tensor();
+  // q's element type, then the caches': q's or fp8.
+  const auto with_cache = [&](auto q_type) -> at::Tensor {
+    using T = typename decltype(q_type)::type;
+    const auto run = [&](auto cache_type) {
+      return forward_typed<T, typename decltype(cache_type)::type>(q, k, v, k_cache, v_cache, md, scale, window,
+                                                                   logit_cap, k_scale, v_scale);
+    };
+    switch (k_cache.scalar_type()) {
+      case at::kFloat8_e4m3fn:
+        return run(Of<at::Float8_e4m3fn>());
+      case at::kFloat8_e5m2:
+        return run(Of<at::Float8_e5m2>());
+      default:
+        TORCH_CHECK(k_cache.scalar_type() == q.scalar_type(), "the caches must have q's dtype or be fp8");
+        return run(Of<T>());
+    }
+  };
   switch (q.scalar_type()) {
     case at::kFloat:
-      return forward_typed<float>(q, k, v, k_cache, v_cache, md, scale, window, logit_cap);
+      return with_cache(Of<float>());
     case at::kHalf:
-      return forward_typed<at::Half>(q, k, v, k_cache, v_cache, md, scale, window, logit_cap);
+      return with_cache(Of<at::Half>());
     case at::kBFloat16:
-      return forward_typed<at::BFloat16>(q, k, v, k_cache, v_cache, md, scale, window, logit_cap);
+      return with_cache(Of<at::BFloat16>());
     default:
       TORCH_CHECK(false, "q must be float32, float16 or bfloat16");
   }
@@ -848,9 +999,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 bool multiplies_in_cache_dtype(at::ScalarType dtype) {
   switch (dtype) {
     case at::kHalf:
-      return amx_available<at::Half>();
+      return amx_available<at::Half, at::Half>();
     case at::kBFloat16:
-      return amx_available<at::BFloat16>();
+      return amx_available<at::BFloat16, at::BFloat16>();
     default:
       return false;
   }

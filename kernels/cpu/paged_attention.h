@@ -8,18 +8,20 @@ namespace hybrid_ops {
 
 // Stores k, v [T, Hkv, D] into the caches [num_pages, page_size, Hkv, D], then returns the attention of q [T, Hq, D]
 // over each request's pages. Arguments as the ops' (checked by the caller), scale resolved; `decode`: every request
-// has the same query length. Returns an undefined tensor, having written nothing, when the metadata's values are
-// invalid.
+// has the same query length. Caches in q's dtype (fp32, fp16, bf16), or both fp8 (float8_e4m3fn, float8_e5m2) with
+// k_scale, v_scale: [], [1] or [Hkv] float32, any strides (none: 1). Returns an undefined tensor, having written
+// nothing, when the metadata's values are invalid.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                            at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
-                           const at::Tensor& block_table, double scale, int64_t window, double logit_cap, bool decode);
+                           const at::Tensor& block_table, double scale, int64_t window, double logit_cap, bool decode,
+                           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale);
+
+// Whether many query rows over a cache of `dtype` multiply in that dtype (16-bit brgemm on AMX), not in fp32.
+bool multiplies_in_cache_dtype(at::ScalarType dtype);
 
 // The values validation.check_metadata_values accepts (cu_seqlens_q from 0 to num_tokens, non-decreasing; each
 // request's length within its table row and at least its new tokens; its pages' ids in [0, num_pages); one query
 // length for every request when `decode`), for metadata whose shapes and dtypes the entry points' checks passed.
-// Whether many query rows over a cache of `dtype` multiply in that dtype (16-bit brgemm on AMX), not in fp32.
-bool multiplies_in_cache_dtype(at::ScalarType dtype);
-
 bool metadata_values_ok(const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, const at::Tensor& block_table,
                         int64_t num_tokens, int64_t num_pages, int64_t page_size, bool decode);
 
