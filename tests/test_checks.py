@@ -1,8 +1,8 @@
 """The argument and metadata checks exist twice: in Python (validation.py, which names the culprit) and in C++ (the cpu
 backend's entry points and kernel, which decide without Python whether a call may run). Both must accept exactly the
 same inputs: one that C++ accepted and Python would refuse would run unchecked; one C++ refused and Python accepts
-only costs a detour. Random batches, each with a random set of the bad inputs of test_errors.py and random metadata
-values, are put to both."""
+only costs a detour. Random batches (caches in q's dtype or fp8, with scale arguments good and bad), each with a random
+set of the bad inputs of test_errors.py and random metadata values, are put to both."""
 
 import math
 
@@ -17,22 +17,44 @@ import hybrid_ops
 from hybrid_ops import HybridInputError
 from hybrid_ops.validation import args_ok, check_args, check_metadata_values, decode_shape_ok
 
-# The mutations of test_errors.py that change the op's tensors or its scale, sliding_window and logit_cap.
-OPTIONS = ("scale", "sliding_window", "logit_cap")
+# The mutations of test_errors.py that change the op's tensors or its scale, sliding_window, logit_cap, k_scale and
+# v_scale.
+SCALARS = ("scale", "sliding_window", "logit_cap")
+KV_SCALES = ("k_scale", "v_scale")
 MUTATIONS = {name: mutation for name, (op, mutation, _) in {**BAD_INPUTS, **VALUE_INPUTS}.items()
-             if set(mutation(valid_case("decode").args, {})[1]) <= set(OPTIONS)}
+             if set(mutation(valid_case("decode").args, {})[1]) <= {*SCALARS, *KV_SCALES}}
 VALID_OPTIONS = {"scale": [None, 0.125, 1.0], "sliding_window": [-1, 1, 5], "logit_cap": [0.0, 3.0]}
 BAD_OPTIONS = {"scale": [0.0, -1.0, math.nan, math.inf], "sliding_window": [0, -2], "logit_cap": [-1.0, math.nan,
                                                                                                    math.inf]}
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+# The caches' dtypes: q's (None), fp8, or two that differ.
+CACHE_DTYPES = [None, E4M3, E5M2, (E4M3, E5M2), (E5M2, torch.float32)]
+# (k_scale, v_scale) for the batches' 2 kv heads: the accepted shapes (any strides), and bad ones.
+KV_SCALE_ARGS = {
+    "none": lambda: (None, None),
+    "scalar": lambda: (torch.tensor(0.5), torch.tensor(2.0)),
+    "one": lambda: (torch.tensor([0.5]), torch.tensor(2.0)),
+    "per_head": lambda: (torch.tensor([0.5, 1.5]), torch.tensor([2.0, 0.25])),
+    "stride_0": lambda: (torch.tensor(0.5).expand(2), torch.tensor([2.0]).expand(2)),
+    "strided": lambda: (torch.rand(4)[::2], torch.rand(2)),
+    "k_only": lambda: (torch.tensor(0.5), None),
+    "v_only": lambda: (None, torch.ones(2)),
+    "float64": lambda: (torch.ones((), dtype=torch.float64), torch.ones(())),
+    "bfloat16": lambda: (torch.ones(2), torch.ones(2, dtype=torch.bfloat16)),
+    "three_heads": lambda: (torch.ones(3), torch.ones(2)),
+    "no_heads": lambda: (torch.ones(2), torch.ones(0)),
+    "two_dims": lambda: (torch.ones(1, 1), torch.ones(1)),
+    "meta": lambda: (torch.ones(2, device="meta"), torch.ones(2)),
+}
 
 
 def native():
     return hybrid_ops.get_backend("cpu", torch.device("cpu"), torch.float32, 16)._module
 
 
-def python_accepts(check, *args) -> bool:
+def python_accepts(check, *args, **kwargs) -> bool:
     try:
-        check(*args)
+        check(*args, **kwargs)
     except HybridInputError:
         return False
     return True
@@ -50,8 +72,13 @@ def inputs(draw, first=None):
                      num_q_heads=draw(st.sampled_from([2, 4, 8])), num_kv_heads=2,
                      head_dim=draw(st.sampled_from([8, 16])),
                      page_size=draw(st.sampled_from([1, 4])), strided=draw(st.booleans()),
-                     seed=draw(st.integers(0, 2**16)))
-    args, options = case.args, {name: draw(st.sampled_from(values)) for name, values in VALID_OPTIONS.items()}
+                     dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])), seed=draw(st.integers(0, 2**16)))
+    args, options = list(case.args), {name: draw(st.sampled_from(values)) for name, values in VALID_OPTIONS.items()}
+    cache_dtypes = draw(st.sampled_from(CACHE_DTYPES))
+    if cache_dtypes is not None:
+        cache_dtypes = cache_dtypes if isinstance(cache_dtypes, tuple) else (cache_dtypes, cache_dtypes)
+        args[3:5] = (cache.to(dtype) for cache, dtype in zip(args[3:5], cache_dtypes))
+    options |= dict(zip(KV_SCALES, KV_SCALE_ARGS[draw(st.sampled_from(list(KV_SCALE_ARGS)))]()))
     bad_option = st.sampled_from([(name, value) for name, values in BAD_OPTIONS.items() for value in values])
     for mutation in [first or (lambda *a: a)] + draw(st.lists(st.one_of(st.sampled_from(list(MUTATIONS.values())),
                                                                          bad_option), max_size=2)):
@@ -77,10 +104,11 @@ def inputs(draw, first=None):
 def test_cpp_and_python_checks_agree(first, data):
     """Each bad input of the tables in turn (and none: random ones only), on random batches."""
     args, options, decode = data.draw(inputs(MUTATIONS.get(first)))
-    scalars = [options[name] for name in OPTIONS]
-    accepted = python_accepts(check_args, *args, *scalars)
-    assert args_ok(*args, *scalars) == accepted
-    assert native().args_ok(*args, *scalars) == accepted
+    scalars = [options[name] for name in SCALARS]
+    kv_scales = {name: options.get(name) for name in KV_SCALES}
+    accepted = python_accepts(check_args, *args, *scalars, **kv_scales)
+    assert args_ok(*args, *scalars, **kv_scales) == accepted
+    assert native().args_ok(*args, *scalars, **kv_scales) == accepted
     event(f"arguments accepted: {accepted}")
     if not accepted:
         return

@@ -1,19 +1,20 @@
 """The native CPU backend on long contexts: past its key-slice boundaries (256 keys for units of every kv head, 512 for
 units of one), tile boundaries (64 keys for few rows, 256 for many), query blocks (512 rows), row chunks of its
 products (64 rows, padded to 16) and page boundaries, both row paths (few rows: dot products over every kv head; many:
-brgemm per kv head, in fp32 or in 16-bit on AMX), head dims 20, 64, 80 and 128 (read in place, or copied and
-padded), with -1 past each request's pages."""
+brgemm per kv head, in fp32 or in 16-bit on AMX), head dims 8, 20, 64, 80 and 128 (read in place, or copied and
+padded), with -1 past each request's pages; the same over fp8 caches, whose bytes must be torch's quantization."""
 
 import math
 import re
 
 import pytest
 import torch
-from reference import expected_cache, make_case, reference
+from reference import expected_cache, fp8_case, make_case, reference
 
 import hybrid_ops
 from hybrid_ops import ForwardMode, select_path
 from hybrid_ops.backends.torch_ref import TorchBackend
+from hybrid_ops.fp8 import per_head
 
 # Max abs error over the reference's largest magnitude: long contexts average many values, so outputs are small
 # and an absolute bound would let a 1% error through. The bounds sit above each dtype's output rounding.
@@ -44,6 +45,10 @@ CASES = {  # op, make_case arguments
     # Fresh prefills, one of two query blocks (group 1: 512 tokens a block), page 1.
     "prefill": ("prefill", dict(q_lens=[600, 70], prefix_lens=[0, 0], num_q_heads=2, num_kv_heads=2, head_dim=128,
                                 page_size=1)),
+    # Few rows (2 draft tokens x group 2) of a head dim of no whole vectors: units of one kv head over rows copied to
+    # fp32; 2 slices and 1; page 3.
+    "verify_head_dim_20": ("decode", dict(q_lens=[2] * 2, prefix_lens=[700, 90], num_q_heads=4, num_kv_heads=2,
+                                          head_dim=20, page_size=3)),
 }
 OPTIONS = {
     "default": dict(),
@@ -69,11 +74,83 @@ def test_long_contexts_against_float64(name, option, dtype):
     pad_table_with_minus_one(case)
     k_ref, v_ref = expected_cache(case)
     out = getattr(torch.ops.hybrid, op)(*case.args, **OPTIONS[option], backend="cpu")
-    ref = reference(case, **OPTIONS[option])
-    error = (out.double() - ref).abs().max().item() / ref.abs().max().item()
-    assert out.dtype == dtype and out.shape == case.q.shape
-    assert error <= RELATIVE[dtype], f"relative error {error:.3g} > {RELATIVE[dtype]:.1g}"
+    assert_relative(out, reference(case, **OPTIONS[option]), dtype)
     assert torch.equal(case.k_cache, k_ref) and torch.equal(case.v_cache, v_ref)
+
+
+def assert_relative(out, ref, dtype):
+    error = (out.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert error <= RELATIVE[dtype], f"relative error {error:.3g} > {RELATIVE[dtype]:.1g}"
+
+
+FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def fp8_scales(kind, num_kv_heads):
+    """(k_scale, v_scale): one per kv head, each head's at least 2x another's (a kernel that takes another head's scale
+    is off by far), k's rising and v's falling; or one each, as [] and [1]."""
+    if kind == "per_head":
+        spread = torch.logspace(-1.3, 0.6, max(num_kv_heads, 2))[:num_kv_heads]
+        return spread, spread.flip(0) * 1.7
+    return torch.tensor(0.3), torch.tensor([2.5])
+
+
+def check_fp8(op, case, cache_dtype, k_scale, v_scale, **options):
+    """op over `case` with its caches quantized: the output against float64 over the dequantized values, and the new
+    tokens' bytes in the caches exactly torch's quantization of them."""
+    fp8, read, (k_expected, v_expected) = fp8_case(case, cache_dtype, k_scale, v_scale)
+    out = getattr(torch.ops.hybrid, op)(*fp8.args, **options, k_scale=k_scale, v_scale=v_scale, backend="cpu")
+    assert_relative(out, reference(read, **options), case.q.dtype)
+    assert torch.equal(fp8.k_cache.view(torch.uint8), k_expected), "k_cache differs from torch's quantization"
+    assert torch.equal(fp8.v_cache.view(torch.uint8), v_expected), "v_cache differs from torch's quantization"
+
+
+# Each case with one q dtype; per-head scales without options, one scale with a window and a soft-cap.
+FP8_DTYPES = dict(zip(CASES, [torch.bfloat16, torch.float32, torch.float16] * 3))
+FP8_OPTIONS = {"per_head": "default", "one": "window_softcap"}
+
+
+@pytest.mark.parametrize("scales", FP8_OPTIONS)
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("name", CASES)
+def test_fp8_long_contexts_against_float64(name, cache_dtype, scales):
+    op, kwargs = CASES[name]
+    case = make_case(**kwargs, dtype=FP8_DTYPES[name], seed=11)
+    pad_table_with_minus_one(case)
+    check_fp8(op, case, FP8[cache_dtype], *fp8_scales(scales, kwargs["num_kv_heads"]),
+              **OPTIONS[FP8_OPTIONS[scales]])
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("op", ["decode", "prefill"])
+def test_fp8_store_saturates(op, cache_dtype):
+    """New k, v past the format's range (inf included) are stored as its largest value, as torch's conversion after the
+    clamp: e5m2's conversion alone would make them inf. Decode reads them in place, prefill through brgemm."""
+    q_lens = [1, 1] if op == "decode" else [20, 9]
+    case = make_case(q_lens, [30, 70], num_q_heads=16, num_kv_heads=2, head_dim=64, page_size=16,
+                     dtype=torch.float32, seed=12)
+    k_scale, v_scale = fp8_scales("per_head", 2)
+    limit = torch.finfo(FP8[cache_dtype]).max
+    for t, kv_scale in ((case.k, k_scale), (case.v, v_scale)):
+        t[:, :, :3] = torch.tensor([1e6, -1e9, math.inf])
+        t[:, :, 3] = -1.1 * limit * kv_scale  # just past the range: e5m2's conversion alone would round it to -inf
+    check_fp8(op, case, FP8[cache_dtype], k_scale, v_scale)
+
+
+def test_fp8_backend_object_takes_per_head_views():
+    """The backend object's own call, as the ops' Python implementation makes it: scales as [Hkv] stride-0 views."""
+    backend = hybrid_ops.get_backend("cpu", torch.device("cpu"), torch.bfloat16, 64)
+    case = make_case([1] * 3, [300, 5, 1000], num_q_heads=8, num_kv_heads=4, head_dim=64, page_size=16,
+                     dtype=torch.bfloat16, seed=13)
+    k_scale, v_scale = torch.tensor(0.3), torch.tensor([2.5])
+    fp8, read, (k_expected, v_expected) = fp8_case(case, torch.float8_e5m2, k_scale, v_scale)
+    views = {name: per_head(s, 4, case.q.device) for name, s in (("k_scale", k_scale), ("v_scale", v_scale))}
+    assert views["k_scale"].stride() == (0,)
+    out = backend.decode(*fp8.args, 0.125, -1, 0.0, **views)
+    assert_relative(out, reference(read, scale=0.125), torch.bfloat16)
+    assert torch.equal(fp8.k_cache.view(torch.uint8), k_expected)
+    assert torch.equal(fp8.v_cache.view(torch.uint8), v_expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -88,16 +165,21 @@ def test_16_bit_products_on_amx(dtype):
         test_long_contexts_against_float64(name, "window_softcap", dtype)
 
 
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
 @pytest.mark.parametrize("num_kv_heads", [1, 2])  # units of one kv head; of every kv head
-def test_thread_count_does_not_change_the_result(num_kv_heads):
+def test_thread_count_does_not_change_the_result(num_kv_heads, cache_dtype):
     """A batch of one: its key slices run on several threads, or all on one, with the same result bit for bit."""
     case = make_case([1], [2000], num_q_heads=4, num_kv_heads=num_kv_heads, head_dim=128, page_size=16, seed=8)
+    scales = {}
+    if cache_dtype is not None:
+        scales = dict(zip(("k_scale", "v_scale"), fp8_scales("per_head", num_kv_heads)))
+        case = fp8_case(case, cache_dtype, *scales.values())[0]
     threads = torch.get_num_threads()
     outs = []
     for n in (max(threads, 2), 1):
         torch.set_num_threads(n)
         try:
-            outs.append(torch.ops.hybrid.decode(*case.args, backend="cpu"))
+            outs.append(torch.ops.hybrid.decode(*case.args, **scales, backend="cpu"))
         finally:
             torch.set_num_threads(threads)
     assert torch.equal(outs[0], outs[1])
@@ -209,3 +291,26 @@ def test_auto_follows_a_preferred_backend(python_calls):
     python_calls.clear()
     torch.ops.hybrid.prefill(*make_case([3], [2], seed=6).args)
     assert python_calls == []
+
+
+@pytest.mark.parametrize("backend", ["cpu", "auto"])
+def test_fp8_calls_skip_python(python_calls, backend):
+    """fp8 calls with scales of each accepted shape, or none, run in C++; with sinks, which the kernel does not
+    implement, the call goes to Python (and "auto" to the torch backend)."""
+    one = torch.tensor(1.0)
+    for scales in ({}, dict(k_scale=torch.tensor(0.5), v_scale=torch.tensor([2.0])),
+                   dict(k_scale=torch.tensor([0.5, 3.0]), v_scale=torch.tensor([2.0, 0.2]))):
+        case = attn_case(ForwardMode.DECODE, "prefill")
+        fp8, read, (k_expected, v_expected) = fp8_case(case, torch.float8_e4m3fn, scales.get("k_scale", one),
+                                                       scales.get("v_scale", one))
+        python_calls.clear()
+        out = torch.ops.hybrid.decode(*fp8.args, **scales, backend=backend)
+        assert python_calls == []
+        assert torch.allclose(out.double(), reference(read), atol=2e-5)
+        assert torch.equal(fp8.k_cache.view(torch.uint8), k_expected)
+    if backend == "auto":
+        sinks = torch.zeros(case.q.shape[1])
+        fp8, read, _ = fp8_case(attn_case(ForwardMode.DECODE, "prefill"), torch.float8_e4m3fn, one, one)
+        out = torch.ops.hybrid.decode(*fp8.args, sinks=sinks)
+        assert python_calls == ["decode"]
+        assert torch.allclose(out.double(), reference(read, sinks=sinks), atol=2e-5)
