@@ -22,6 +22,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import hybrid_ops
 from hybrid_ops import PagedKVCache
+from hybrid_ops.fp8 import quantize
 
 RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parent.parent))  # the e2e and prefix sections import examples/generate.py
@@ -114,6 +115,15 @@ class Batch:
         k_cache, v_cache = self.cache.layer(0)
         return lambda: op(self.q, self.k_new, self.v_new, k_cache, v_cache, *self.meta, backend=backend)
 
+    def hybrid_fp8(self, op, backend, cache_dtype=torch.float8_e4m3fn):
+        """The same call over copies of the caches in `cache_dtype`, with a scale per kv head (its largest value to the
+        format's largest)."""
+        caches = self.cache.layer(0)
+        scales = [c.float().abs().amax(dim=(0, 1, 3)) / torch.finfo(cache_dtype).max for c in caches]
+        k_cache, v_cache = (quantize(c, s, cache_dtype) for c, s in zip(caches, scales))
+        return lambda: op(self.q, self.k_new, self.v_new, k_cache, v_cache, *self.meta, k_scale=scales[0],
+                          v_scale=scales[1], backend=backend)
+
     def sdpa_exact(self):
         """Per-request SDPA over exact contiguous K/V: the dense ideal."""
         def run():
@@ -161,6 +171,8 @@ HYBRID_BACKENDS = ["cpu", "torch"]
 PEER_METHODS = {"sdpa exact per request": "sdpa_exact", "sdpa padded static cache": "sdpa_padded",
                 "flex attention": "flex"}
 PEERS = list(PEER_METHODS)
+# bf16 decode's extra rows: the cpu backend over an fp8 copy of the cache, timed in the same rounds.
+FP8_METHOD = f"hybrid_ops {HYBRID_BACKENDS[0]}, fp8 e4m3 cache"
 
 
 def hybrid_methods(batch, op):
@@ -178,7 +190,7 @@ def op_section(quick, bandwidth):
              ("prefill+prefix", "fp32", [1024, 512, 2048, 768], [256, 128, 512, 192], torch.float32, PEERS),
              ("prefill+prefix", "bf16", [1024, 512, 2048, 768], [256, 128, 512, 192], torch.bfloat16, PEERS[:1])]
     if quick:
-        cases = [c for c in cases if c[1] == "fp32"]
+        cases = [c for c in cases if c[1] == "fp32" or c[:2] == ("decode", "bf16")]
     rows = []
     for name, dtype_name, prefixes, news, dtype, peers in cases:
         prefixes = [p - 1 for p in prefixes] if name == "decode" else prefixes  # context includes the new token
@@ -190,17 +202,22 @@ def op_section(quick, bandwidth):
             methods |= {(layout, m): fn for m, fn in hybrid_methods(batch, op).items()}
             if layout == "consecutive" or name == "decode":
                 methods |= {(layout, m): getattr(batch, PEER_METHODS[m]) for m in peers}
+            if (name, dtype) == ("decode", torch.bfloat16):
+                methods[(layout, FP8_METHOD)] = lambda batch=batch: batch.hybrid_fp8(op, HYBRID_BACKENDS[0])
         times = timeit_side_by_side(methods, reps)
         for layout, batch in batches.items():
             ours = times[(layout, f"hybrid_ops {HYBRID_BACKENDS[0]}")]
             measured = {m: t for (pages, m), t in times.items() if pages == layout}
             for method, seconds in measured.items():
+                kv_bytes = batch.kv_bytes // 2 if method == FP8_METHOD else batch.kv_bytes  # 1 byte, not 2
                 rows.append(dict(case=name, dtype=dtype_name, pages=layout, method=method,
-                                 ms=seconds and seconds * 1e3, kv_gbps=seconds and batch.kv_bytes / seconds / 1e9,
-                                 of_read_bandwidth=seconds and batch.kv_bytes / seconds / 1e9 / bandwidth,
+                                 ms=seconds and seconds * 1e3, kv_gbps=seconds and kv_bytes / seconds / 1e9,
+                                 of_read_bandwidth=seconds and kv_bytes / seconds / 1e9 / bandwidth,
                                  vs_hybrid=seconds and ours and seconds / ours))
             print(f"  {name} {dtype_name} {layout}: " + ", ".join(
                 f"{m} {t * 1e3:.1f} ms" if t else f"{m} failed" for m, t in measured.items()), flush=True)
+            if measured.get(FP8_METHOD) and ours:
+                print(f"  {name} {layout}: fp8 e4m3 / bf16 cache time {measured[FP8_METHOD] / ours:.2f}", flush=True)
     return rows
 
 
