@@ -138,6 +138,26 @@ def test_fp8_store_saturates(op, cache_dtype):
     check_fp8(op, case, FP8[cache_dtype], k_scale, v_scale)
 
 
+@pytest.mark.parametrize("scales", ["one", "per_head"])
+@pytest.mark.parametrize("cache_dtype", FP8)
+def test_fp8_store_rounds_as_torch(cache_dtype, scales):
+    """Every fp8 value and every tie between neighbouring ones (subnormal and normal, both signs), and the floats on
+    either side of each tie, stored as torch rounds them (to nearest even): with one scale of 1, and with scales that
+    divide first."""
+    dtype = FP8[cache_dtype]
+    values = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    values = values[values.isfinite()].unique()
+    ties = ((values[1:].double() + values[:-1].double()) / 2).float()
+    inf = torch.tensor(math.inf)
+    values = torch.cat([values, ties, ties.nextafter(inf), ties.nextafter(-inf)])
+    num_tokens = -(-values.numel() // 256)
+    case = make_case([num_tokens], [3], num_q_heads=2, num_kv_heads=2, head_dim=128, dtype=torch.float32, seed=14)
+    case.k.copy_(torch.cat([values, torch.zeros(num_tokens * 256 - values.numel())]).view_as(case.k))
+    case.v.copy_(case.k.flip(0))
+    k_scale, v_scale = (torch.ones(()), torch.ones(())) if scales == "one" else fp8_scales("per_head", 2)
+    check_fp8("prefill", case, dtype, k_scale, v_scale, scale=1e-3)
+
+
 def test_fp8_backend_object_takes_per_head_views():
     """The backend object's own call, as the ops' Python implementation makes it: scales as [Hkv] stride-0 views."""
     backend = hybrid_ops.get_backend("cpu", torch.device("cpu"), torch.bfloat16, 64)

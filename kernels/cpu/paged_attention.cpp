@@ -62,17 +62,18 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 // fp8 caches. A byte's raw value, the fp32 of its sign bit and, at the low end of fp32's exponent and mantissa, its
 // other bits, is exactly its value / raw_unit (fp32's subnormals mirror fp8's): a sign extension, a shift and a mask.
+// shift: fp32's mantissa bits past the format's; raw_unit: 2^(127 - bias).
 template <typename C>
 struct Fp8 {};
 template <>
 struct Fp8<at::Float8_e4m3fn> {
-  static constexpr int shift = 20;
+  static constexpr int shift = 20, bias = 7;
   static constexpr uint32_t mask = 0x87F00000u;  // sign, 4 exponent and 3 mantissa bits
   static constexpr float raw_unit = 0x1p120f, max = 448.f;
 };
 template <>
 struct Fp8<at::Float8_e5m2> {
-  static constexpr int shift = 21;
+  static constexpr int shift = 21, bias = 15;
   static constexpr uint32_t mask = 0x8FE00000u;  // sign, 5 exponent and 2 mantissa bits
   static constexpr float raw_unit = 0x1p112f, max = 57344.f;
 };
@@ -251,6 +252,7 @@ template <typename T, typename C>
 struct Scratch {
   const bool amx;
   std::vector<float> q, acc, scores, m, l, tile_max, alpha, packed_k, packed_v;
+  std::vector<int64_t> key_begin, key_end;  // the request's keys [key_begin[r], key_end[r]) that row r sees
   GemmTiles<float> f32;
   GemmTiles<T> amx16;
   // rows: the most rows of a unit; gemm_rows: of a unit whose products go through brgemm (0: none).
@@ -263,6 +265,8 @@ struct Scratch {
         l(rows),
         tile_max(rows),
         alpha(rows),
+        key_begin(rows),
+        key_end(rows),
         packed_k(BLOCK_N * padded_dim, 0.f),
         packed_v(BLOCK_N * padded_dim, 0.f) {
     if (gemm_rows < GEMM_ROWS) return;
@@ -357,14 +361,10 @@ void for_row_blocks(int64_t rows, F&& fn) {
   }
 }
 
-// Keys [a, b) of a tile starting at key j0 with n keys that scratch row r of the unit sees (a >= b: none). Rows are
-// head-major: row r is query token r % (num_tokens * group) / group of its kv head.
+// Keys [a, b) of a tile starting at key j0 with n keys that scratch row r of the unit sees (a >= b: none).
 template <typename T, typename C>
-std::pair<int64_t, int64_t> visible(const Problem<T, C>& pb, const Unit& u, int64_t r, int64_t j0, int64_t n) {
-  const int64_t prefix = pb.md.lens[u.request] - (pb.md.cu[u.request + 1] - pb.md.cu[u.request]);
-  const int64_t pos = prefix + u.t0 + r % (u.num_tokens * pb.group) / pb.group;
-  const int64_t lo = pb.window > 0 ? std::max<int64_t>(0, pos + 1 - pb.window) : 0;
-  return {std::clamp<int64_t>(lo - j0, 0, n), std::clamp<int64_t>(pos + 1 - j0, 0, n)};
+std::pair<int64_t, int64_t> visible(const Scratch<T, C>& s, int64_t r, int64_t j0, int64_t n) {
+  return {std::clamp<int64_t>(s.key_begin[r] - j0, 0, n), std::clamp<int64_t>(s.key_end[r] - j0, 0, n)};
 }
 
 // Online softmax of rows [r0, r1) over a tile of n keys starting at key j0, whose scores s.scores hold (row r at
@@ -372,15 +372,15 @@ std::pair<int64_t, int64_t> visible(const Problem<T, C>& pb, const Unit& u, int6
 // and m, l (the sums of p) and acc are updated. Returns the visible span [a_min, b_max) over the rows (empty: nothing
 // to accumulate).
 template <typename T, typename C>
-std::pair<int64_t, int64_t> softmax_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, int64_t ld,
-                                         float score_scale, float p_scale, int64_t r0, int64_t r1, Scratch<T, C>& s) {
+std::pair<int64_t, int64_t> softmax_tile(const Problem<T, C>& pb, int64_t j0, int64_t n, int64_t ld, float score_scale,
+                                         float p_scale, int64_t r0, int64_t r1, Scratch<T, C>& s) {
   const int64_t dim = pb.padded_dim;
   // Without a soft-cap, a positive scale folds into the exponent: exp(scale * x - m), m the scaled maximum.
   const bool fold = pb.logit_cap == 0 && score_scale > 0;
   const float k = fold ? score_scale : 1.f;
   int64_t a_min = n, b_max = 0;
   for (int64_t r = r0; r < r1; ++r) {
-    const auto [a, b] = visible(pb, u, r, j0, n);
+    const auto [a, b] = visible(s, r, j0, n);
     float* sc = s.scores.data() + r * ld;
     s.tile_max[r] = NEG_INF;
     if (a >= b) continue;
@@ -409,7 +409,7 @@ std::pair<int64_t, int64_t> softmax_tile(const Problem<T, C>& pb, const Unit& u,
     alpha.store(s.alpha.data() + r, c);
   }
   for (int64_t r = r0; r < r1; ++r) {
-    const auto [a, b] = visible(pb, u, r, j0, n);
+    const auto [a, b] = visible(s, r, j0, n);
     float* sc = s.scores.data() + r * ld;
     std::fill(sc, sc + a, 0.f);
     std::fill(sc + std::max(a, b), sc + n, 0.f);
@@ -480,7 +480,7 @@ void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, 
   }
   // The query rows hold the scale (and the kv head's k_scale): the scores and probabilities take the rest of raw_unit.
   const auto [a_min, b_max] =
-      softmax_tile(pb, u, j0, n, BLOCK_N, raw_unit<C>() / lifted<C>(), lifted<C>(), 0, heads * rows, s);
+      softmax_tile(pb, j0, n, BLOCK_N, raw_unit<C>() / lifted<C>(), lifted<C>(), 0, heads * rows, s);
   for (int64_t j = a_min; j < b_max; j += group) {
     passes(j, std::min(j + group, b_max), [&](int64_t a, int64_t b, int64_t ks) {
       for (int64_t h = 0; h < heads; ++h) {
@@ -609,14 +609,14 @@ void attend_tile_brgemm(const Problem<T, C>& pb, const Unit& u, int64_t j0, int6
   // diagonal, a window's start).
   for (int64_t r0 = 0; r0 < rows; r0 += GEMM_CHUNK) {
     const int64_t r1 = std::min(rows, r0 + GEMM_CHUNK), m = round_up(r1 - r0, GEMM_M);
-    const int64_t seen = visible(pb, u, r1 - 1, j0, n).second, cols = round_up(seen, GEMM_N);
-    if (seen == 0 || visible(pb, u, r0, j0, n).first == n) continue;
+    const int64_t seen = visible(s, r1 - 1, j0, n).second, cols = round_up(seen, GEMM_N);
+    if (seen == 0 || visible(s, r0, j0, n).first == n) continue;
     float* scores = s.scores.data() + r0 * GEMM_BLOCK_N;
     at::native::cpublas::brgemm(m, cols, dim, dim, GEMM_BLOCK_N, GEMM_BLOCK_N, false, g.q.data() + r0 * dim, kt, scores,
                                 vnni);
     // Columns past n hold scores against K's zero columns (0), which meet V's zero rows; columns past the last
     // visible key get probability 0.
-    softmax_tile(pb, u, j0, std::min(n, cols), GEMM_BLOCK_N, pb.scale * pb.k_scale[u.head], 1.f, r0, r1, s);
+    softmax_tile(pb, j0, std::min(n, cols), GEMM_BLOCK_N, pb.scale * pb.k_scale[u.head], 1.f, r0, r1, s);
     const G* p;
     if constexpr (vnni) {
       p = g.p.data() + r0 * GEMM_BLOCK_N;
@@ -706,6 +706,12 @@ void run_unit_typed(const Problem<T, C>& pb, const Unit& u, Scratch<T, C>& s, bo
   std::fill(s.acc.begin(), s.acc.begin() + all_rows * dim, 0.f);
   std::fill(s.m.begin(), s.m.begin() + all_rows, NEG_INF);
   std::fill(s.l.begin(), s.l.begin() + all_rows, 0.f);
+  // Row r sees the request's keys up to its query token's position, from the window's start.
+  const int64_t prefix = pb.md.lens[u.request] - (pb.md.cu[u.request + 1] - pb.md.cu[u.request]);
+  for (int64_t r = 0; r < all_rows; ++r) {
+    s.key_end[r] = prefix + u.t0 + r % rows / group + 1;
+    s.key_begin[r] = pb.window > 0 ? std::max<int64_t>(0, s.key_end[r] - pb.window) : 0;
+  }
 
   if (brgemm) {
     // Tiles packed before the units (a request of several query blocks: packed once, not once per block), aligned at
@@ -808,18 +814,39 @@ void parallel_dynamic(int64_t n, F&& fn) {
   });
 }
 
-// x as a cache of C holds it: as it is, or (fp8) as hybrid_ops.fp8.quantize stores it, bit for bit: divided by its kv
-// head's scale in fp32, saturated, then rounded to nearest even by c10's conversion (NaN stays NaN).
-template <typename C, typename T>
-inline C to_cache(T x, float kv_scale) {
-  if constexpr (is_fp8<C>) {
-    return C(std::clamp(static_cast<float>(x) / kv_scale, -Fp8<C>::max, Fp8<C>::max));
-  } else {
-    return x;
-  }
+// x as an fp8 cache of C holds it, as hybrid_ops.fp8.quantize stores it: divided by its kv head's scale in fp32,
+// saturated (NaN stays NaN), then rounded to nearest even by c10's conversion.
+template <typename C>
+inline C quantize(float x, float kv_scale) {
+  return C(std::clamp(x / kv_scale, -Fp8<C>::max, Fp8<C>::max));
 }
 
-// src [T, Hkv, D] (q's dtype) into the cache's rows of the new tokens; kv_scale [Hkv].
+// quantize of n values, VEC at a time, bit for bit: c10's conversion (Float8_e4m3fn.h, Float8_e5m2.h) on vectors.
+// Normal values round to nearest even by a bias added to the fp32 bits before the shift; subnormal ones by an fp32
+// addition of the power of two whose ulp is the format's smallest subnormal.
+template <typename C>
+void quantize_row(const float* x, float kv_scale, C* dst, int64_t n) {
+  using F = Fp8<C>;
+  using IVec = at::vec::Vectorized<int32_t>;
+  constexpr int32_t min_normal = (127 - F::bias + 1) << 23, denorm = (127 - F::bias + F::shift + 1) << 23;
+  const Vec scale(kv_scale), limit(F::max), denorm_value(c10::bit_cast<float>(denorm));
+  const IVec round((F::bias - 127) * (1 << 23) + (1 << (F::shift - 1)) - 1);
+  const IVec sign_bit(std::numeric_limits<int32_t>::min()), shift(F::shift), one(1), inf(0x7F800000), nan(0x7F);
+  int64_t i = 0;
+  for (; i + VEC <= n; i += VEC) {
+    const IVec bits = at::vec::cast<int32_t>(at::vec::clamp(Vec::loadu(x + i) / scale, -limit, limit));
+    const IVec sign = bits & sign_bit, abs = bits ^ sign;
+    const IVec subnormal = at::vec::cast<int32_t>(at::vec::cast<float>(abs) + denorm_value) - IVec(denorm);
+    const IVec normal = (abs + round + ((abs >> shift) & one)) >> shift;
+    const IVec code = IVec::blendv(IVec::blendv(normal, subnormal, abs < IVec(min_normal)), nan, abs > inf);
+    int32_t codes[VEC];
+    (code | (sign >> IVec(24))).store(codes);  // the sign bit copied down to bit 7 and above: the byte's sign
+    for (int64_t j = 0; j < VEC; ++j) dst[i + j].x = static_cast<uint8_t>(codes[j]);
+  }
+  for (; i < n; ++i) dst[i] = quantize<C>(x[i], kv_scale);
+}
+
+// src [T, Hkv, D] (q's dtype) into the cache's rows of the new tokens (fp8: quantized with kv_scale [Hkv]).
 template <typename T, typename C>
 void store_kv(const at::Tensor& src, at::Tensor& cache, const Metadata& md, const std::vector<int64_t>& request_of,
               int64_t page_size, const float* kv_scale) {
@@ -828,13 +855,21 @@ void store_kv(const at::Tensor& src, at::Tensor& cache, const Metadata& md, cons
   const T* s = src.data_ptr<T>();
   C* c = cache.data_ptr<C>();
   at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(is_fp8<C> ? dim : 0);  // a row in fp32, for quantize_row
     for (int64_t t = begin; t < end; ++t) {
       const int64_t i = request_of[t];
       const int64_t pos = md.lens[i] - (md.cu[i + 1] - md.cu[i]) + t - md.cu[i];
       const int64_t page = md.table[i * md.table_stride + pos / page_size];
       C* dst = c + (page * page_size + pos % page_size) * heads * dim;
-      for (int64_t h = 0; h < heads; ++h)
-        for (int64_t d = 0; d < dim; ++d) dst[h * dim + d] = to_cache<C>(s[t * st + h * sh + d * sd], kv_scale[h]);
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* x = s + t * st + h * sh;
+        if constexpr (is_fp8<C>) {
+          for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<float>(x[d * sd]);
+          quantize_row(row.data(), kv_scale[h], dst + h * dim, dim);
+        } else {
+          for (int64_t d = 0; d < dim; ++d) dst[h * dim + d] = x[d * sd];
+        }
+      }
     }
   });
 }
