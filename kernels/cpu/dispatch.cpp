@@ -8,9 +8,8 @@
 // not in the tables) goes to the Python implementation, which runs the other backends and raises the errors that
 // name the argument. Calls that use an option the native kernel does not implement (attention sinks, chunked
 // attention, a value head dim other than q's) go to Python too, where "auto" picks a backend that has them; fp8
-// caches with their k_scale, v_scale run here. Python
-// sets the tables (`configure`, hybrid_ops/backends/cpu.py) on every change to the
-// backend registry; until it does, every call goes to Python.
+// caches with their k_scale, v_scale run here. Python sets the tables (`configure`, hybrid_ops/backends/cpu.py) on
+// every change to the backend registry; until it does, every call goes to Python.
 //
 // The Python module's `forward` is the backend object's call of the same kernel.
 
