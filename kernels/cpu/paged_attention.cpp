@@ -830,15 +830,15 @@ void quantize_row(const float* x, float kv_scale, C* dst, int64_t n) {
   using IVec = at::vec::Vectorized<int32_t>;
   constexpr int32_t min_normal = (127 - F::bias + 1) << 23, denorm = (127 - F::bias + F::shift + 1) << 23;
   const Vec scale(kv_scale), limit(F::max), denorm_value(c10::bit_cast<float>(denorm));
-  const IVec round((F::bias - 127) * (1 << 23) + (1 << (F::shift - 1)) - 1);
+  const IVec rounding((F::bias - 127) * (1 << 23) + (1 << (F::shift - 1)) - 1);
   const IVec sign_bit(std::numeric_limits<int32_t>::min()), shift(F::shift), one(1), inf(0x7F800000), nan(0x7F);
   int64_t i = 0;
   for (; i + VEC <= n; i += VEC) {
     const IVec bits = at::vec::cast<int32_t>(at::vec::clamp(Vec::loadu(x + i) / scale, -limit, limit));
-    const IVec sign = bits & sign_bit, abs = bits ^ sign;
-    const IVec subnormal = at::vec::cast<int32_t>(at::vec::cast<float>(abs) + denorm_value) - IVec(denorm);
-    const IVec normal = (abs + round + ((abs >> shift) & one)) >> shift;
-    const IVec code = IVec::blendv(IVec::blendv(normal, subnormal, abs < IVec(min_normal)), nan, abs > inf);
+    const IVec sign = bits & sign_bit, magnitude = bits ^ sign;
+    const IVec subnormal = at::vec::cast<int32_t>(at::vec::cast<float>(magnitude) + denorm_value) - IVec(denorm);
+    const IVec normal = (magnitude + rounding + ((magnitude >> shift) & one)) >> shift;
+    const IVec code = IVec::blendv(IVec::blendv(normal, subnormal, magnitude < IVec(min_normal)), nan, magnitude > inf);
     int32_t codes[VEC];
     (code | (sign >> IVec(24))).store(codes);  // the sign bit copied down to bit 7 and above: the byte's sign
     for (int64_t j = 0; j < VEC; ++j) dst[i + j].x = static_cast<uint8_t>(codes[j]);
