@@ -18,20 +18,22 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import attend_pages
+from .common import attend_pages, kernel_kv
 from .config import Target, block_d, decode_tiles
 
 
 @triton.jit
 def _decode_split_kernel(
-    Q, KCache, VCache, PartialOut, PartialLse, SeqLens, BlockTable,  # pointers
+    Q, KCache, VCache, PartialOut, PartialLse, SeqLens, BlockTable, KScale, VScale,  # pointers (scales: [Hkv] fp32)
     q_len, group, row_tiles, num_splits, num_q_heads, num_pages, num_table_pages,  # sizes
     scale, logit_cap, sliding_window, attention_chunk,  # options
     stride_qt, stride_qh, stride_qd,  # q [T, Hq, D], any strides
     stride_cp, stride_cr, stride_ch, stride_bt,  # caches [num_pages, page_size, Hkv, D]; block_table rows
+    stride_ks, stride_vs,  # scales (0 when expanded from one value)
     BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     request = tl.program_id(0)
     kv_head = tl.program_id(1) // row_tiles
@@ -51,6 +53,8 @@ def _decode_split_kernel(
     if UPCAST:
         q = q.to(tl.float32)
     q_pos = prefix + rows // group
+    if KV_FP8 != "":  # k's scale joins the scores' scale; v's scales the output
+        scale *= tl.load(KScale + kv_head * stride_ks)
 
     visible_lo = 0
     if HAS_WINDOW:
@@ -65,10 +69,12 @@ def _decode_split_kernel(
         q, q_pos, acc, l_i, m_i, KCache, VCache, BlockTable + request * stride_bt, kv_head,
         kv_lo, kv_hi, seq_len, num_pages, num_table_pages, scale, logit_cap, sliding_window, attention_chunk,
         stride_cp, stride_cr, stride_ch,
-        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, SOFT_CAP, HAS_WINDOW, HAS_CHUNK, UPCAST,
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, SOFT_CAP, HAS_WINDOW, HAS_CHUNK, UPCAST, KV_FP8,
     )
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if KV_FP8 != "":
+        out *= tl.load(VScale + kv_head * stride_vs)
     lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     # partials: [T, Hq, num_splits, BLOCK_D] and [T, Hq, num_splits], contiguous
     row_index = (token.to(tl.int64) * num_q_heads + head) * num_splits + split
@@ -113,9 +119,10 @@ def num_kv_splits(programs_per_split: int, max_kv_len: int, block_n: int, num_sm
 
 
 def decode(q, k_cache, v_cache, seq_lens, block_table, scale, sliding_window, logit_cap, target: Target,
-           num_splits=None, batch_invariant=False, sinks=None, attention_chunk=-1):
+           num_splits=None, batch_invariant=False, sinks=None, attention_chunk=-1, k_scale=None, v_scale=None):
     """Attention of q: [T, Hq, D], T = B * q_len, over the paged caches (new tokens already stored).
-    sinks: [Hq] float32 or None.
+    sinks: [Hq] float32 or None; k_scale, v_scale: [Hkv] float32 (any stride) for fp8 caches, read as
+    stored * scale.
 
     `batch_invariant` takes the split count as for a batch of one, so a request's result never depends on its batch.
     """
@@ -132,17 +139,20 @@ def decode(q, k_cache, v_cache, seq_lens, block_table, scale, sliding_window, lo
         programs = (1 if batch_invariant else num_requests) * num_kv_heads * row_tiles
         num_splits = num_kv_splits(programs, block_table.shape[1] * page_size, tiles.block_n, target.num_sms)
     padded_d = block_d(head_dim)
+    k_cache, v_cache, k_scale, v_scale, kv_fp8 = kernel_kv(k_cache, v_cache, k_scale, v_scale)
     partial_out = torch.empty(num_tokens, num_q_heads, num_splits, padded_d, dtype=torch.float32, device=q.device)
     partial_lse = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_requests, num_kv_heads * row_tiles, num_splits)](
-        q, k_cache, v_cache, partial_out, partial_lse, seq_lens, block_table,
+        q, k_cache, v_cache, partial_out, partial_lse, seq_lens, block_table, k_scale, v_scale,
         q_len, group, row_tiles, num_splits, num_q_heads, k_cache.shape[0], block_table.shape[1],
         scale, logit_cap, sliding_window, attention_chunk,
         *q.stride(),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
+        k_scale.stride(0), v_scale.stride(0),
         BLOCK_R=tiles.block_rows, HEAD_DIM=head_dim, BLOCK_D=padded_d, BLOCK_N=tiles.block_n, PAGE_SIZE=page_size,
         SOFT_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0, HAS_CHUNK=attention_chunk > 0,
-        UPCAST=target.interpret and q.dtype == torch.bfloat16, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        UPCAST=target.interpret and q.dtype == torch.bfloat16, KV_FP8=kv_fp8, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     _decode_reduce_kernel[(num_tokens, num_q_heads)](
         partial_out, partial_lse, out, partial_lse if sinks is None else sinks, num_splits, out.stride(0),
