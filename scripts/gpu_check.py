@@ -4,7 +4,9 @@
     python scripts/gpu_check.py --smoke    # tiny sizes, on the CPU too (Triton through its interpreter)
 
 1. Every backend (torch, triton, flashinfer when importable) and mode against the float64 reference, with a sliding
-   window and soft-cap; prefill queries up to 100 tokens (FlashInfer's FA3 kernels on an H100/H200 past 64).
+   window and soft-cap; prefill queries up to 100 tokens (FlashInfer's FA3 kernels on an H100/H200 past 64). Triton
+   with fp8 caches: the store's bytes against torch's conversion (where an approximate division would show), the
+   outputs against float64 over the dequantized cache.
 2. torch.compile(mode="reduce-overhead") of a module calling torch.ops.hybrid.plan(cuda_graph=True) then
    torch.ops.hybrid.attn with EXTEND, DECODE and TARGET_VERIFY alternating: CUDA-graph trees must replay it (no
    "skipping cudagraphs"), with correct outputs and the KV writes landing in the caller's cache.
@@ -31,7 +33,15 @@ if "--smoke" in sys.argv and not os.environ.get("TRITON_INTERPRET"):
 sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
-from reference import TOLERANCE, assert_close, expected_cache, make_case, reference  # noqa: E402
+from reference import (  # noqa: E402
+    TOLERANCE,
+    assert_close,
+    expected_cache,
+    fp8_case,
+    fp8_store_case,
+    make_case,
+    reference,
+)
 
 import hybrid_ops  # noqa: E402
 from hybrid_ops import ForwardMode  # noqa: E402
@@ -107,6 +117,34 @@ def check_triton_many_rows(device, report):
         out = torch.ops.hybrid.decode(*case.args, backend="triton")
         assert_close(out.cpu(), reference(case), dtype)
         report.append(f"triton decode q_len {q_len}, Hq {hq} / Hkv {hkv}, D 256, {dtype}: correct")
+        print(report[-1], flush=True)
+
+
+def check_triton_fp8(device, report):
+    """fp8 caches through the Triton kernels, one scale per kv head: the store's bytes as torch's conversion on the
+    CPU for quotients at and next to rounding ties, subnormal and saturating (`fp8_store_case`), then decode, verify
+    and prefill over several KV blocks and splits against float64 over the dequantized cache, with exact bytes."""
+    from hybrid_ops.kernels import kv_store
+
+    k_scale, v_scale = torch.tensor([1.0, 0.37]), torch.tensor([3.1, 1.0])
+    scales = dict(k_scale=k_scale.to(device), v_scale=v_scale.to(device))
+    options = dict(sliding_window=200, logit_cap=20.0)
+    for cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        fp8, _, expected = fp8_case(fp8_store_case(cache_dtype, k_scale, v_scale), cache_dtype, k_scale, v_scale)
+        args = [a.to(device) for a in fp8.args]
+        kv_store.store_kv(*args[1:], **scales)
+        assert all(torch.equal(c.cpu().view(torch.uint8), e) for c, e in zip(args[3:5], expected)), "store bytes"
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for path, q_lens in (("decode", [1, 1]), ("decode", [4, 4]), ("prefill", [37, 5])):
+                case = make_case(q_lens, [300, 41], num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16,
+                                 dtype=dtype, seed=len(q_lens))
+                fp8, read, expected = fp8_case(case, cache_dtype, k_scale, v_scale)
+                args = [a.to(device) for a in fp8.args]
+                out = getattr(torch.ops.hybrid, path)(*args, backend="triton", **scales, **options)
+                assert_close(out.cpu(), reference(read, **options), dtype)
+                assert all(torch.equal(c.cpu().view(torch.uint8), e) for c, e in zip(args[3:5], expected))
+        report.append(f"triton {cache_dtype}: store bit-exact at ties, subnormals, saturation; decode, verify 4, "
+                      "prefill at bf16/fp16/fp32 correct")
         print(report[-1], flush=True)
 
 
@@ -266,6 +304,7 @@ def main():
     check_correctness(device, report)
     check_triton_fp32(device, report)
     check_triton_many_rows(device, report)
+    check_triton_fp8(device, report)
     if device == "cuda":
         check_cuda_graphs(report)
     check_generator_graphs(device, args.smoke, report)
