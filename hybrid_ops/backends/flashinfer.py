@@ -17,14 +17,14 @@ replay. While a graph is being captured the layers use their shape's CUDA-graph 
 they receive may be copies: CUDA-graph trees copy inputs that are not static). Our cache layout (separate k and v
 caches, [num_pages, page_size, Hkv, D]) is FlashInfer's "NHD" layout.
 
-fp8 caches (float8_e4m3fn, float8_e5m2) run FlashInfer's fa2 kernels for an fp8 KV cache: planned with the cache's
-dtype as `kv_data_type` and q's (fp16 or bf16: FlashInfer has no fp32-q kernel, so `supports` declines fp32 q and
-"auto" picks another backend). The new k, v are quantized as `fp8.quantize` defines it. FlashInfer's `run` takes
-k_scale and v_scale as host floats (folded into its `sm_scale` and a multiply of the whole output), while ours are
-[Hkv] tensors that may change between calls and must not be read to the host (CUDA graphs read their current
-value), so they are applied on the device around the kernel: each query head's q is multiplied by its kv head's
-k_scale (its scores are then those over stored * k_scale) and its output by the v_scale (the output is linear in
-the values).
+fp8 caches (float8_e4m3fn, float8_e5m2) run FlashInfer's fa2 kernels for an fp8 KV cache: planned with the cache's dtype
+as `kv_data_type` and q's (fp16 or bf16: FlashInfer has no fp32-q kernel, so `supports` declines fp32 q and "auto" picks
+another backend). The new k, v are quantized as `fp8.quantize` defines it. FlashInfer's `run` takes k_scale and v_scale
+as scalars (folded into the kernel's float `sm_scale`, and a multiply of the whole output, over which an [Hkv] tensor
+would broadcast along the head dim), while ours are [Hkv] tensors that may change between calls and must not be read to
+the host (CUDA graphs read their current value), so they are applied on the device around the kernel: each query head's
+q is multiplied by its kv head's k_scale (its scores are then those over stored * k_scale) and its output by the v_scale
+(the output is linear in the values).
 """
 
 from dataclasses import dataclass
