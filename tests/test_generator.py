@@ -457,6 +457,13 @@ def test_generate_forwards_prefix_caching(model):
     assert stats.cached_tokens > 0
 
 
+def test_generate_forwards_kv_cache_dtype(model, monkeypatch):
+    caches = []
+    monkeypatch.setattr(HybridGenerator, "generate", lambda self, *args, **kwargs: caches.append(self.cache))
+    hybrid_ops.generate(model, [[1, 2]], 3, compile=False, kv_cache_dtype=torch.float8_e5m2)
+    assert caches[0].k_caches[0].dtype == torch.float8_e5m2 and caches[0].k_scales[0].item() == 1.0
+
+
 # Compiled: one graph set, warmed up on the first step.
 
 @pytest.mark.slow

@@ -44,21 +44,22 @@ def make_model(name, attn):
     return model
 
 
-def fp8_sdpa(cache_dtype):
-    """transformers' SDPA over K/V rounded through an fp8 cache of scale 1.0 (`reference.to_fp8`): the reference for
+def fp8_sdpa(cache_dtype, scale):
+    """transformers' SDPA over K/V rounded through an fp8 cache of one scale (`reference.to_fp8`): the reference for
     `kv_cache_dtype`."""
-    one = torch.tensor(1.0)
+    scale = torch.tensor(scale)
 
     def attention(module, query, key, value, attention_mask, **kwargs):
-        key, value = (from_fp8(to_fp8(x, one, cache_dtype), one).to(x.dtype) for x in (key, value))
+        key, value = (from_fp8(to_fp8(x, scale, cache_dtype), scale).to(x.dtype) for x in (key, value))
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     return attention
 
 
-FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-for _name, _dtype in FP8.items():
-    AttentionInterface.register(f"sdpa_{_name}", fp8_sdpa(_dtype))
+# name -> (kv_cache_dtype, the cache's scales): e4m3 at 0.3 stores every value differently from 1.0 (not a power of 2)
+FP8 = {"e4m3": (torch.float8_e4m3fn, 1.0), "e5m2": (torch.float8_e5m2, 1.0), "e4m3_scaled": (torch.float8_e4m3fn, 0.3)}
+for _name, (_dtype, _scale) in FP8.items():
+    AttentionInterface.register(f"sdpa_{_name}", fp8_sdpa(_dtype, _scale))
     AttentionMaskInterface.register(f"sdpa_{_name}", sdpa_mask)
 
 
@@ -97,8 +98,12 @@ def test_compiled_generate_matches_and_never_recompiles(name, fresh_dynamo):
 def test_fp8_cache_generates_transformers_tokens_over_fp8_kv(name, fp8):
     """kv_cache_dtype: the tokens of transformers' generate whose attention reads K/V rounded through fp8, and
     (e5m2, 2 mantissa bits) tokens that differ from the unrounded model's, so the rounding is what is compared."""
-    tokens = hybrid_ops.generate(make_model(name, "sdpa"), PROMPTS, NEW_TOKENS, compile=False, max_batch_size=3,
-                                 page_size=4, prefill_chunk=12, kv_cache_dtype=FP8[fp8])
+    kv_cache_dtype, scale = FP8[fp8]
+    generator = HybridGenerator(make_model(name, "sdpa"), max_batch_size=3, max_seq_len=48, page_size=4,
+                                prefill_chunk=12, compile=False, kv_cache_dtype=kv_cache_dtype)
+    for t in generator.cache.k_scales + generator.cache.v_scales:
+        t.fill_(scale)
+    tokens = generator.generate(PROMPTS, NEW_TOKENS)
     assert tokens == reference_tokens(name, f"sdpa_{fp8}")
     if fp8 == "e5m2":
         assert tokens != reference_tokens(name)
