@@ -113,7 +113,8 @@ class PhaseBackend:
     def _forward(self, op, q, k, v, layer):
         k_cache, v_cache = self.kv_cache.layer(layer.layer_id)
         return op(q, k, v, k_cache, v_cache, *self.forward_batch.metadata, scale=layer.scale,
-                  sliding_window=layer.sliding_window, logit_cap=layer.logit_cap, backend=self.backend)
+                  sliding_window=layer.sliding_window, logit_cap=layer.logit_cap, backend=self.backend,
+                  **self.kv_cache.scales(layer.layer_id))
 
     def forward_extend(self, q, k, v, layer, forward_batch=None):
         return self._forward(torch.ops.hybrid.prefill, q, k, v, layer)
