@@ -545,6 +545,43 @@ def test_fp8_cuda_graph(flashinfer_on_cpu, monkeypatch, mode, spec, q_lens):
     assert planned_fp8(kernels, torch.bfloat16, E5M2)
 
 
+def test_fp8_phase_backend_capture_and_replay(flashinfer_on_cpu, monkeypatch):
+    """sglang's graph runner over an fp8 cache: the capture hook names the batch shape, the eager warm-up plans the
+    fp8 variant into its CUDA-graph wrapper, the captured layer only runs, and after each replay hook (which re-plans
+    it) the layer, run as the graph runs it, stores and attends over that step with the cache's current scales."""
+    backend, kernels = flashinfer_on_cpu
+    layer = AttentionLayer(0, sliding_window=5, logit_cap=2.0)
+    cache = PagedKVCache(40, 4, 2, D, max_pages_per_request=8, dtype=E4M3, kv_scale=0.5)
+    hybrid = HybridAttnBackend(PhaseBackend(cache, "flashinfer"), PhaseBackend(cache, "flashinfer"))
+    hybrid.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+    hybrid.init_forward_metadata_capture_cuda_graph(3, 3, ForwardMode.DECODE)
+    static = hybrid.decode_backend.forward_batch
+    q, k, v = (torch.zeros(3, h, D, dtype=torch.bfloat16) for h in (4, 2, 2))
+    hybrid.forward_decode(q, k, v, layer, static)  # the warm-up
+    with cuda_graph_capture(monkeypatch, kernels):
+        hybrid.forward_decode(q, k, v, layer, static)
+    k_scale, v_scale = cache.k_scales[0], cache.v_scales[0]
+    for seed in (1, 2):
+        k_scale.fill_(0.5 * seed)
+        v_scale.fill_(2.0 / seed)
+        case = make_case([1, 1, 1], [4 + seed, 9, 2 * seed], head_dim=D, dtype=torch.bfloat16, seed=seed)
+        fp8, read, (k_want, v_want) = fp8_case(case, E4M3, k_scale, v_scale)
+        pages = fp8.k_cache.shape[0]
+        cache.k_caches[0][:pages], cache.v_caches[0][:pages] = fp8.k_cache, fp8.v_cache
+        real = hybrid_ops.build_metadata([1, 1, 1], case.seq_lens.tolist(), case.pages, max_pages=8,
+                                         forward_mode=ForwardMode.DECODE)
+        hybrid.init_forward_metadata_replay_cuda_graph(3, real)
+        for static_input, value in zip((q, k, v), (case.q, case.k, case.v)):
+            static_input.copy_(value)
+        with cuda_graph_capture(monkeypatch, kernels):
+            out = hybrid.forward_decode(q, k, v, layer, static)
+        assert_close(out, reference(read, sliding_window=5, logit_cap=2.0), torch.bfloat16)
+        assert torch.equal(cache.k_caches[0][:pages].view(torch.uint8), k_want)
+        assert torch.equal(cache.v_caches[0][:pages].view(torch.uint8), v_want)
+        assert backend.plans_made == 1 + seed
+    assert planned_fp8(kernels, torch.bfloat16, E4M3)
+
+
 def test_fp8_fp32_q_goes_to_another_backend(flashinfer_on_cpu):
     """FlashInfer has no kernel for fp32 q (fp8 caches included): named, it is refused naming q's dtype; preferred,
     "auto" takes it for bf16 q and passes fp32 q to another backend."""
