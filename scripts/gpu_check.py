@@ -4,9 +4,9 @@
     python scripts/gpu_check.py --smoke    # tiny sizes, on the CPU too (Triton through its interpreter)
 
 1. Every backend (torch, triton, flashinfer when importable) and mode against the float64 reference, with a sliding
-   window and soft-cap; prefill queries up to 100 tokens (FlashInfer's FA3 kernels on an H100/H200 past 64). Triton
-   with fp8 caches: the store's bytes against torch's conversion (where an approximate division would show), the
-   outputs against float64 over the dequantized cache.
+   window and soft-cap, over caches of q's dtype and fp8 caches (e4m3, e5m2, per kv head scales; exact cache bytes);
+   prefill queries up to 100 tokens (FlashInfer's FA3 kernels on an H100/H200 past 64). Triton with fp8 caches also
+   over long prefixes, and its store's bytes against torch's conversion where an approximate division would show.
 2. torch.compile(mode="reduce-overhead") of a module calling torch.ops.hybrid.plan(cuda_graph=True) then
    torch.ops.hybrid.attn with EXTEND, DECODE and TARGET_VERIFY alternating: CUDA-graph trees must replay it (no
    "skipping cudagraphs"), with correct outputs and the KV writes landing in the caller's cache.
@@ -15,7 +15,8 @@
    (none expected), tokens/s of each, identical tokens. On the CPU the padding path runs without graphs (and with
    --smoke, without compiling: tests/test_buckets.py covers the compiled padding path).
 4. Decode (batch 1/16/64 x context 1k/4k/32k) and prefill (512/4k new tokens, prefix 0/2k) at Hq 32, Hkv 8, D 128,
-   bf16, page 16: KV bandwidth and TFLOP/s against the copy bandwidth and bf16 matmul rate measured in this run.
+   bf16, page 16, decode also over fp8 (e4m3) caches: KV bandwidth and TFLOP/s against the copy bandwidth and bf16
+   matmul rate measured in this run.
 """
 
 import argparse
@@ -69,12 +70,15 @@ def available_backends(device):
 
 
 def check_correctness(device, report):
-    # fp32 on the CPU only, where FlashInfer (fp16/bf16, CUDA) does not run.
-    dtypes = [torch.bfloat16, torch.float16] + ([torch.float32] if device == "cpu" else [])
+    """Every mode of every backend for q in fp16 and bf16 (and fp32 on the CPU, where FlashInfer does not run), over
+    caches of q's dtype and over fp8 caches (per kv head scales), against float64 over what the cache holds."""
+    kinds = [(torch.bfloat16, None), (torch.float16, None), (torch.bfloat16, torch.float8_e4m3fn),
+             (torch.float16, torch.float8_e5m2)] + ([(torch.float32, None)] if device == "cpu" else [])
     # On the GPU a prefill query of more than 64 tokens: FlashInfer runs its FA3 kernels there on an H100/H200.
     long_query = 100 if device == "cuda" else 19
+    kv_scales = {"k_scale": torch.tensor([0.3, 1.7], device=device), "v_scale": torch.tensor([2.5, 0.6], device=device)}
     for backend in available_backends(device):
-        for dtype in dtypes:
+        for dtype, cache_dtype in kinds:
             for mode in ForwardMode:
                 for spec in ("prefill", "decode"):
                     decode_path = hybrid_ops.select_path(mode, spec) == "decode"
@@ -82,14 +86,19 @@ def check_correctness(device, report):
                         [1 if mode == ForwardMode.DECODE else 3] * 3 if decode_path else [7, 1, 0, long_query])
                     case = make_case(q_lens, [30, 0, 65, 12][: len(q_lens)], num_q_heads=8, num_kv_heads=2,
                                      head_dim=128, page_size=16, dtype=dtype, device=device, seed=int(mode))
-                    k_ref, v_ref = expected_cache(case)
                     options = dict(sliding_window=24, logit_cap=20.0)
+                    read, (k_ref, v_ref) = case, expected_cache(case)
+                    if cache_dtype is not None:
+                        case, read, (k_ref, v_ref) = fp8_case(case, cache_dtype, *kv_scales.values())
+                        options.update(kv_scales)
                     out = torch.ops.hybrid.attn(*case.args, int(mode), **options, prefill_backend=backend,
                                                 decode_backend=backend, speculative_attention_mode=spec)
-                    assert_close(out.cpu(), reference(case, **options), dtype)
-                    assert torch.equal(case.k_cache.cpu(), k_ref.cpu()) and torch.equal(case.v_cache.cpu(),
-                                                                                       v_ref.cpu())
-            report.append(f"correct: {backend} {dtype} every mode, both speculative settings")
+                    options = {k: v for k, v in options.items() if k not in kv_scales}
+                    assert_close(out.cpu(), reference(read, **options), dtype)
+                    raw = (lambda t: t.cpu().view(torch.uint8)) if cache_dtype else (lambda t: t.cpu())
+                    assert torch.equal(raw(case.k_cache), k_ref.cpu()) and torch.equal(raw(case.v_cache), v_ref.cpu())
+            report.append(f"correct: {backend} q {dtype}, cache {cache_dtype or dtype}, every mode, both "
+                          "speculative settings")
             print(report[-1], flush=True)
 
 
@@ -283,10 +292,19 @@ def benchmark(device, smoke, rows):
             kv_bytes = sum(p + n for p, n in zip(prefixes, q_lens)) * hkv * d * 2 * elt
             flops = sum(4 * n * (p + (n + 1) / 2) * hq * d for p, n in zip(prefixes, q_lens))
             row = dict(kind=kind, shape=f"batch {a} x ctx {b}" if kind == "decode" else f"new {a} prefix {b}")
+            # Decode also over an fp8 (e4m3) copy of the caches: half the bytes to read.
+            variants = {"": (args, {}, 1)}
+            if kind == "decode":
+                fp8_caches = tuple(c.to(torch.float8_e4m3fn) for c in args[3:5])
+                one = torch.ones((), device=device)
+                variants[" fp8"] = ((*args[:3], *fp8_caches, *args[5:]), dict(k_scale=one, v_scale=one), 0.5)
             for backend in backends:
-                ms = timed(lambda: op(*args, backend=backend), device)
-                row[backend] = dict(ms=ms, kv_gbps=kv_bytes / ms / 1e6, tflops=flops / ms / 1e9,
-                                    of_copy=kv_bytes / ms / 1e6 / copy_gbps, of_matmul=flops / ms / 1e9 / matmul_tflops)
+                for suffix, (op_args, scales, fraction) in variants.items():
+                    ms = timed(lambda: op(*op_args, backend=backend, **scales), device)
+                    row[backend + suffix] = dict(ms=ms, kv_gbps=kv_bytes * fraction / ms / 1e6,
+                                                 tflops=flops / ms / 1e9,
+                                                 of_copy=kv_bytes * fraction / ms / 1e6 / copy_gbps,
+                                                 of_matmul=flops / ms / 1e9 / matmul_tflops)
             rows.append(row)
             print(row, flush=True)
     return dict(copy_gbps=copy_gbps, matmul_tflops=matmul_tflops)

@@ -163,13 +163,13 @@ def to_fp8(x, kv_scale, dtype):
     """The store of an fp8 cache, written plainly: x [..., Hkv, D] / kv_scale ([Hkv] or one value) in fp32, saturated
     to the format's largest value, rounded to nearest even by the conversion."""
     limit = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}[dtype]
-    per_head = kv_scale.float().reshape(-1, 1).expand(x.shape[-2], 1)
+    per_head = kv_scale.to(x.device, torch.float32).reshape(-1, 1).expand(x.shape[-2], 1)
     return (x.float() / per_head).clamp(-limit, limit).to(dtype)
 
 
 def from_fp8(x, kv_scale):
     """The read of an fp8 cache: float64 stored value times its kv head's scale."""
-    return x.double() * kv_scale.double().reshape(-1, 1).expand(x.shape[-2], 1)
+    return x.double() * kv_scale.to(x.device, torch.float64).reshape(-1, 1).expand(x.shape[-2], 1)
 
 
 def fp8_case(case: Case, dtype, k_scale, v_scale):

@@ -32,7 +32,8 @@ class HybridStep:
     """What one forward step passes to every attention layer.
 
     k_caches, v_caches: per layer [num_pages, page_size, Hkv, D] and [num_pages, page_size, Hkv, Dv] (a
-    `PagedKVCache`'s); the metadata as in the ops.
+    `PagedKVCache`'s); the metadata as in the ops; k_scales, v_scales: per layer the float32 scales of fp8 caches
+    (`PagedKVCache.k_scales`), None for others.
     """
 
     forward_mode: int
@@ -44,6 +45,8 @@ class HybridStep:
     prefill_backend: str = "auto"
     decode_backend: str = "auto"
     speculative_attention_mode: str = "prefill"
+    k_scales: list | None = None
+    v_scales: list | None = None
 
 
 @dataclass
@@ -96,6 +99,8 @@ def hybrid_attention(module, query, key, value, attention_mask, scaling=None, dr
         attention_chunk=attention_chunk(getattr(module, "config", None), layer),
         prefill_backend=hybrid_step.prefill_backend, decode_backend=hybrid_step.decode_backend,
         speculative_attention_mode=hybrid_step.speculative_attention_mode,
+        k_scale=None if hybrid_step.k_scales is None else hybrid_step.k_scales[layer],
+        v_scale=None if hybrid_step.v_scales is None else hybrid_step.v_scales[layer],
     )
     return out[None], None
 
