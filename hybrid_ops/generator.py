@@ -132,7 +132,7 @@ class HybridGenerator:
         from .integrations.transformers import HybridStep, check_servable, kv_heads_per_rank, tensor_parallel_group
 
         config = model.config.get_text_config()
-        max_positions = getattr(config, "max_position_embeddings", None)
+        max_positions = _max_positions(config)
         if max_seq_len is None:
             max_seq_len = min(1024, max_positions or 1024)
         for name, value in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len),
@@ -506,6 +506,12 @@ class HybridGenerator:
         return batch, tokens + extra, positions + extra, rows + rows[-1:] * (batch.batch_size - len(rows))
 
 
+def _max_positions(config) -> int | None:
+    """The model's max_position_embeddings, None for no limit (none, or -1 as XLNet's says)."""
+    value = getattr(config, "max_position_embeddings", None)
+    return value if _is_int(value, 1) else None
+
+
 def _is_int(value, low: int) -> bool:
     """An int (numpy's included, bool not) of at least `low`."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= low
@@ -621,7 +627,7 @@ def generate(model, prompts, max_new_tokens: int, **kwargs):
                  "kv_cache_dtype")
     init = {k: kwargs.pop(k) for k in init_keys if k in kwargs}
     prompts = _prompt_list(prompts)
-    max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None) or math.inf
+    max_positions = _max_positions(model.config.get_text_config()) or math.inf
     if _is_int(max_new_tokens, 1) and all(hasattr(p, "__len__") for p in prompts):
         # At most max_position_embeddings: longer requests are refused, not given a cache they cannot use.
         init.setdefault("max_seq_len", min(max((len(p) for p in prompts), default=1) + max_new_tokens,
