@@ -89,32 +89,38 @@ def float_to_fp8(x, FP8: tl.constexpr):
 
 @triton.jit
 def attend_pages(
-    q, q_pos, acc, l_i, m_i,  # q: [R, BLOCK_D]; q_pos: [R] position of each row's token; running state
+    q, q_pos, acc, l_i, m_i,  # q: [R, BLOCK_D]; q_pos: [R] position of each row's token; acc: [R, BLOCK_DV]
     KCache, VCache, block_table_row, kv_head,  # block_table_row: pointer to this request's block_table row
     kv_lo, kv_hi, seq_len, num_pages, num_table_pages, scale, logit_cap, sliding_window, attention_chunk,
-    stride_cp, stride_cr, stride_ch,  # cache strides: page, row, head (head dim contiguous)
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    stride_kp, stride_kr, stride_kh, stride_vp, stride_vr, stride_vh,  # caches: page, row, head (head dim contiguous)
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, UPCAST: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
     """Online softmax of q's rows over KV positions [kv_lo, kv_hi) of one request, read in place from its pages.
 
-    Keys past `seq_len`, beyond the block table, in pages outside [0, num_pages), after a row's own position, or
-    outside its sliding window or its chunk of positions are masked: neither loaded nor weighted. fp8 K/V (bytes)
-    are read as their stored values in q's dtype, which holds them exactly: the caller folds the scales in.
+    K rows have HEAD_DIM elements (padded to BLOCK_D), V rows HEAD_DIM_V (padded to BLOCK_DV). Keys past
+    `seq_len`, beyond the block table, in pages outside [0, num_pages), after a row's own position, or outside its
+    sliding window or its chunk of positions are masked: neither loaded nor weighted. fp8 K/V (bytes) are read as
+    their stored values in q's dtype, which holds them exactly: the caller folds the scales in.
     """
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
+    dv = tl.arange(0, BLOCK_DV)
     for start in range(kv_lo, kv_hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         page_index = pos // PAGE_SIZE
         in_table = (pos < seq_len) & (page_index < num_table_pages)
         page = tl.load(block_table_row + page_index, mask=in_table, other=-1)
         ok = in_table & (page >= 0) & (page < num_pages)
-        offset = page.to(tl.int64) * stride_cp + (pos % PAGE_SIZE) * stride_cr + kv_head * stride_ch
-        kv_mask = ok[:, None] & d_ok[None, :]
-        k = tl.load(KCache + offset[:, None] + d[None, :], mask=kv_mask, other=0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(VCache + offset[:, None] + d[None, :], mask=kv_mask, other=0)
+        page = page.to(tl.int64)
+        row = pos % PAGE_SIZE
+        k_offset = page * stride_kp + row * stride_kr + kv_head * stride_kh
+        v_offset = page * stride_vp + row * stride_vr + kv_head * stride_vh
+        k = tl.load(KCache + k_offset[:, None] + d[None, :], mask=ok[:, None] & (d < HEAD_DIM)[None, :],
+                    other=0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(VCache + v_offset[:, None] + dv[None, :], mask=ok[:, None] & (dv < HEAD_DIM_V)[None, :],
+                    other=0)  # [BLOCK_N, BLOCK_DV]
         if KV_FP8 != "":
             k = fp8_to_float(k, KV_FP8).to(q.dtype)
             v = fp8_to_float(v, KV_FP8).to(q.dtype)

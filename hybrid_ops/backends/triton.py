@@ -34,7 +34,7 @@ class TritonBackend(Backend):
     name = "triton"
     requirement = "triton (pip install 'hybrid_ops[triton]')"
     checks_values = False
-    options = frozenset({"sinks", "attention_chunk", "fp8_kv"})
+    options = frozenset({"sinks", "attention_chunk", "v_head_dim", "fp8_kv"})
 
     def __init__(self):
         self.target = None  # a kernels.config.Target that overrides the device's
