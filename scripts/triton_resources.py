@@ -61,10 +61,12 @@ class Case:
     options: tuple = ()  # (sliding_window, logit_cap) when set
     batch: int = 2
     kv_dtype: torch.dtype = None  # an fp8 cache's dtype; None: q's
+    v_head_dim: int = None  # v's own head dim Dv (MLA); None: head_dim
 
     def __str__(self):
         mode = ("decode" if self.q_len == 1 else f"verify {self.q_len}") if self.kind == "decode" else "prefill"
-        text = (f"{mode} {DTYPE_NAMES[self.dtype]} D{self.head_dim} Hq{self.num_q_heads}/Hkv{self.num_kv_heads} "
+        dims = f"D{self.head_dim}" + (f" Dv{self.v_head_dim}" if self.v_head_dim else "")
+        text = (f"{mode} {DTYPE_NAMES[self.dtype]} {dims} Hq{self.num_q_heads}/Hkv{self.num_kv_heads} "
                 f"page {self.page_size}")
         text += f" batch {self.batch}" if self.batch != 2 else ""
         return text + (" window+cap" if self.options else "") + (f" kv {DTYPE_NAMES[self.kv_dtype]}" if self.kv_dtype
@@ -106,6 +108,10 @@ def cases():
     for dtype, head_dim in ((torch.float32, 128), (torch.float16, 64), (torch.bfloat16, 256)):
         for kind, q_len in (("decode", 1), ("prefill", 40)):
             out.append(Case(kind, dtype, head_dim, 32, 8, q_len, kv_dtype=torch.float8_e4m3fn))
+    mla = (("decode", 1, 16, 16, None), ("decode", 4, 32, 2, None), ("prefill", 40, 16, 16, None),
+           ("decode", 1, 16, 16, torch.float8_e4m3fn), ("prefill", 40, 16, 16, torch.float8_e4m3fn))
+    for kind, q_len, hq, hkv, kv_dtype in mla:  # MLA (DeepSeek): q/k head dim 192, v head dim 128
+        out.append(Case(kind, torch.bfloat16, 192, hq, hkv, q_len, kv_dtype=kv_dtype, v_head_dim=128))
     return out
 
 
@@ -156,7 +162,10 @@ def call_backend(backend, case):
         scale = torch.full((case.num_kv_heads,), 0.5) if case.kv_dtype == torch.float8_e4m3fn else torch.tensor(
             [0.5]).expand(case.num_kv_heads)
         scales = dict(k_scale=scale, v_scale=scale)
-    getattr(backend, case.kind)(q, k, k.clone(), k_cache, k_cache.clone(), cu_seqlens_q, seq_lens, block_table,
+    v_head_dim = case.v_head_dim or case.head_dim
+    v = torch.randn(num_tokens, case.num_kv_heads, v_head_dim, generator=gen).to(case.dtype)
+    v_cache = k_cache.new_zeros(*k_cache.shape[:3], v_head_dim)
+    getattr(backend, case.kind)(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table,
                                 case.head_dim ** -0.5, window, cap, **scales)
 
 

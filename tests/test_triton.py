@@ -47,6 +47,70 @@ def test_decode_splits(num_splits, window):
     assert_close(out, reference(case, sliding_window=window), torch.float32)
 
 
+# A value head dim Dv of its own (MLA), at the kernels' boundaries with a GPU's tiles: (D, Dv, q dtype, options).
+# Dv smaller and larger than D, neither always a power of two; DeepSeek's 192 / 128 pads K to 256 and V to 128.
+V_HEAD_DIMS = {
+    "d192_dv128_bf16_sinks": (192, 128, torch.bfloat16, dict(scale=0.15, sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))),
+    "d64_dv24_fp32_window_softcap": (64, 24, torch.float32, dict(scale=0.25, sliding_window=200, logit_cap=10.0)),
+    "d24_dv80_fp16_chunk": (24, 80, torch.float16, dict(scale=0.4, attention_chunk=100)),
+}
+
+
+def v_head_dim_case(name, q_lens, prefixes, num_q_heads):
+    head_dim, v_head_dim, dtype, options = V_HEAD_DIMS[name]
+    options = dict(options, sinks=options["sinks"].repeat(num_q_heads // 4)) if "sinks" in options else options
+    case = make_case(q_lens, prefixes, num_q_heads=num_q_heads, num_kv_heads=2, head_dim=head_dim, page_size=16,
+                     dtype=dtype, v_head_dim=v_head_dim)
+    kv_store.store_kv(case.k, case.v, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seq_lens, case.block_table)
+    k_ref, v_ref = expected_cache(case)
+    assert torch.equal(case.k_cache, k_ref) and torch.equal(case.v_cache, v_ref)
+    return case, options
+
+
+@pytest.mark.parametrize("q_len", [1, 4], ids=["decode", "verify"])
+@pytest.mark.parametrize("name", V_HEAD_DIMS)
+def test_v_head_dim_decode(name, q_len):
+    """3 KV splits of several KV blocks each; verify's 4 x 8 rows take 2 row tiles (1 at fp16, whose cap is 32)."""
+    case, options = v_head_dim_case(name, [q_len] * 2, [290, 130], num_q_heads=16)
+    head_dim, v_head_dim, dtype, _ = V_HEAD_DIMS[name]
+    tiles = decode_tiles(dtype, max(head_dim, v_head_dim), q_len * 8, GPU_TILES)
+    splits = 3
+    visible = min(290 + q_len, options.get("sliding_window", 1000))
+    chunk = math.ceil(math.ceil(visible / splits) / tiles.block_n) * tiles.block_n  # as the kernel splits
+    assert chunk >= 2 * tiles.block_n and visible > 2 * chunk, "splits of one KV block, or fewer than 3 non-empty"
+    out = decode_kernels.decode(case.q, case.k_cache, case.v_cache, case.seq_lens, case.block_table,
+                                options["scale"], options.get("sliding_window", -1), options.get("logit_cap", 0.0),
+                                GPU_TILES, num_splits=splits, sinks=options.get("sinks"),
+                                attention_chunk=options.get("attention_chunk", -1))
+    assert out.shape == (case.q.shape[0], 16, v_head_dim)
+    assert_close(out, reference(case, **options), dtype)
+
+
+@pytest.mark.parametrize("name", V_HEAD_DIMS)
+def test_v_head_dim_prefill(name):
+    """Requests spanning several query tiles and KV blocks."""
+    q_lens, prefixes = [40, 3, 17], [70, 0, 33]
+    case, options = v_head_dim_case(name, q_lens, prefixes, num_q_heads=8)
+    head_dim, v_head_dim, dtype, _ = V_HEAD_DIMS[name]
+    tiles = prefill_tiles(dtype, max(head_dim, v_head_dim), 4, GPU_TILES)
+    assert q_lens[0] > tiles.block_rows and prefixes[0] > tiles.block_n
+    out = prefill_kernels.prefill(case.q, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seq_lens,
+                                  case.block_table, options["scale"], options.get("sliding_window", -1),
+                                  options.get("logit_cap", 0.0), GPU_TILES, sinks=options.get("sinks"),
+                                  attention_chunk=options.get("attention_chunk", -1))
+    assert out.shape == (sum(q_lens), 8, v_head_dim)
+    assert_close(out, reference(case, **options), dtype)
+
+
+@pytest.mark.parametrize("op", ["prefill", "decode"])
+def test_v_head_dim_above_256_refused(op):
+    case = make_case([1], [3], v_head_dim=264)
+    before = case.v_cache.clone()
+    with pytest.raises(hybrid_ops.HybridInputError, match="Dv <= 256, got 264"):
+        getattr(torch.ops.hybrid, op)(*case.args, backend="triton")
+    assert torch.equal(case.v_cache, before)
+
+
 def test_num_splits_from_static_sizes():
     sms = 132
     assert decode_kernels.num_kv_splits(1 * 8, 32768, 64, sms) == 33  # a batch of 1 still fills the GPU
@@ -178,6 +242,25 @@ def test_fp8_prefill(name, cache_dtype):
                                        options.get("logit_cap", 0.0), GPU_TILES, k_scale=k_scale, v_scale=v_scale)
 
     run_fp8(case, cache_dtype, cache_dtype == torch.float8_e4m3fn, attend, **options)
+
+
+@pytest.mark.parametrize("op", ["decode", "prefill"])
+@pytest.mark.parametrize("head_dim, v_head_dim, dtype", [(192, 128, torch.bfloat16), (64, 24, torch.float16)],
+                         ids=["d192_dv128_bf16", "d64_dv24_fp16"])
+def test_fp8_v_head_dim(head_dim, v_head_dim, dtype, op):
+    """e4m3 caches with per-head scales and a value head dim of its own, over 3 KV splits or several query tiles."""
+    q_lens, prefixes = ([1, 1], [290, 130]) if op == "decode" else ([40, 3, 17], [70, 0, 33])
+    case = make_case(q_lens, prefixes, num_q_heads=8, num_kv_heads=2, head_dim=head_dim, page_size=16, dtype=dtype,
+                     v_head_dim=v_head_dim)
+
+    def attend(fp8, k_scale, v_scale):
+        if op == "decode":
+            return decode_kernels.decode(fp8.q, fp8.k_cache, fp8.v_cache, fp8.seq_lens, fp8.block_table, 0.15, -1,
+                                         0.0, GPU_TILES, num_splits=3, k_scale=k_scale, v_scale=v_scale)
+        return prefill_kernels.prefill(fp8.q, fp8.k_cache, fp8.v_cache, fp8.cu_seqlens_q, fp8.seq_lens,
+                                       fp8.block_table, 0.15, -1, 0.0, GPU_TILES, k_scale=k_scale, v_scale=v_scale)
+
+    run_fp8(case, torch.float8_e4m3fn, True, attend, scale=0.15)
 
 
 @triton.jit

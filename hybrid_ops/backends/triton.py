@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from ..errors import HybridInputError
 from ..settings import deterministic_enabled
 from ..validation import FLOAT_DTYPES
 from .base import Backend
@@ -28,6 +29,12 @@ def _device_target(device: torch.device):
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _check_v_head_dim(v_cache):
+    """`supports` sees D only; the tile tables stop at 256 for Dv as for D."""
+    if v_cache.shape[3] > 256:
+        raise HybridInputError(f"backend='triton' supports a value head dim Dv <= 256, got {v_cache.shape[3]}")
 
 
 class TritonBackend(Backend):
@@ -56,6 +63,7 @@ class TritonBackend(Backend):
                 logit_cap, sinks=None, attention_chunk=-1, k_scale=None, v_scale=None):
         from ..kernels import kv_store, prefill
 
+        _check_v_head_dim(v_cache)
         kv_store.store_kv(k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, k_scale, v_scale)
         return prefill.prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
                                logit_cap, self.launch_target(q), sinks=sinks, attention_chunk=attention_chunk,
@@ -65,6 +73,7 @@ class TritonBackend(Backend):
                logit_cap, sinks=None, attention_chunk=-1, k_scale=None, v_scale=None):
         from ..kernels import decode, kv_store
 
+        _check_v_head_dim(v_cache)
         kv_store.store_kv(k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, k_scale, v_scale)
         return decode.decode(q, k_cache, v_cache, seq_lens, block_table, scale, sliding_window, logit_cap,
                              self.launch_target(q), batch_invariant=deterministic_enabled(), sinks=sinks,
