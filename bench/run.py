@@ -2,6 +2,7 @@
 
     python -m bench                 # everything: op level, dispatch overhead, end to end, prefix caching, plot
     python -m bench op dispatch     # some sections
+    python -m bench fp8             # the accuracy of fp8 KV caches on the demo model (no timing)
     python -m bench --quick         # smaller sizes, fewer repetitions (prints only)
 
 A full run writes bench/results/cpu.json, .md (the tables) and .png (decode time against context length).
@@ -28,7 +29,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parent.parent))  # the e2e and prefix sections import examples/generate.py
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 STATIC_CACHE_LEN = 4096
-SECTIONS = ["op", "dispatch", "e2e", "prefix", "plot"]
+SECTIONS = ["op", "dispatch", "e2e", "prefix", "fp8", "plot"]
 
 
 def timeit(fn, reps=7, warmup=5):
@@ -383,6 +384,54 @@ def prefix_section(quick):
     return rows
 
 
+def fp8_section(quick):
+    """The accuracy of fp8 KV caches (scale 1.0) on the demo model in bf16, against its bf16 cache: greedy tokens
+    (eager, the 8 demo prompts), and the logits of every position of prompt + bf16 tokens in one prefill (teacher
+    forced, so a difference does not compound). The fp32 model against the bf16 one gives the scale."""
+    from examples.generate import demo_model, demo_prompts
+    from hybrid_ops.integrations.transformers import HybridStep
+
+    new_tokens = 8 if quick else 32
+    models = {torch.bfloat16: demo_model(dtype=torch.bfloat16), torch.float32: demo_model()}
+    prompts = demo_prompts(models[torch.bfloat16].config.vocab_size)
+
+    def tokens(kv_cache_dtype):
+        return hybrid_ops.generate(models[torch.bfloat16], prompts, new_tokens, compile=False,
+                                   kv_cache_dtype=kv_cache_dtype)
+
+    def logits(model, kv_cache_dtype, sequence):
+        """[len(sequence), vocab] fp32 logits of one prefill over a fresh cache."""
+        config = model.config
+        cache = PagedKVCache(-(-len(sequence) // PAGE), PAGE, config.num_key_value_heads, config.head_dim,
+                             num_layers=config.num_hidden_layers, dtype=kv_cache_dtype)
+        cache.add(0)
+        batch = cache.step([0], [len(sequence)])
+        step = HybridStep(int(batch.forward_mode), *batch.metadata, cache.k_caches, cache.v_caches,
+                          k_scales=cache.k_scales, v_scales=cache.v_scales)
+        with torch.no_grad():
+            return model(input_ids=torch.tensor([sequence]), position_ids=torch.arange(len(sequence))[None],
+                         use_cache=False, hybrid_step=step).logits[0].float()
+
+    baseline = tokens(None)
+    sequences = [p + t for p, t in zip(prompts, baseline)]
+    base_logits = [logits(models[torch.bfloat16], torch.bfloat16, s) for s in sequences]
+    rows = []
+    for name, model, kv_cache_dtype in (("fp8 e4m3", models[torch.bfloat16], torch.float8_e4m3fn),
+                                        ("fp8 e5m2", models[torch.bfloat16], torch.float8_e5m2),
+                                        ("fp32 model, fp32 cache", models[torch.float32], torch.float32)):
+        generated = tokens(kv_cache_dtype) if model is models[torch.bfloat16] else None
+        errors = torch.cat([(logits(model, kv_cache_dtype, s) - b).abs().flatten()
+                            for s, b in zip(sequences, base_logits)])
+        agree = torch.cat([logits(model, kv_cache_dtype, s).argmax(-1) == b.argmax(-1)
+                           for s, b in zip(sequences, base_logits)])
+        matched = None if generated is None else sum(
+            next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w)) for g, w in zip(generated, baseline))
+        rows.append(dict(kv_cache=name, tokens_matched=matched, tokens=len(prompts) * new_tokens,
+                         max_logit_error=errors.max().item(), mean_logit_error=errors.mean().item(),
+                         logit_std=torch.cat(base_logits).std().item(), top1_agreement=agree.float().mean().item()))
+    return rows
+
+
 def markdown(results):
     lines = [f"Measured {results['date']} on {results['machine']}; read bandwidth {results['read_gbps']:.1f} GB/s.", ""]
     if "op" in results:
@@ -416,6 +465,15 @@ def markdown(results):
             fmts = ["{:.2f}x"] * 3 if r["method"].startswith("ratio") else ["{:.1f}", "{:.1f}", "{:.0f}"]
             cells = [f.format(r[k]) for f, k in zip(fmts, ("ttft_ms", "seconds", "prompt_tokens"))]
             lines.append(f"| {r['method']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if "fp8" in results:
+        lines += ["| demo model in bf16, against its bf16 KV cache | greedy tokens before the first difference "
+                  "| logits: max abs error | mean abs error | (logits' std) | top-1 agreement, teacher forced |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for r in results["fp8"]:
+            matched = "" if r["tokens_matched"] is None else f"{r['tokens_matched']} / {r['tokens']}"
+            lines.append(f"| {r['kv_cache']} | {matched} | {r['max_logit_error']:.3f} | {r['mean_logit_error']:.4f} "
+                         f"| {r['logit_std']:.3f} | {r['top1_agreement']:.1%} |")
     return "\n".join(lines) + "\n"
 
 
@@ -460,6 +518,8 @@ def main(argv=None):
         results["e2e"] = e2e_section(args.quick)
     if "prefix" in args.sections:
         results["prefix"] = prefix_section(args.quick)
+    if "fp8" in args.sections:
+        results["fp8"] = fp8_section(args.quick)
     # Only a full run replaces the kept results; a partial or quick one just prints.
     save = set(args.sections) == set(SECTIONS) and not args.quick
     if "plot" in args.sections:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import HybridInputError, OutOfPagesError
+from .fp8 import FP8_DTYPES
 from .metadata import ForwardBatch, build_metadata
 from .modes import ForwardMode
 
@@ -26,6 +27,9 @@ class PagedKVCache:
     num_kv_heads, v_head_dim] (head_dim unless given), dtype `dtype`; or, with `layer_shapes`, each layer's own
     (num_kv_heads, head_dim, v_head_dim), for models whose layers differ (it then sets num_layers too). Their
     addresses never change (`mark_static_address`), so CUDA-graph trees accept the ops' in-place writes.
+    An fp8 `dtype` (float8_e4m3fn, float8_e5m2) stores k / k_scale and v / v_scale: `k_scales[layer]`,
+    `v_scales[layer]` are float32 [] tensors, `kv_scale` (1.0 unless given) at first; `scales(layer)` gives the ops'
+    keywords. They are tensors, so setting a new value (before the layer's first write) never recompiles.
     A request's pages are the same in every layer; `block_table` rows are `max_pages_per_request` wide.
     The caches' sizes and the table's width are marked static: under `dynamic=True` Dynamo would otherwise unify
     a token count that happens to equal one of them (duck sizing) and recompile when they differ.
@@ -49,7 +53,8 @@ class PagedKVCache:
 
     def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, num_layers: int = 1,
                  max_pages_per_request: int | None = None, dtype=torch.float32, device="cpu",
-                 reserve_scratch: bool = False, v_head_dim: int | None = None, layer_shapes=None):
+                 reserve_scratch: bool = False, v_head_dim: int | None = None, layer_shapes=None,
+                 kv_scale: float = 1.0):
         if layer_shapes is None:
             layer_shapes = [(num_kv_heads, head_dim, v_head_dim or head_dim)] * num_layers
         sizes = [("num_pages", num_pages), ("page_size", page_size), ("num_layers", len(layer_shapes))]
@@ -58,6 +63,12 @@ class PagedKVCache:
         for name, value in sizes:
             if not (isinstance(value, int) and value > 0):
                 raise HybridInputError(f"{name} must be a positive int, got {value!r}")
+        if not (isinstance(dtype, torch.dtype) and (dtype.is_floating_point and dtype.itemsize > 1
+                                                    or dtype in FP8_DTYPES)):
+            raise HybridInputError(f"dtype must be a floating-point torch.dtype (float8_e4m3fn and float8_e5m2 "
+                                   f"included), got {dtype!r}")
+        if not (isinstance(kv_scale, (int, float)) and 0 < kv_scale < float("inf")):
+            raise HybridInputError(f"kv_scale must be a finite positive float, got {kv_scale!r}")
         self.page_size = page_size
         self.num_pages = num_pages
         self.max_pages_per_request = max_pages_per_request or num_pages
@@ -68,6 +79,12 @@ class PagedKVCache:
         for t in self.k_caches + self.v_caches:
             torch._dynamo.mark_static_address(t)
             torch._dynamo.mark_static(t)
+        self.k_scales = self.v_scales = None
+        if dtype in FP8_DTYPES:
+            self.k_scales, self.v_scales = ([torch.full((), float(kv_scale), device=device) for _ in layer_shapes]
+                                            for _ in range(2))
+            for t in self.k_scales + self.v_scales:
+                torch._dynamo.mark_static_address(t)
         self.device = torch.device(device)
         # Pop from the end: low page ids first, so a fresh request gets consecutive pages.
         self._free_pages = list(range(num_pages - 1, -1, -1))
@@ -82,6 +99,12 @@ class PagedKVCache:
     def layer(self, layer_id: int):
         """(k_cache, v_cache) of one layer."""
         return self.k_caches[layer_id], self.v_caches[layer_id]
+
+    def scales(self, layer_id: int) -> dict:
+        """The ops' `k_scale=`, `v_scale=` keywords for one layer: empty unless the cache is fp8."""
+        if self.k_scales is None:
+            return {}
+        return {"k_scale": self.k_scales[layer_id], "v_scale": self.v_scales[layer_id]}
 
     @property
     def num_free_pages(self) -> int:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from .buckets import batch_buckets, pad_batch, padding_q_lens, token_buckets
 from .cache import PagedKVCache
 from .errors import HybridInputError, HybridOpsError
+from .fp8 import FP8_DTYPES
 from .modes import ForwardMode
 
 # (tokens per request, logits rows, mode) of steps with one request, one token or one logits row: sizes that
@@ -110,6 +111,11 @@ class HybridGenerator:
     changes which step each request samples in: unseeded sampling, which draws from torch's default generator in
     step order, would then depend on what earlier calls left in the cache.
 
+    `kv_cache_dtype=torch.float8_e4m3fn` (or `float8_e5m2`) stores K/V in fp8, half the cache of bf16, with a
+    per-tensor scale of 1.0 in every layer (the K/V of the models measured stay well inside e4m3's range of 448;
+    `cache.k_scales` / `cache.v_scales` hold them, to set before generating); the accuracy cost on the demo model is
+    in docs/correctness.md.
+
     One generator serves one thread: a call made while another thread's call runs raises `HybridOpsError`.
     If a step raises (the model's forward, a KeyboardInterrupt, ...), the requests of that step are dropped and
     their pages freed; `generate` and `stream` drop all of their call's requests. The error propagates and the
@@ -122,11 +128,11 @@ class HybridGenerator:
     def __init__(self, model, max_batch_size: int = 8, max_seq_len: int | None = None, page_size: int = 16,
                  prefill_chunk: int = 256, compile: bool = True, prefill_backend: str = "auto",
                  decode_backend: str = "auto", cuda_graphs: bool = False, num_pages: int | None = None,
-                 compile_cache: str | None = None, prefix_caching: bool = False):
+                 compile_cache: str | None = None, prefix_caching: bool = False, kv_cache_dtype=None):
         from .integrations.transformers import HybridStep, check_servable, kv_heads_per_rank, tensor_parallel_group
 
         config = model.config.get_text_config()
-        max_positions = getattr(config, "max_position_embeddings", None)
+        max_positions = _max_positions(config)
         if max_seq_len is None:
             max_seq_len = min(1024, max_positions or 1024)
         for name, value in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len),
@@ -139,6 +145,11 @@ class HybridGenerator:
         if max_positions and max_seq_len > max_positions:
             raise HybridInputError(f"max_seq_len ({max_seq_len}) exceeds the model's max_position_embeddings "
                                    f"({max_positions}); raise model.config.max_position_embeddings to go past it")
+        param = next(model.parameters())
+        kv_cache_dtype = param.dtype if kv_cache_dtype is None else kv_cache_dtype
+        if kv_cache_dtype not in (param.dtype, *FP8_DTYPES):
+            raise HybridInputError(f"kv_cache_dtype must be None (the model's {param.dtype}), torch.float8_e4m3fn "
+                                   f"or torch.float8_e5m2, got {kv_cache_dtype!r}")
         model.set_attn_implementation("hybrid")
         self.model = model.eval()
         self.max_batch_size, self.max_seq_len, self.prefill_chunk = max_batch_size, max_seq_len, prefill_chunk
@@ -150,10 +161,9 @@ class HybridGenerator:
             kv_heads_per_rank(model, head_dim)
         layer_shapes = check_servable(model)  # each layer's (Hkv, D, Dv) as its attention passes K and V
         pages_per_request = -(-max_seq_len // page_size)
-        param = next(model.parameters())
         self.cache = PagedKVCache(num_pages or max_batch_size * pages_per_request, page_size, *layer_shapes[0][:2],
                                   layer_shapes=layer_shapes, max_pages_per_request=pages_per_request,
-                                  dtype=param.dtype, device=param.device, reserve_scratch=cuda_graphs)
+                                  dtype=kv_cache_dtype, device=param.device, reserve_scratch=cuda_graphs)
         graphs_on_cuda = cuda_graphs and param.device.type == "cuda"
         backends = (prefill_backend, decode_backend)
         if graphs_on_cuda:
@@ -186,7 +196,8 @@ class HybridGenerator:
                  block_table):
         """input_ids, position_ids: [1, T]; logits_index: [n] token rows to project -> logits [n, vocab]."""
         step = self._step_type(forward_mode, cu_seqlens_q, seq_lens, block_table, self.cache.k_caches,
-                               self.cache.v_caches, *self._backends)
+                               self.cache.v_caches, *self._backends, k_scales=self.cache.k_scales,
+                               v_scales=self.cache.v_scales)
         out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                          logits_to_keep=logits_index, hybrid_step=step)
         return out.logits[0]
@@ -495,6 +506,12 @@ class HybridGenerator:
         return batch, tokens + extra, positions + extra, rows + rows[-1:] * (batch.batch_size - len(rows))
 
 
+def _max_positions(config) -> int | None:
+    """The model's max_position_embeddings, None for no limit (none, or -1 as XLNet's says)."""
+    value = getattr(config, "max_position_embeddings", None)
+    return value if _is_int(value, 1) else None
+
+
 def _is_int(value, low: int) -> bool:
     """An int (numpy's included, bool not) of at least `low`."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= low
@@ -601,14 +618,16 @@ def generate(model, prompts, max_new_tokens: int, **kwargs):
     """One-call generation: `HybridGenerator(model, ...)` with sizes fitted to `prompts`, then `.generate`.
 
     Keyword arguments of `HybridGenerator` (max_batch_size, max_seq_len, num_pages, page_size, prefill_chunk,
-    compile, backends, cuda_graphs, compile_cache, prefix_caching) go to it, the rest to `generate`. Reuse a
+    compile, backends, cuda_graphs, compile_cache, prefix_caching, kv_cache_dtype) go to it, the rest to `generate`.
+    Reuse a
     `HybridGenerator` to keep its compiled forward across calls.
     """
     init_keys = ("max_batch_size", "max_seq_len", "num_pages", "page_size", "prefill_chunk", "compile",
-                 "prefill_backend", "decode_backend", "cuda_graphs", "compile_cache", "prefix_caching")
+                 "prefill_backend", "decode_backend", "cuda_graphs", "compile_cache", "prefix_caching",
+                 "kv_cache_dtype")
     init = {k: kwargs.pop(k) for k in init_keys if k in kwargs}
     prompts = _prompt_list(prompts)
-    max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None) or math.inf
+    max_positions = _max_positions(model.config.get_text_config()) or math.inf
     if _is_int(max_new_tokens, 1) and all(hasattr(p, "__len__") for p in prompts):
         # At most max_position_embeddings: longer requests are refused, not given a cache they cannot use.
         init.setdefault("max_seq_len", min(max((len(p) for p in prompts), default=1) + max_new_tokens,

@@ -1,7 +1,27 @@
-"""Triton helpers shared by the kernels: segment search and the paged online-softmax loop."""
+"""Triton helpers shared by the kernels: segment search, fp8 conversions and the paged online-softmax loop.
 
+fp8 caches reach the kernels as uint8 bytes (`kernel_kv`) with their format as the constexpr KV_FP8: "e4m3"
+(torch.float8_e4m3fn), "e5m2" (torch.float8_e5m2), or "" for a cache in q's dtype. The conversions are integer bit
+manipulation: Triton converts e4m3 only on sm_89 and later, and this way the interpreter runs the same code.
+"""
+
+import torch
 import triton
 import triton.language as tl
+
+FP8_FORMATS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+
+
+def kernel_kv(k_cache, v_cache, k_scale, v_scale):
+    """The caches and scales as the kernels take them: (k_cache, v_cache, k_scale, v_scale, KV_FP8).
+
+    fp8 caches as uint8 views, with their [Hkv] float32 scales (required); other caches as they are, with the caches
+    standing in for the scales (never read).
+    """
+    fp8 = FP8_FORMATS.get(k_cache.dtype, "")
+    if not fp8:
+        return k_cache, v_cache, k_cache, v_cache, fp8
+    return k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale, fp8
 
 
 @triton.jit
@@ -19,32 +39,92 @@ def find_segment(offsets, x, n, LOG_N: tl.constexpr):
 
 
 @triton.jit
+def fp8_to_float(code, FP8: tl.constexpr):
+    """fp8 bytes (uint8, any shape) of format FP8 -> their fp32 values, exactly (NaN codes as NaN, e5m2 inf as inf).
+
+    Through an fp16's bits, whose conversion to fp32 is exact, subnormals included (no fp32 subnormal arises, which
+    a flush-to-zero multiply would lose): e5m2 is an fp16's top byte; e4m3's 4-bit exponent field lands 8 below
+    an fp16's bias, undone by * 256, and its NaN code (0x7F, the only one whose magnitude + 1 carries into bit 7)
+    gets the fp16 exponent's top bit too, making it an fp16 NaN: integer ops, cheaper than a select on sm_80.
+    """
+    code = code.to(tl.int16)
+    if FP8 == "e5m2":
+        return (code << 8).to(tl.float16, bitcast=True).to(tl.float32)
+    magnitude = code & 0x7F
+    bits = ((code & 0x80) << 8) | (magnitude << 7) | (((magnitude + 1) & 0x80) << 7)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
+@triton.jit
+def float_to_fp8(x, FP8: tl.constexpr):
+    """fp32 (any shape) -> fp8 bytes (uint8) of format FP8, as torch's `x.clamp(-max, max).to(fp8)`: saturated to
+    the largest finite value (448 e4m3, 57344 e5m2; infinities too), rounded to nearest even, sign kept (-0 too),
+    NaN -> NaN (0x7F with the sign)."""
+    if FP8 == "e4m3":
+        MANT: tl.constexpr = 3
+        BIAS: tl.constexpr = 7
+        MAX_BITS: tl.constexpr = 0x43E00000  # 448.0
+    else:
+        MANT: tl.constexpr = 2
+        BIAS: tl.constexpr = 15
+        MAX_BITS: tl.constexpr = 0x47600000  # 57344.0
+    SHIFT: tl.constexpr = 23 - MANT  # fp32 mantissa bits dropped
+    # A float whose ulp is the fp8 subnormal step, 2^(1 - BIAS - MANT): adding it rounds to that step.
+    MAGIC: tl.constexpr = 2.0 ** (24 - MANT - BIAS)
+    MAGIC_BITS: tl.constexpr = (151 - MANT - BIAS) << 23
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    magnitude = bits & 0x7FFFFFFF
+    is_nan = magnitude > 0x7F800000
+    magnitude = tl.minimum(magnitude, MAX_BITS)
+    # Normal: round the mantissa to nearest even (add half an fp8 ulp less one, plus the kept lowest bit); a carry
+    # into the exponent is the right result. Then rebias the exponent.
+    normal = ((magnitude + ((1 << (SHIFT - 1)) - 1) + ((magnitude >> SHIFT) & 1)) >> SHIFT) - ((127 - BIAS) << MANT)
+    # Below the smallest normal, 2^(1 - BIAS): fp32 addition rounds to nearest even (2^(1 - BIAS) itself gives the
+    # smallest normal's code).
+    subnormal = (magnitude.to(tl.float32, bitcast=True) + MAGIC).to(tl.int32, bitcast=True) - MAGIC_BITS
+    code = tl.where(magnitude < (128 - BIAS) << 23, subnormal, normal)
+    return (tl.where(is_nan, 0x7F, code) | sign).to(tl.uint8)
+
+
+@triton.jit
 def attend_pages(
-    q, q_pos, acc, l_i, m_i,  # q: [R, BLOCK_D]; q_pos: [R] position of each row's token; running state
+    q, q_pos, acc, l_i, m_i,  # q: [R, BLOCK_D]; q_pos: [R] position of each row's token; acc: [R, BLOCK_DV]
     KCache, VCache, block_table_row, kv_head,  # block_table_row: pointer to this request's block_table row
     kv_lo, kv_hi, seq_len, num_pages, num_table_pages, scale, logit_cap, sliding_window, attention_chunk,
-    stride_cp, stride_cr, stride_ch,  # cache strides: page, row, head (head dim contiguous)
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    stride_kp, stride_kr, stride_kh, stride_vp, stride_vr, stride_vh,  # caches: page, row, head (head dim contiguous)
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Online softmax of q's rows over KV positions [kv_lo, kv_hi) of one request, read in place from its pages.
 
-    Keys past `seq_len`, beyond the block table, in pages outside [0, num_pages), after a row's own position, or
-    outside its sliding window or its chunk of positions are masked: neither loaded nor weighted.
+    K rows have HEAD_DIM elements (padded to BLOCK_D), V rows HEAD_DIM_V (padded to BLOCK_DV). Keys past
+    `seq_len`, beyond the block table, in pages outside [0, num_pages), after a row's own position, or outside its
+    sliding window or its chunk of positions are masked: neither loaded nor weighted. fp8 K/V (bytes) are read as
+    their stored values in q's dtype, which holds them exactly: the caller folds the scales in.
     """
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
+    dv = tl.arange(0, BLOCK_DV)
     for start in range(kv_lo, kv_hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         page_index = pos // PAGE_SIZE
         in_table = (pos < seq_len) & (page_index < num_table_pages)
         page = tl.load(block_table_row + page_index, mask=in_table, other=-1)
         ok = in_table & (page >= 0) & (page < num_pages)
-        offset = page.to(tl.int64) * stride_cp + (pos % PAGE_SIZE) * stride_cr + kv_head * stride_ch
-        kv_mask = ok[:, None] & d_ok[None, :]
-        k = tl.load(KCache + offset[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(VCache + offset[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
+        page = page.to(tl.int64)
+        row = pos % PAGE_SIZE
+        k_offset = page * stride_kp + row * stride_kr + kv_head * stride_kh
+        v_offset = page * stride_vp + row * stride_vr + kv_head * stride_vh
+        k = tl.load(KCache + k_offset[:, None] + d[None, :], mask=ok[:, None] & (d < HEAD_DIM)[None, :],
+                    other=0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(VCache + v_offset[:, None] + dv[None, :], mask=ok[:, None] & (dv < HEAD_DIM_V)[None, :],
+                    other=0)  # [BLOCK_N, BLOCK_DV]
+        if KV_FP8 != "":
+            k = fp8_to_float(k, KV_FP8).to(q.dtype)
+            v = fp8_to_float(v, KV_FP8).to(q.dtype)
+        elif UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         # fp32 inputs as three TF32 products (about fp32's precision; plain TF32 would round them to 10 bits), on

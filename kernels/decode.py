@@ -18,20 +18,22 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import attend_pages
+from .common import attend_pages, kernel_kv
 from .config import Target, block_d, decode_tiles
 
 
 @triton.jit
 def _decode_split_kernel(
-    Q, KCache, VCache, PartialOut, PartialLse, SeqLens, BlockTable,  # pointers
+    Q, KCache, VCache, PartialOut, PartialLse, SeqLens, BlockTable, KScale, VScale,  # pointers (scales: [Hkv] fp32)
     q_len, group, row_tiles, num_splits, num_q_heads, num_pages, num_table_pages,  # sizes
     scale, logit_cap, sliding_window, attention_chunk,  # options
     stride_qt, stride_qh, stride_qd,  # q [T, Hq, D], any strides
-    stride_cp, stride_cr, stride_ch, stride_bt,  # caches [num_pages, page_size, Hkv, D]; block_table rows
-    BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
+    stride_kp, stride_kr, stride_kh, stride_vp, stride_vr, stride_vh,  # caches [num_pages, page_size, Hkv, D or Dv]
+    stride_bt, stride_ks, stride_vs,  # block_table rows; scales (0 when expanded from one value)
+    BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     request = tl.program_id(0)
     kv_head = tl.program_id(1) // row_tiles
@@ -51,6 +53,8 @@ def _decode_split_kernel(
     if UPCAST:
         q = q.to(tl.float32)
     q_pos = prefix + rows // group
+    if KV_FP8 != "":  # k's scale joins the scores' scale; v's scales the output
+        scale *= tl.load(KScale + kv_head * stride_ks)
 
     visible_lo = 0
     if HAS_WINDOW:
@@ -58,21 +62,24 @@ def _decode_split_kernel(
     chunk = tl.cdiv(tl.cdiv(seq_len - visible_lo, num_splits), BLOCK_N) * BLOCK_N
     kv_lo = visible_lo + split * chunk
     kv_hi = tl.minimum(kv_lo + chunk, seq_len)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
     m_i = tl.full([BLOCK_R], -1e30, dtype=tl.float32)
     acc, l_i, m_i = attend_pages(
         q, q_pos, acc, l_i, m_i, KCache, VCache, BlockTable + request * stride_bt, kv_head,
         kv_lo, kv_hi, seq_len, num_pages, num_table_pages, scale, logit_cap, sliding_window, attention_chunk,
-        stride_cp, stride_cr, stride_ch,
-        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, SOFT_CAP, HAS_WINDOW, HAS_CHUNK, UPCAST,
+        stride_kp, stride_kr, stride_kh, stride_vp, stride_vr, stride_vh,
+        HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, PAGE_SIZE, SOFT_CAP, HAS_WINDOW, HAS_CHUNK, UPCAST, KV_FP8,
     )
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if KV_FP8 != "":
+        out *= tl.load(VScale + kv_head * stride_vs)
     lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-    # partials: [T, Hq, num_splits, BLOCK_D] and [T, Hq, num_splits], contiguous
+    # partials: [T, Hq, num_splits, BLOCK_DV] and [T, Hq, num_splits], contiguous
     row_index = (token.to(tl.int64) * num_q_heads + head) * num_splits + split
-    tl.store(PartialOut + row_index[:, None] * BLOCK_D + d[None, :], out, mask=row_ok[:, None])
+    dv = tl.arange(0, BLOCK_DV)
+    tl.store(PartialOut + row_index[:, None] * BLOCK_DV + dv[None, :], out, mask=row_ok[:, None])
     tl.store(PartialLse + row_index, lse, mask=row_ok)
 
 
@@ -80,26 +87,26 @@ def _decode_split_kernel(
 def _decode_reduce_kernel(
     PartialOut, PartialLse, Out, Sinks,  # Sinks: [Hq] fp32
     num_splits, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
     row = token.to(tl.int64) * tl.num_programs(1) + head
     s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
     lse = tl.load(PartialLse + row * num_splits + s, mask=s < num_splits, other=float("-inf"))
     lse_max = tl.maximum(tl.max(lse, 0), -1e30)  # finite even when no split saw a key
     if HAS_SINKS:
         sink = tl.load(Sinks + head)
         lse_max = tl.maximum(lse_max, sink)
     weight = tl.exp(lse - lse_max)
-    partial = tl.load(PartialOut + (row * num_splits + s)[:, None] * BLOCK_D + d[None, :],
+    partial = tl.load(PartialOut + (row * num_splits + s)[:, None] * BLOCK_DV + dv[None, :],
                       mask=(s < num_splits)[:, None], other=0.0)
     total = tl.sum(weight, 0)
     if HAS_SINKS:
         total += tl.exp(sink - lse_max)
     out = tl.sum(partial * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(Out + token * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
+    tl.store(Out + token * stride_ot + head * stride_oh + dv, out.to(Out.dtype.element_ty), mask=dv < HEAD_DIM_V)
 
 
 def num_kv_splits(programs_per_split: int, max_kv_len: int, block_n: int, num_sms: int) -> int:
@@ -113,40 +120,46 @@ def num_kv_splits(programs_per_split: int, max_kv_len: int, block_n: int, num_sm
 
 
 def decode(q, k_cache, v_cache, seq_lens, block_table, scale, sliding_window, logit_cap, target: Target,
-           num_splits=None, batch_invariant=False, sinks=None, attention_chunk=-1):
-    """Attention of q: [T, Hq, D], T = B * q_len, over the paged caches (new tokens already stored).
-    sinks: [Hq] float32 or None.
+           num_splits=None, batch_invariant=False, sinks=None, attention_chunk=-1, k_scale=None, v_scale=None):
+    """Attention of q: [T, Hq, D], T = B * q_len, over the paged caches k_cache: [num_pages, page_size, Hkv, D],
+    v_cache: [..., Hkv, Dv] (new tokens already stored); returns [T, Hq, Dv] in q's dtype.
+    sinks: [Hq] float32 or None; k_scale, v_scale: [Hkv] float32 (any stride) for fp8 caches, read as
+    stored * scale.
 
     `batch_invariant` takes the split count as for a batch of one, so a request's result never depends on its batch.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_requests, num_kv_heads, page_size = seq_lens.shape[0], k_cache.shape[2], k_cache.shape[1]
-    out = q.new_empty(q.shape)
+    v_head_dim = v_cache.shape[3]
+    out = q.new_empty(num_tokens, num_q_heads, v_head_dim)
     if num_tokens == 0:
         return out
     q_len = num_tokens // num_requests
     group = num_q_heads // num_kv_heads
-    tiles = decode_tiles(q.dtype, head_dim, q_len * group, target)
+    tiles = decode_tiles(q.dtype, max(head_dim, v_head_dim), q_len * group, target)
     row_tiles = triton.cdiv(q_len * group, tiles.block_rows)
     if num_splits is None:
         programs = (1 if batch_invariant else num_requests) * num_kv_heads * row_tiles
         num_splits = num_kv_splits(programs, block_table.shape[1] * page_size, tiles.block_n, target.num_sms)
-    padded_d = block_d(head_dim)
-    partial_out = torch.empty(num_tokens, num_q_heads, num_splits, padded_d, dtype=torch.float32, device=q.device)
+    padded_dv = block_d(v_head_dim)
+    k_cache, v_cache, k_scale, v_scale, kv_fp8 = kernel_kv(k_cache, v_cache, k_scale, v_scale)
+    partial_out = torch.empty(num_tokens, num_q_heads, num_splits, padded_dv, dtype=torch.float32, device=q.device)
     partial_lse = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_requests, num_kv_heads * row_tiles, num_splits)](
-        q, k_cache, v_cache, partial_out, partial_lse, seq_lens, block_table,
+        q, k_cache, v_cache, partial_out, partial_lse, seq_lens, block_table, k_scale, v_scale,
         q_len, group, row_tiles, num_splits, num_q_heads, k_cache.shape[0], block_table.shape[1],
         scale, logit_cap, sliding_window, attention_chunk,
         *q.stride(),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
-        BLOCK_R=tiles.block_rows, HEAD_DIM=head_dim, BLOCK_D=padded_d, BLOCK_N=tiles.block_n, PAGE_SIZE=page_size,
+        *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0), k_scale.stride(0), v_scale.stride(0),
+        BLOCK_R=tiles.block_rows, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), HEAD_DIM_V=v_head_dim,
+        BLOCK_DV=padded_dv, BLOCK_N=tiles.block_n, PAGE_SIZE=page_size,
         SOFT_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0, HAS_CHUNK=attention_chunk > 0,
-        UPCAST=target.interpret and q.dtype == torch.bfloat16, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        UPCAST=target.interpret and q.dtype == torch.bfloat16, KV_FP8=kv_fp8, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     _decode_reduce_kernel[(num_tokens, num_q_heads)](
         partial_out, partial_lse, out, partial_lse if sinks is None else sinks, num_splits, out.stride(0),
-        out.stride(1), HEAD_DIM=head_dim, BLOCK_D=padded_d, BLOCK_S=triton.next_power_of_2(num_splits),
+        out.stride(1), HEAD_DIM_V=v_head_dim, BLOCK_DV=padded_dv, BLOCK_S=triton.next_power_of_2(num_splits),
         HAS_SINKS=sinks is not None,
     )
     return out

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import attend_pages, find_segment
+from .common import attend_pages, find_segment, kernel_kv
 from .config import Target, block_d, prefill_tiles
 from .kv_store import log2_ceil
 
@@ -22,14 +22,16 @@ from .kv_store import log2_ceil
 @triton.jit
 def _prefill_kernel(
     Q, KCache, VCache, Out, CuSeqlensQ, SeqLens, BlockTable, TileCu, Sinks,  # pointers (Sinks: [Hq] fp32)
+    KScale, VScale,  # [Hkv] fp32, fp8 caches only
     num_tokens, num_requests, group, num_pages, num_table_pages,  # sizes
     scale, logit_cap, sliding_window, attention_chunk,  # options
-    stride_qt, stride_qh, stride_qd, stride_ot, stride_oh,  # q [T, Hq, D] any strides; out [T, Hq, D]
-    stride_cp, stride_cr, stride_ch, stride_bt,  # caches [num_pages, page_size, Hkv, D]; block_table rows
-    BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, LOG_B: tl.constexpr,
+    stride_qt, stride_qh, stride_qd, stride_ot, stride_oh,  # q [T, Hq, D] any strides; out [T, Hq, Dv]
+    stride_kp, stride_kr, stride_kh, stride_vp, stride_vr, stride_vh,  # caches [num_pages, page_size, Hkv, D or Dv]
+    stride_bt, stride_ks, stride_vs,  # block_table rows; scales (0 when expanded from one value)
+    BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, LOG_B: tl.constexpr,
     SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -54,12 +56,14 @@ def _prefill_kernel(
     if UPCAST:
         q = q.to(tl.float32)
     q_pos = prefix + token
+    if KV_FP8 != "":  # k's scale joins the scores' scale; v's scales the output
+        scale *= tl.load(KScale + kv_head * stride_ks)
 
     kv_hi = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_M)
     kv_lo = 0
     if HAS_WINDOW:
         kv_lo = tl.maximum(prefix + tile * BLOCK_M - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
-    acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_DV], dtype=tl.float32)
     if HAS_SINKS:  # max(sink, -1e30) keeps the running max finite even for a sink of -inf (which adds 0)
         sink = tl.load(Sinks + head, mask=row_ok, other=float("-inf"))
         m_i = tl.maximum(sink, -1e30)
@@ -70,25 +74,31 @@ def _prefill_kernel(
     acc, l_i, m_i = attend_pages(
         q, q_pos, acc, l_i, m_i, KCache, VCache, BlockTable + request * stride_bt, kv_head,
         kv_lo, kv_hi, seq_len, num_pages, num_table_pages, scale, logit_cap, sliding_window, attention_chunk,
-        stride_cp, stride_cr, stride_ch,
-        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, SOFT_CAP, HAS_WINDOW, HAS_CHUNK, UPCAST,
+        stride_kp, stride_kr, stride_kh, stride_vp, stride_vr, stride_vh,
+        HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, PAGE_SIZE, SOFT_CAP, HAS_WINDOW, HAS_CHUNK, UPCAST, KV_FP8,
     )
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(Out + (q_start + token)[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(Out.dtype.element_ty), mask=q_mask)
+    if KV_FP8 != "":
+        out *= tl.load(VScale + kv_head * stride_vs)
+    dv = tl.arange(0, BLOCK_DV)
+    tl.store(Out + (q_start + token)[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + dv[None, :],
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < HEAD_DIM_V))
 
 
 def prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
-            target: Target, sinks=None, attention_chunk=-1):
-    """Attention of q: [T, Hq, D] over the paged caches (new tokens already stored); returns [T, Hq, D].
-    sinks: [Hq] float32 or None."""
+            target: Target, sinks=None, attention_chunk=-1, k_scale=None, v_scale=None):
+    """Attention of q: [T, Hq, D] over the paged caches k_cache: [num_pages, page_size, Hkv, D], v_cache: [...,
+    Hkv, Dv] (new tokens already stored); returns [T, Hq, Dv] in q's dtype.
+    sinks: [Hq] float32 or None; k_scale, v_scale: [Hkv] float32 (any stride) for fp8 caches, read as
+    stored * scale."""
     num_tokens, num_q_heads, head_dim = q.shape
-    num_requests, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
-    out = q.new_empty(q.shape)
+    num_requests, num_kv_heads, v_head_dim = seq_lens.shape[0], k_cache.shape[2], v_cache.shape[3]
+    out = q.new_empty(num_tokens, num_q_heads, v_head_dim)
     if num_tokens == 0 or num_requests == 0:
         return out
     group = num_q_heads // num_kv_heads
-    tiles = prefill_tiles(q.dtype, head_dim, group, target)
+    k_cache, v_cache, k_scale, v_scale, kv_fp8 = kernel_kv(k_cache, v_cache, k_scale, v_scale)
+    tiles = prefill_tiles(q.dtype, max(head_dim, v_head_dim), group, target)
     block_m = tiles.block_rows
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).clamp(min=0)
     tile_cu = torch.zeros(num_requests + 1, dtype=torch.int32, device=q.device)
@@ -96,14 +106,16 @@ def prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sli
     grid = (triton.cdiv(num_tokens, block_m) + num_requests, num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, tile_cu, q if sinks is None else sinks,
+        k_scale, v_scale,
         num_tokens, num_requests, group, k_cache.shape[0], block_table.shape[1],
         scale, logit_cap, sliding_window, attention_chunk,
         *q.stride(), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
+        *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0), k_scale.stride(0), v_scale.stride(0),
         BLOCK_G=triton.next_power_of_2(group), HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
+        HEAD_DIM_V=v_head_dim, BLOCK_DV=block_d(v_head_dim),
         BLOCK_M=block_m, BLOCK_N=tiles.block_n, PAGE_SIZE=k_cache.shape[1], LOG_B=log2_ceil(num_requests),
         SOFT_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0, HAS_CHUNK=attention_chunk > 0,
-        HAS_SINKS=sinks is not None, UPCAST=target.interpret and q.dtype == torch.bfloat16,
+        HAS_SINKS=sinks is not None, UPCAST=target.interpret and q.dtype == torch.bfloat16, KV_FP8=kv_fp8,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out

@@ -4,7 +4,9 @@
     python scripts/gpu_check.py --smoke    # tiny sizes, on the CPU too (Triton through its interpreter)
 
 1. Every backend (torch, triton, flashinfer when importable) and mode against the float64 reference, with a sliding
-   window and soft-cap; prefill queries up to 100 tokens (FlashInfer's FA3 kernels on an H100/H200 past 64).
+   window and soft-cap, over caches of q's dtype and fp8 caches (e4m3, e5m2, per kv head scales; exact cache bytes);
+   prefill queries up to 100 tokens (FlashInfer's FA3 kernels on an H100/H200 past 64). Triton with fp8 caches also
+   over long prefixes, and its store's bytes against torch's conversion where an approximate division would show.
 2. torch.compile(mode="reduce-overhead") of a module calling torch.ops.hybrid.plan(cuda_graph=True) then
    torch.ops.hybrid.attn with EXTEND, DECODE and TARGET_VERIFY alternating: CUDA-graph trees must replay it (no
    "skipping cudagraphs"), with correct outputs and the KV writes landing in the caller's cache.
@@ -13,7 +15,8 @@
    (none expected), tokens/s of each, identical tokens. On the CPU the padding path runs without graphs (and with
    --smoke, without compiling: tests/test_buckets.py covers the compiled padding path).
 4. Decode (batch 1/16/64 x context 1k/4k/32k) and prefill (512/4k new tokens, prefix 0/2k) at Hq 32, Hkv 8, D 128,
-   bf16, page 16: KV bandwidth and TFLOP/s against the copy bandwidth and bf16 matmul rate measured in this run.
+   bf16, page 16, decode also over fp8 (e4m3) caches: KV bandwidth and TFLOP/s against the copy bandwidth and bf16
+   matmul rate measured in this run.
 """
 
 import argparse
@@ -31,7 +34,15 @@ if "--smoke" in sys.argv and not os.environ.get("TRITON_INTERPRET"):
 sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
-from reference import TOLERANCE, assert_close, expected_cache, make_case, reference  # noqa: E402
+from reference import (  # noqa: E402
+    TOLERANCE,
+    assert_close,
+    expected_cache,
+    fp8_case,
+    fp8_store_case,
+    make_case,
+    reference,
+)
 
 import hybrid_ops  # noqa: E402
 from hybrid_ops import ForwardMode  # noqa: E402
@@ -59,12 +70,15 @@ def available_backends(device):
 
 
 def check_correctness(device, report):
-    # fp32 on the CPU only, where FlashInfer (fp16/bf16, CUDA) does not run.
-    dtypes = [torch.bfloat16, torch.float16] + ([torch.float32] if device == "cpu" else [])
+    """Every mode of every backend for q in fp16 and bf16 (and fp32 on the CPU, where FlashInfer does not run), over
+    caches of q's dtype and over fp8 caches (per kv head scales), against float64 over what the cache holds."""
+    kinds = [(torch.bfloat16, None), (torch.float16, None), (torch.bfloat16, torch.float8_e4m3fn),
+             (torch.float16, torch.float8_e5m2)] + ([(torch.float32, None)] if device == "cpu" else [])
     # On the GPU a prefill query of more than 64 tokens: FlashInfer runs its FA3 kernels there on an H100/H200.
     long_query = 100 if device == "cuda" else 19
+    kv_scales = {"k_scale": torch.tensor([0.3, 1.7], device=device), "v_scale": torch.tensor([2.5, 0.6], device=device)}
     for backend in available_backends(device):
-        for dtype in dtypes:
+        for dtype, cache_dtype in kinds:
             for mode in ForwardMode:
                 for spec in ("prefill", "decode"):
                     decode_path = hybrid_ops.select_path(mode, spec) == "decode"
@@ -72,14 +86,19 @@ def check_correctness(device, report):
                         [1 if mode == ForwardMode.DECODE else 3] * 3 if decode_path else [7, 1, 0, long_query])
                     case = make_case(q_lens, [30, 0, 65, 12][: len(q_lens)], num_q_heads=8, num_kv_heads=2,
                                      head_dim=128, page_size=16, dtype=dtype, device=device, seed=int(mode))
-                    k_ref, v_ref = expected_cache(case)
                     options = dict(sliding_window=24, logit_cap=20.0)
+                    read, (k_ref, v_ref) = case, expected_cache(case)
+                    if cache_dtype is not None:
+                        case, read, (k_ref, v_ref) = fp8_case(case, cache_dtype, *kv_scales.values())
+                        options.update(kv_scales)
                     out = torch.ops.hybrid.attn(*case.args, int(mode), **options, prefill_backend=backend,
                                                 decode_backend=backend, speculative_attention_mode=spec)
-                    assert_close(out.cpu(), reference(case, **options), dtype)
-                    assert torch.equal(case.k_cache.cpu(), k_ref.cpu()) and torch.equal(case.v_cache.cpu(),
-                                                                                       v_ref.cpu())
-            report.append(f"correct: {backend} {dtype} every mode, both speculative settings")
+                    options = {k: v for k, v in options.items() if k not in kv_scales}
+                    assert_close(out.cpu(), reference(read, **options), dtype)
+                    raw = (lambda t: t.cpu().view(torch.uint8)) if cache_dtype else (lambda t: t.cpu())
+                    assert torch.equal(raw(case.k_cache), k_ref.cpu()) and torch.equal(raw(case.v_cache), v_ref.cpu())
+            report.append(f"correct: {backend} q {dtype}, cache {cache_dtype or dtype}, every mode, both "
+                          "speculative settings")
             print(report[-1], flush=True)
 
 
@@ -107,6 +126,34 @@ def check_triton_many_rows(device, report):
         out = torch.ops.hybrid.decode(*case.args, backend="triton")
         assert_close(out.cpu(), reference(case), dtype)
         report.append(f"triton decode q_len {q_len}, Hq {hq} / Hkv {hkv}, D 256, {dtype}: correct")
+        print(report[-1], flush=True)
+
+
+def check_triton_fp8(device, report):
+    """fp8 caches through the Triton kernels, one scale per kv head: the store's bytes as torch's conversion on the
+    CPU for quotients at and next to rounding ties, subnormal and saturating (`fp8_store_case`), then decode, verify
+    and prefill over several KV blocks and splits against float64 over the dequantized cache, with exact bytes."""
+    from hybrid_ops.kernels import kv_store
+
+    k_scale, v_scale = torch.tensor([1.0, 0.37]), torch.tensor([3.1, 1.0])
+    scales = dict(k_scale=k_scale.to(device), v_scale=v_scale.to(device))
+    options = dict(sliding_window=200, logit_cap=20.0)
+    for cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        fp8, _, expected = fp8_case(fp8_store_case(cache_dtype, k_scale, v_scale), cache_dtype, k_scale, v_scale)
+        args = [a.to(device) for a in fp8.args]
+        kv_store.store_kv(*args[1:], **scales)
+        assert all(torch.equal(c.cpu().view(torch.uint8), e) for c, e in zip(args[3:5], expected)), "store bytes"
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for path, q_lens in (("decode", [1, 1]), ("decode", [4, 4]), ("prefill", [37, 5])):
+                case = make_case(q_lens, [300, 41], num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16,
+                                 dtype=dtype, seed=len(q_lens))
+                fp8, read, expected = fp8_case(case, cache_dtype, k_scale, v_scale)
+                args = [a.to(device) for a in fp8.args]
+                out = getattr(torch.ops.hybrid, path)(*args, backend="triton", **scales, **options)
+                assert_close(out.cpu(), reference(read, **options), dtype)
+                assert all(torch.equal(c.cpu().view(torch.uint8), e) for c, e in zip(args[3:5], expected))
+        report.append(f"triton {cache_dtype}: store bit-exact at ties, subnormals, saturation; decode, verify 4, "
+                      "prefill at bf16/fp16/fp32 correct")
         print(report[-1], flush=True)
 
 
@@ -245,10 +292,19 @@ def benchmark(device, smoke, rows):
             kv_bytes = sum(p + n for p, n in zip(prefixes, q_lens)) * hkv * d * 2 * elt
             flops = sum(4 * n * (p + (n + 1) / 2) * hq * d for p, n in zip(prefixes, q_lens))
             row = dict(kind=kind, shape=f"batch {a} x ctx {b}" if kind == "decode" else f"new {a} prefix {b}")
+            # Decode also over an fp8 (e4m3) copy of the caches: half the bytes to read.
+            variants = {"": (args, {}, 1)}
+            if kind == "decode":
+                fp8_caches = tuple(c.to(torch.float8_e4m3fn) for c in args[3:5])
+                one = torch.ones((), device=device)
+                variants[" fp8"] = ((*args[:3], *fp8_caches, *args[5:]), dict(k_scale=one, v_scale=one), 0.5)
             for backend in backends:
-                ms = timed(lambda: op(*args, backend=backend), device)
-                row[backend] = dict(ms=ms, kv_gbps=kv_bytes / ms / 1e6, tflops=flops / ms / 1e9,
-                                    of_copy=kv_bytes / ms / 1e6 / copy_gbps, of_matmul=flops / ms / 1e9 / matmul_tflops)
+                for suffix, (op_args, scales, fraction) in variants.items():
+                    ms = timed(lambda: op(*op_args, backend=backend, **scales), device)
+                    row[backend + suffix] = dict(ms=ms, kv_gbps=kv_bytes * fraction / ms / 1e6,
+                                                 tflops=flops / ms / 1e9,
+                                                 of_copy=kv_bytes * fraction / ms / 1e6 / copy_gbps,
+                                                 of_matmul=flops / ms / 1e9 / matmul_tflops)
             rows.append(row)
             print(row, flush=True)
     return dict(copy_gbps=copy_gbps, matmul_tflops=matmul_tflops)
@@ -266,6 +322,7 @@ def main():
     check_correctness(device, report)
     check_triton_fp32(device, report)
     check_triton_many_rows(device, report)
+    check_triton_fp8(device, report)
     if device == "cuda":
         check_cuda_graphs(report)
     check_generator_graphs(device, args.smoke, report)

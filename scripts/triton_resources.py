@@ -43,7 +43,8 @@ SHARED_LIMIT = {80: 166_912, 90: 232_448}  # per-block opt-in shared memory, byt
 SM_COUNT = {80: 108, 90: 132}  # A100, H200
 NO_SPILL_CAPABILITY = 90
 NO_SPILL_MAX_HEAD_DIM = 128
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "e4m3",
+               torch.float8_e5m2: "e5m2"}
 
 
 @dataclass(frozen=True)
@@ -59,12 +60,17 @@ class Case:
     page_size: int = 16
     options: tuple = ()  # (sliding_window, logit_cap) when set
     batch: int = 2
+    kv_dtype: torch.dtype = None  # an fp8 cache's dtype; None: q's
+    v_head_dim: int = None  # v's own head dim Dv (MLA); None: head_dim
 
     def __str__(self):
         mode = ("decode" if self.q_len == 1 else f"verify {self.q_len}") if self.kind == "decode" else "prefill"
-        text = (f"{mode} {DTYPE_NAMES[self.dtype]} D{self.head_dim} Hq{self.num_q_heads}/Hkv{self.num_kv_heads} "
+        dims = f"D{self.head_dim}" + (f" Dv{self.v_head_dim}" if self.v_head_dim else "")
+        text = (f"{mode} {DTYPE_NAMES[self.dtype]} {dims} Hq{self.num_q_heads}/Hkv{self.num_kv_heads} "
                 f"page {self.page_size}")
-        return text + (f" batch {self.batch}" if self.batch != 2 else "") + (" window+cap" if self.options else "")
+        text += f" batch {self.batch}" if self.batch != 2 else ""
+        return text + (" window+cap" if self.options else "") + (f" kv {DTYPE_NAMES[self.kv_dtype]}" if self.kv_dtype
+                                                                 else "")
 
 
 def cases():
@@ -95,6 +101,17 @@ def cases():
     out.append(Case("decode", torch.bfloat16, 128, 32, 8, 1, batch=64))  # one split per request
     for kind, q_len in (("decode", 1), ("prefill", 40)):  # head dim 8: padded to 16 for tl.dot
         out.append(Case(kind, torch.bfloat16, 8, 8, 2, q_len))
+    for kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # fp8 caches: GQA decode, verify, prefill
+        for q_len, hq, hkv in ((1, 32, 8), (4, 64, 8)):
+            out.append(Case("decode", torch.bfloat16, 128, hq, hkv, q_len, kv_dtype=kv_dtype))
+        out.append(Case("prefill", torch.bfloat16, 128, 32, 8, 40, kv_dtype=kv_dtype))
+    for dtype, head_dim in ((torch.float32, 128), (torch.float16, 64), (torch.bfloat16, 256)):
+        for kind, q_len in (("decode", 1), ("prefill", 40)):
+            out.append(Case(kind, dtype, head_dim, 32, 8, q_len, kv_dtype=torch.float8_e4m3fn))
+    mla = (("decode", 1, 16, 16, None), ("decode", 4, 32, 2, None), ("prefill", 40, 16, 16, None),
+           ("decode", 1, 16, 16, torch.float8_e4m3fn), ("prefill", 40, 16, 16, torch.float8_e4m3fn))
+    for kind, q_len, hq, hkv, kv_dtype in mla:  # MLA (DeepSeek): q/k head dim 192, v head dim 128
+        out.append(Case(kind, torch.bfloat16, 192, hq, hkv, q_len, kv_dtype=kv_dtype, v_head_dim=128))
     return out
 
 
@@ -127,20 +144,29 @@ def record_launches(case_list, num_sms):
 
 
 def call_backend(backend, case):
-    """One backend call on CPU tensors: `batch` requests of a 300-token prefix (a multiple of no page size)."""
+    """One backend call on CPU tensors: `batch` requests of a 300-token prefix (a multiple of no page size). fp8
+    caches get scales as the ops pass them: e4m3 one per kv head, e5m2 one for all (a stride-0 view)."""
     gen = torch.Generator().manual_seed(0)
     prefix, num_tokens = 300, case.batch * case.q_len
     pages_per_request = -(-(prefix + case.q_len) // case.page_size)
     k_cache = torch.zeros(case.batch * pages_per_request, case.page_size, case.num_kv_heads, case.head_dim,
-                          dtype=case.dtype)
+                          dtype=case.kv_dtype or case.dtype)
     q = torch.randn(num_tokens, case.num_q_heads, case.head_dim, generator=gen).to(case.dtype)
     k = torch.randn(num_tokens, case.num_kv_heads, case.head_dim, generator=gen).to(case.dtype)
     cu_seqlens_q = torch.arange(case.batch + 1, dtype=torch.int32) * case.q_len
     seq_lens = torch.full((case.batch,), prefix + case.q_len, dtype=torch.int32)
     block_table = torch.arange(case.batch * pages_per_request, dtype=torch.int32).view(case.batch, -1)
     window, cap = case.options or (-1, 0.0)
-    getattr(backend, case.kind)(q, k, k.clone(), k_cache, k_cache.clone(), cu_seqlens_q, seq_lens, block_table,
-                                case.head_dim ** -0.5, window, cap)
+    scales = {}
+    if case.kv_dtype is not None:
+        scale = torch.full((case.num_kv_heads,), 0.5) if case.kv_dtype == torch.float8_e4m3fn else torch.tensor(
+            [0.5]).expand(case.num_kv_heads)
+        scales = dict(k_scale=scale, v_scale=scale)
+    v_head_dim = case.v_head_dim or case.head_dim
+    v = torch.randn(num_tokens, case.num_kv_heads, v_head_dim, generator=gen).to(case.dtype)
+    v_cache = k_cache.new_zeros(*k_cache.shape[:3], v_head_dim)
+    getattr(backend, case.kind)(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table,
+                                case.head_dim ** -0.5, window, cap, **scales)
 
 
 def specialise(launch, capability):

@@ -2,7 +2,7 @@
 transformers' own `generate`, one prompt at a time (no padding), written without the library's code."""
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedConfig
 
 import hybrid_ops
 
@@ -16,27 +16,122 @@ TINY = {
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
     "topk_group": 1, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
     "v_head_dim": 16, "sliding_window": 6, "attention_chunk_size": 5, "rotary_dim": 8, "partial_rotary_factor": 0.5,
-    "first_k_dense_replace": 1, "use_cache": True, "tie_word_embeddings": False,
+    "first_k_dense_replace": 1, "n_shared_experts": 1, "num_layers": 3, "use_cache": True, "tie_word_embeddings": False,
     "decoder_layers": 3, "decoder_attention_heads": 4, "decoder_ffn_dim": 96,
     "is_decoder": True,  # encoder architectures (BERT, RoBERTa, ...) are causal LMs only as decoders
 }
-# Token ids that are not special, so generation never stops or gets suppressed early.
+# Token ids that are not special, so generation never stops or gets suppressed early; a config that insists on an int
+# bos_token_id gets one in the vocabulary (generation never reads it: prompts are given).
 SPECIAL_TOKENS = {"eos_token_id": None, "bos_token_id": None, "pad_token_id": 0}
+INT_BOS = {**SPECIAL_TOKENS, "bos_token_id": 1}
+# Qwen4-Exp's sparse attention over compressed blocks (on its full layers); it has no default.
+QSA = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
+       "indexer_compress_ratio": 4}
+# model type -> what its tiny config needs beyond TINY (a dict for a sub-config updates it). Without a comment: sizes
+# and per-layer lists that must agree with TINY's 3 layers of width 64.
+OVERRIDES = {
+    # Its byte-group hash embeddings (500002 rows) and the global width its local stacks project to.
+    "blt": {"encoder_hash_byte_group_vocab": 64, "local_attention_window_len": 6,
+            "encoder_config": {"hidden_size_global": 64}, "decoder_config": {"hidden_size_global": 64}},
+    # Cohere's pattern: sliding layers with RoPE, full ones without (its default config names no RoPE per kind).
+    "cohere_compass_text": {"layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+                            "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                "full_attention": None}},
+    # Its attention reads rope_theta from attn_config, which the config class does not define, and clamps with
+    # clip_qkv (DBRX's is 8; the default None fails); ffn_config takes d_model before hidden_size maps onto it.
+    "dbrx": {"d_model": 64, "attn_config": {"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 1e4},
+             "ffn_config": {"ffn_hidden_size": 96}},
+    # A layer that reuses an earlier layer's K/V (num_kv_shared_layers), as the full model's last 15 do.
+    "gemma3n_text": {"layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
+                     "num_kv_shared_layers": 1, "activation_sparsity_pattern": [0.95, 0.0, 0.0],
+                     "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 128, "laurel_rank": 8},
+    # A drafter, which reads the K/V of the model it drafts for on all its layers: a text config it accepts.
+    "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
+                                         "use_double_wide_mlp": False, "enable_moe_block": False,
+                                         "num_kv_shared_layers": 0}},  # 0: all (its __post_init__)
+    # Global and local (windowed) layers, as in GPT-Neo.
+    "gpt_neo": {"attention_types": [[["global", "local"], 1], [["global"], 1]], "window_size": 6},
+    # LFM2's checkpoints mix short convolutions with attention (their default config has attention only).
+    "lfm2": {"layer_types": ["conv", "full_attention", "conv"]},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv"], "num_dense_layers": 1},
+    "mamba2": {"num_heads": 8, "n_groups": 1},
+    # Mllama's cross-attention layers (every 5th from the 4th) are skipped without an image: one is still there.
+    "mllama": {"text_config": {"cross_attention_layers": [1]}},
+    "qwen4_exp": {"text_config": QSA},
+    "qwen4_exp_text": QSA,
+    "reformer": {"attn_layers": ["local", "lsh", "local"], "axial_pos_shape": [16, 16],
+                 "axial_pos_embds_dim": [16, 48], "attention_head_size": 16},
+    "xlnet": {"d_head": 16},
+    # Its adapters need a language to run (its config names none by default).
+    "xmod": {"default_language": "en_XX"},
+    "zamba2": {"layers_block_type": ["mamba", "hybrid", "mamba"]},
+    "zaya": {"num_experts_per_tok": 1},  # the only value it supports
+}
 
 
 def tiny_config(model_type, **overrides):
-    """`model_type`'s default config, with each of TINY's sizes it has and `overrides` (which win)."""
-    default = AutoConfig.for_model(model_type)
+    """`model_type`'s default config, with each of TINY's sizes it or its sub-configs (a composite model's text,
+    vision or audio config) have, SPECIAL_TOKENS, OVERRIDES[model_type] and `overrides` (which win)."""
+    try:
+        default = AutoConfig.for_model(model_type)
+    except Exception:  # a default that fails its own validation (gemma4_assistant's)
+        default = AutoConfig.for_model(model_type, **OVERRIDES[model_type])
+    overrides = _merge(OVERRIDES.get(model_type, {}), overrides)
+    config = _build(model_type, default, overrides)
+    # The first layers of a pattern may all be of one kind (Gemma 3: 5 sliding, then a full one): layers of a kind
+    # that repeats, from the last, take the kinds missing, so the tiny model has every kind the full one has.
+    text = config.get_text_config(decoder=True)
+    field = "layer_types" in text.to_dict()  # not one derived from other fields (Jamba's)
+    layer_types = list(getattr(text, "layer_types", None) or ()) if field else []
+    for kind in dict.fromkeys(getattr(default.get_text_config(decoder=True), "layer_types", None) or ()):
+        repeated = [i for i, other in enumerate(layer_types) if layer_types.count(other) > 1]
+        if kind not in layer_types and repeated:
+            layer_types[repeated[-1]] = kind
+    if field and layer_types != list(text.layer_types or ()):
+        place = next((name for name in getattr(config, "sub_configs", {}) if getattr(config, name) is text), None)
+        fix = {"layer_types": layer_types}
+        config = _build(model_type, default, _merge({place: fix} if place else fix, overrides))
+    return config
+
+
+def _build(model_type, default, overrides):
+    for tokens in (SPECIAL_TOKENS, INT_BOS, {}):  # {}: a config that insists on its special tokens keeps them
+        try:
+            return AutoConfig.for_model(model_type, **_merge(_tiny_sizes(default, tokens), overrides))
+        except Exception:
+            if not tokens:
+                raise
+
+
+def _tiny_sizes(config, tokens):
+    """TINY's sizes under the names `config` has, `tokens`, and each sub-config as a dict with the same."""
     sizes = {name: value for name, value in TINY.items()
-             if name in default.to_dict() or name in getattr(default, "attribute_map", {})}
+             if name in config.to_dict() or name in getattr(config, "attribute_map", {})}
     if "partial_rotary_factor" in sizes and "rotary_dim" in sizes:
         del sizes["partial_rotary_factor"]
     if "qk_rope_head_dim" in sizes:  # MLA: head_dim is the rope part, K/V expand from a latent to every head
         sizes.update(head_dim=sizes["qk_rope_head_dim"], num_key_value_heads=sizes["num_attention_heads"])
-    try:
-        return AutoConfig.for_model(model_type, **{**sizes, **SPECIAL_TOKENS, **overrides})
-    except Exception:  # a config that insists on its special tokens keeps them
-        return AutoConfig.for_model(model_type, **{**sizes, **overrides})
+    sizes.update(tokens)
+    specs = getattr(config, "sub_configs_defaults", None) or {}
+    for name in getattr(config, "sub_configs", {}):
+        sub = getattr(config, name, None)
+        if isinstance(sub, PreTrainedConfig):
+            # What the composite config would build it from (not its fields: those derived from its sizes, such as
+            # layer_types, must follow the tiny ones).
+            spec = specs.get(name)
+            base = {"model_type": spec.model_type, **spec.init_kwargs} if spec else sub.to_dict()
+            sizes[name] = {**base, **_tiny_sizes(sub, tokens)}
+    return sizes
+
+
+def _merge(*layers):
+    """Dicts merged left to right, nested dicts (sub-configs) merged key by key."""
+    out = {}
+    for layer in layers:
+        for name, value in layer.items():
+            both = isinstance(value, dict) and isinstance(out.get(name), dict)
+            out[name] = _merge(out[name], value) if both else value
+    return out
 
 
 def make_model(config, attn_implementation="eager", seed=0):

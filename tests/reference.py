@@ -163,13 +163,13 @@ def to_fp8(x, kv_scale, dtype):
     """The store of an fp8 cache, written plainly: x [..., Hkv, D] / kv_scale ([Hkv] or one value) in fp32, saturated
     to the format's largest value, rounded to nearest even by the conversion."""
     limit = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}[dtype]
-    per_head = kv_scale.float().reshape(-1, 1).expand(x.shape[-2], 1)
+    per_head = kv_scale.to(x.device, torch.float32).reshape(-1, 1).expand(x.shape[-2], 1)
     return (x.float() / per_head).clamp(-limit, limit).to(dtype)
 
 
 def from_fp8(x, kv_scale):
     """The read of an fp8 cache: float64 stored value times its kv head's scale."""
-    return x.double() * kv_scale.double().reshape(-1, 1).expand(x.shape[-2], 1)
+    return x.double() * kv_scale.to(x.device, torch.float64).reshape(-1, 1).expand(x.shape[-2], 1)
 
 
 def fp8_case(case: Case, dtype, k_scale, v_scale):
@@ -186,3 +186,34 @@ def fp8_case(case: Case, dtype, k_scale, v_scale):
     reads = dict(k=read(case.k, k_scale), v=read(case.v, v_scale), prefix_k=[read(x, k_scale) for x in case.prefix_k],
                  prefix_v=[read(x, v_scale) for x in case.prefix_v])
     return fp8, Case(**{**case.__dict__, **reads}), (k_expected, v_expected)
+
+
+def fp8_hard_values(dtype):
+    """fp32 values where a conversion to fp8 `dtype` goes wrong, of either sign: every finite fp8 value, the ties
+    between neighbours, the floats next to each of these, fp32 subnormals, 0, inf, NaN, and values past the largest
+    finite one (its tie with the next power of two included)."""
+    values = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    values = values[values.isfinite() & (values >= 0)].double().sort().values
+    limit = values[-1].item()
+    ties = ((values[1:] + values[:-1]) / 2).float()
+    special = torch.tensor([0.0, float("inf"), float("nan"), 1e-45, 2e-40, 1.17e-38, limit * 1.0625, limit * 1.125,
+                            limit * 1.5, 2 * limit, 1e30])
+    hard = torch.cat([values.float(), ties, special])
+    hard = torch.cat([hard, *(torch.nextafter(hard, torch.tensor(to)) for to in (0.0, float("inf")))])
+    return torch.cat([hard, -hard])
+
+
+def fp8_store_case(cache_dtype, k_scale, v_scale, head_dim=64):
+    """One request of new tokens (fp32, no prefix) whose k, v hold `fp8_hard_values` times their kv head's scale
+    (k_scale, v_scale: [Hkv] float32): the store's quotients land at and next to the format's rounding ties (where a
+    division that is not correctly rounded, or a multiplication by the reciprocal, shows), past its largest value and
+    among its subnormals. Its attention output means nothing (inf, NaN)."""
+    hard = fp8_hard_values(cache_dtype)
+    tokens = -(-hard.numel() // head_dim)
+    num_kv_heads = k_scale.shape[0]
+    case = make_case([tokens], [0], num_q_heads=num_kv_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     page_size=16, seed=0)
+    values = torch.cat([hard, hard[: tokens * head_dim - hard.numel()]]).view(tokens, 1, head_dim)
+    case.k.copy_(values * k_scale[:, None])
+    case.v.copy_(values * v_scale[:, None])
+    return case

@@ -2,13 +2,14 @@
 copy on write) and the prefix cache."""
 
 import random
+import re
 import sys
 import zlib
 from collections import Counter
 
 import pytest
 import torch
-from reference import assert_close, dense_attention
+from reference import assert_close, dense_attention, from_fp8, to_fp8
 
 from hybrid_ops import ForwardMode, HybridInputError, OutOfPagesError, PagedKVCache
 
@@ -185,6 +186,52 @@ def test_fork_shares_full_pages_and_copies_the_partly_filled_one():
     assert cache.num_free_pages == 8 - 3  # the child still holds the two shared pages and its copy
     cache.free("child")
     assert cache.num_free_pages == 8 and check_pages(cache) == Counter()
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_cache_keeps_its_scales_and_copies_pages_bit_for_bit(dtype):
+    """An fp8 cache: a scale tensor per layer and role, the ops' keywords from `scales`; the store's bytes are the
+    quantized rows, a forked request's copy on write keeps them, and attention reads them back times the scale."""
+    cache = PagedKVCache(num_pages=8, page_size=4, num_kv_heads=2, head_dim=8, num_layers=2, dtype=dtype,
+                         kv_scale=0.25)
+    assert PagedKVCache(4, 4, 2, 8).scales(0) == {}
+    scales = [cache.scales(layer) for layer in range(2)]
+    assert all(s.dtype == torch.float32 and s.shape == () and s.item() == 0.25 for d in scales for s in d.values())
+    assert len({id(s) for d in scales for s in d.values()}) == 4  # one tensor each: set one, the others keep theirs
+    cache.add("parent")
+    batch = cache.step(["parent"], [10])
+    history = []
+    for layer in range(2):
+        q, k, v = torch.randn(10, 4, 8), torch.randn(10, 2, 8) * 3, torch.randn(10, 2, 8) * 3
+        torch.ops.hybrid.attn(q, k, v, *cache.layer(layer), *batch.metadata, int(ForwardMode.EXTEND),
+                              **cache.scales(layer), prefill_backend="torch")
+        history.append((k, v))
+    cache.fork("parent", "child")
+    batch = cache.step(["child"], [1], ForwardMode.DECODE)
+    page = cache.pages("child")[2]
+    assert page not in cache.pages("parent")
+    scale = torch.tensor(0.25)
+    for layer, (k, v) in enumerate(history):
+        for cached, rows in zip(cache.layer(layer), (k, v)):
+            assert cached.dtype == dtype
+            assert torch.equal(cached[page, :2].view(torch.uint8), to_fp8(rows[8:10], scale, dtype).view(torch.uint8))
+        q, k1, v1 = torch.randn(1, 4, 8), torch.randn(1, 2, 8), torch.randn(1, 2, 8)
+        out = torch.ops.hybrid.attn(q, k1, v1, *cache.layer(layer), *batch.metadata, int(ForwardMode.DECODE),
+                                    **cache.scales(layer))
+        keys, values = (from_fp8(to_fp8(torch.cat(x), scale, dtype), scale) for x in ((k, k1), (v, v1)))
+        assert_close(out, dense_attention(q, keys, values, 10), torch.float32)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(dtype=torch.int8), "dtype must be a floating-point torch.dtype (float8_e4m3fn and float8_e5m2 included), "
+                             "got torch.int8"),
+    (dict(dtype="bf16"), "dtype must be a floating-point torch.dtype"),
+    (dict(dtype=torch.float8_e4m3fn, kv_scale=0.0), "kv_scale must be a finite positive float, got 0.0"),
+    (dict(dtype=torch.float8_e5m2, kv_scale=float("nan")), "kv_scale must be a finite positive float, got nan"),
+])
+def test_bad_cache_dtype_or_scale(kwargs, message):
+    with pytest.raises(HybridInputError, match=re.escape(message)):
+        PagedKVCache(4, 4, 2, 8, **kwargs)
 
 
 def test_truncating_into_a_shared_or_cached_page_copies_it_before_writing():

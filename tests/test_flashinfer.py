@@ -6,8 +6,11 @@ binding, dtype checks, host copies and every plan/run consistency check (query l
 `qo_indptr[-1]` against q) are FlashInfer's. The kernel-module stand-in (`Kernels`) checks that planning happens
 outside CUDA-graph capture, and runs attention in float64 exactly as the arguments it is handed define it
 (`paged_attention`), so outputs compared with the reference check what the backend passed: index arrays, window,
-soft-cap, scale, causal alignment and, for a CUDA-graph replay, which buffers the captured call reads. FlashInfer's
-kernels themselves are checked on a GPU by scripts/gpu_check.py.
+soft-cap, scale, causal alignment, the cache's dtype and, for a CUDA-graph replay, which buffers the captured call
+reads. An fp8 cache's stored values enter that attention as FlashInfer's fa2 kernels read them (converted exactly to
+q's dtype, no scale applied: FlashInfer applies host-float scales outside its kernels), so a scale the backend
+drops or misplaces shows in the output. FlashInfer's kernels themselves are checked on a GPU by
+scripts/gpu_check.py.
 """
 
 import contextlib
@@ -15,13 +18,15 @@ import dataclasses
 
 import pytest
 import torch
-from reference import assert_close, expected_cache, make_case, reference
+from reference import assert_close, expected_cache, fp8_case, make_case, reference
+from test_fp8 import check_fp8_call, scales
 
 import hybrid_ops
 from hybrid_ops import AttentionLayer, ForwardMode, HybridAttnBackend, PagedKVCache, PhaseBackend
 from hybrid_ops.backends.flashinfer import FlashInferBackend, to_flashinfer_metadata
 
 HALF = (torch.float16, torch.bfloat16)
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 D = 64  # the smallest head dim FlashInfer's wrappers take
 
 
@@ -92,12 +97,19 @@ def paged_attention(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, last_
 class Kernels:
     """FlashInfer's compiled batch-prefill module (its tensor-core decode runs it too), replaced.
 
-    `plan` refuses to run under CUDA-graph capture (its host-to-device copies) and returns its integer arguments as
-    the plan info; `paged_run` records its arguments and computes `paged_attention` from them.
+    `module` stands for `get_batch_prefill_module` and records the kernel variant asked for; `plan` refuses to run
+    under CUDA-graph capture (its host-to-device copies) and returns its integer arguments as the plan info;
+    `paged_run` records its arguments and computes `paged_attention` from them.
     """
 
     def __init__(self):
+        self.modules = []  # (backend, q dtype, kv dtype, o dtype, index dtype, ...) per module asked for
         self.runs = []
+        self.computing = False
+
+    def module(self, backend, *args):
+        self.modules.append((backend, *args))
+        return self
 
     def plan(self, float_workspace, int_workspace, pinned_workspace, qo_indptr, kv_indptr, kv_lens, total_num_rows,
              batch_size, num_qo_heads, num_kv_heads, page_size, cuda_graph, head_dim_qk, head_dim_vo, causal,
@@ -116,12 +128,17 @@ class Kernels:
         from flashinfer.utils import MaskMode, TensorLayout
 
         assert layout == TensorLayout.NHD.value and maybe_custom_mask is None
+        assert q.dtype in HALF, "FlashInfer's fa2 kernels take an fp16 or bf16 q, fp8 caches included"
         call = dict(q=q, k_cache=paged_k_cache, v_cache=paged_v_cache, qo_indptr=qo_indptr, kv_indptr=paged_kv_indptr,
                     kv_indices=paged_kv_indices, last_page_len=paged_kv_last_page_len, out=o,
                     causal=mask_mode == MaskMode.CAUSAL.value, window_left=window_left, logit_cap=logits_soft_cap,
                     scale=sm_scale)
         self.runs.append(dict(call, plan_info=list(plan_info_vec)))
-        paged_attention(**call)
+        self.computing = True
+        try:
+            paged_attention(**call)
+        finally:
+            self.computing = False
 
 
 def capturing() -> bool:
@@ -129,11 +146,23 @@ def capturing() -> bool:
 
 
 @contextlib.contextmanager
-def cuda_graph_capture(monkeypatch):
-    """The current stream reports a CUDA-graph capture in progress."""
+def cuda_graph_capture(monkeypatch, kernels):
+    """The current stream reports a CUDA-graph capture in progress, and reading a tensor to the host (a sync, which
+    a capture refuses) raises, except in the kernel stand-in (its reads are the kernel's device work)."""
+
+    def refused(read):
+        def checked(tensor, *args):
+            if not kernels.computing:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return read(tensor, *args)
+
+        return checked
+
     with monkeypatch.context() as m:
         m.setattr(torch.cuda, "is_available", lambda: True)
         m.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        for name in ("item", "tolist", "__float__", "__int__", "__index__"):
+            m.setattr(torch.Tensor, name, refused(getattr(torch.Tensor, name)))
         yield
 
 
@@ -155,7 +184,7 @@ def flashinfer_on_cpu(monkeypatch):
         monkeypatch.setattr(module, "device_support_pdl", lambda device: True)
     monkeypatch.setattr(flashinfer.utils, "is_sm90a_supported", lambda device: True)
     for module in (flashinfer.decode, flashinfer.prefill):
-        monkeypatch.setattr(module, "get_batch_prefill_module", lambda backend, *args: kernels)
+        monkeypatch.setattr(module, "get_batch_prefill_module", kernels.module)
     monkeypatch.setattr(flashinfer.decode.BatchDecodeWithPagedKVCacheWrapper, "_auto_prefers_cudnn",
                         lambda self, *args, **kwargs: False)
     # Our backend takes CUDA tensors only; CPU tensors stand in for them here.
@@ -298,7 +327,7 @@ def test_cuda_graph_replays(flashinfer_on_cpu, monkeypatch, mode, spec, q_lens):
     for window in windows:  # the warm-up
         assert_close(attn(case, metadata, window), reference(case, sliding_window=window), torch.float16)
     captured = len(kernels.runs)
-    with cuda_graph_capture(monkeypatch):
+    with cuda_graph_capture(monkeypatch, kernels):
         with pytest.raises(RuntimeError, match="capturing"):
             plan(metadata, windows[0])
         copies = tuple(t.clone() for t in metadata)  # as CUDA-graph trees hand them to the captured partition
@@ -338,7 +367,7 @@ def test_phase_backend_capture_and_replay(flashinfer_on_cpu, monkeypatch):
     for layer in layers:  # the warm-up
         hybrid.forward_decode(q, k, v, layer, static)
     captured = len(kernels.runs)
-    with cuda_graph_capture(monkeypatch):
+    with cuda_graph_capture(monkeypatch, kernels):
         outs = [hybrid.forward_decode(q, k, v, layer, static) for layer in layers]
     graph = kernels.runs[captured:]
     assert backend.plans_made == 2 and len(graph) == 2
@@ -407,6 +436,165 @@ def test_multi_token_decode_graphs_stay_on_fa2(flashinfer_on_cpu):
         backend.plan("decode", torch.float16, 32, k_cache, cu_seqlens_q, torch.tensor(seq_lens, dtype=torch.int32),
                      block_table, 0.1, -1, 0.0, cuda_graph=True)
     assert backend.plans_made == 2
+
+
+def planned_fp8(kernels, q_dtype, cache_dtype):
+    """Whether every kernel module FlashInfer asked for is fa2's for this q and fp8 cache, and every run read the
+    fp8 cache."""
+    return (bool(kernels.modules) and all(m[:4] == ("fa2", q_dtype, cache_dtype, q_dtype) for m in kernels.modules)
+            and all(run["k_cache"].dtype == run["v_cache"].dtype == cache_dtype for run in kernels.runs))
+
+
+# At FlashInfer's head dim: chunked prefill over cached prefixes (page boundaries, a request without new tokens), GQA
+# with a window, soft-cap, decode and verify; each with a q dtype and a kind of scale (`test_fp8.scales`).
+FP8_CASES = {
+    "prefill": ("prefill", dict(q_lens=[6, 13, 2, 0], prefix_lens=[4, 0, 11, 3]), {}, torch.bfloat16, "per_head"),
+    "long_prefix": ("prefill", dict(q_lens=[40, 3], prefix_lens=[90, 140], page_size=16), {}, torch.float16,
+                    "per_head"),
+    "gqa_window": ("prefill", dict(q_lens=[9, 5], prefix_lens=[7, 12], num_q_heads=8), {"sliding_window": 5},
+                   torch.float16, "one"),
+    "softcap": ("prefill", dict(q_lens=[4, 8], prefix_lens=[3, 0]), {"logit_cap": 2.0}, torch.bfloat16, "none"),
+    "decode": ("decode", dict(q_lens=[1] * 4, prefix_lens=[0, 5, 17, 90], num_q_heads=8), {}, torch.bfloat16,
+               "per_head"),
+    "verify": ("decode", dict(q_lens=[3] * 2, prefix_lens=[9, 20]), {"sliding_window": 7, "logit_cap": 3.0},
+               torch.float16, "per_head"),
+}
+
+
+@pytest.mark.parametrize("cache_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("name", FP8_CASES)
+def test_fp8_cache(flashinfer_on_cpu, name, cache_dtype):
+    """The cache holds `reference.to_fp8` of the inputs, FlashInfer plans and runs its fp8 kernels, and the output
+    is float64 attention over the dequantized cache."""
+    _, kernels = flashinfer_on_cpu
+    op, case_kwargs, options, dtype, kind = FP8_CASES[name]
+    case = make_case(**case_kwargs, head_dim=D, dtype=dtype)
+    check_fp8_call(getattr(torch.ops.hybrid, op), case, cache_dtype, kind, options, backend="flashinfer")
+    assert planned_fp8(kernels, dtype, cache_dtype) and len(kernels.runs) == 1
+
+
+@pytest.mark.parametrize("spec", ["prefill", "decode"])
+@pytest.mark.parametrize("mode", list(ForwardMode))
+def test_fp8_every_mode(flashinfer_on_cpu, mode, spec):
+    backend, kernels = flashinfer_on_cpu
+    dtype, cache_dtype = HALF[int(mode) % 2], (E4M3, E5M2)[int(mode) // 2 % 2]
+    case = step_case(mode, spec, dtype, seed=int(mode))
+    check_fp8_call(torch.ops.hybrid.attn, case, cache_dtype, "per_head", dict(sliding_window=6, logit_cap=2.0),
+                   forward_mode=int(mode), prefill_backend="flashinfer", decode_backend="flashinfer",
+                   speculative_attention_mode=spec)
+    planned = mode != ForwardMode.IDLE
+    assert backend.plans_made == planned and (planned_fp8(kernels, dtype, cache_dtype) or not planned)
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
+def test_fp8_new_scales_without_replanning(flashinfer_on_cpu, mode):
+    """`hybrid::plan` once, then calls with other scales, written into the same tensors (as a CUDA graph's inputs)
+    or in new ones: each attends with its own scales, and nothing plans again."""
+    backend, kernels = flashinfer_on_cpu
+    case = make_case([1, 1, 1] if mode == ForwardMode.DECODE else [5, 0, 3], [6, 9, 2], head_dim=D,
+                     dtype=torch.bfloat16)
+    torch.ops.hybrid.plan(case.k_cache.to(E4M3), *case.args[5:], int(mode), q_dtype=torch.bfloat16, num_q_heads=4,
+                          **attn_options())
+    k_scale, v_scale = torch.empty(2), torch.empty(2)
+    for seed in range(3):
+        for tensor, value in zip((k_scale, v_scale), scales("per_head", 2, seed)):
+            tensor.copy_(value)
+        fp8, read, _ = fp8_case(case, E4M3, k_scale, v_scale)  # the same metadata tensors
+        out = torch.ops.hybrid.attn(*fp8.args, int(mode), k_scale=k_scale, v_scale=v_scale, **attn_options())
+        assert_close(out, reference(read), torch.bfloat16)
+    check_fp8_call(torch.ops.hybrid.attn, case, E4M3, "one", {}, forward_mode=int(mode), **attn_options())
+    assert backend.plans_made == 1 and planned_fp8(kernels, torch.bfloat16, E4M3) and len(kernels.runs) == 4
+
+
+@pytest.mark.parametrize("mode, spec, q_lens", GRAPH_STEPS.values(), ids=list(GRAPH_STEPS))
+def test_fp8_cuda_graph(flashinfer_on_cpu, monkeypatch, mode, spec, q_lens):
+    """fp8 caches through the CUDA-graph path: `hybrid::plan(cuda_graph=True)` plans FlashInfer's fp8 kernels into
+    the CUDA-graph wrappers, and the layer captured after an eager warm-up plans nothing and reads no scale to the
+    host. Run again as a replay runs it (each step planned outside the graph, its scales written into the captured
+    scale tensors), it stores and attends over that step with those scales."""
+    backend, kernels = flashinfer_on_cpu
+    k_cache = torch.zeros(48, 4, 2, D, dtype=E5M2)
+    v_cache = torch.zeros_like(k_cache)
+    k_scale, v_scale = torch.empty(2), torch.empty(2)
+    for seed in range(3):
+        case = make_case(q_lens, [3 + 4 * seed, 9, 5 + seed], head_dim=D, dtype=torch.bfloat16, seed=seed)
+        for tensor, value in zip((k_scale, v_scale), scales("per_head", 2, seed)):
+            tensor.copy_(value)
+        fp8, read, (k_want, v_want) = fp8_case(case, E5M2, k_scale, v_scale)
+        pages = fp8.k_cache.shape[0]
+        k_cache[:pages], v_cache[:pages] = fp8.k_cache, fp8.v_cache
+        table = torch.full((len(q_lens), 24), -1, dtype=torch.int32)  # padded, as the graph's static table
+        for i, ids in enumerate(case.pages):
+            table[i, : len(ids)] = torch.tensor(ids)
+        metadata = (case.cu_seqlens_q, case.seq_lens, table)
+        torch.ops.hybrid.plan(k_cache, *metadata, int(mode), q_dtype=torch.bfloat16, num_q_heads=4, cuda_graph=True,
+                              **attn_options(spec=spec))
+
+        def attn(metadata):
+            return torch.ops.hybrid.attn(case.q, case.k, case.v, k_cache, v_cache, *metadata, int(mode),
+                                         k_scale=k_scale, v_scale=v_scale, **attn_options(spec=spec))
+
+        if seed == 0:  # the warm-up
+            assert_close(attn(metadata), reference(read), torch.bfloat16)
+        with cuda_graph_capture(monkeypatch, kernels):
+            out = attn(tuple(t.clone() for t in metadata))  # copies, as CUDA-graph trees hand them over
+        assert_close(out, reference(read), torch.bfloat16)
+        assert torch.equal(k_cache[:pages].view(torch.uint8), k_want)
+        assert torch.equal(v_cache[:pages].view(torch.uint8), v_want)
+        assert backend.plans_made == seed + 1 and kernels.runs[-1]["plan_info"][5]  # planned for CUDA graphs
+    assert planned_fp8(kernels, torch.bfloat16, E5M2)
+
+
+def test_fp8_phase_backend_capture_and_replay(flashinfer_on_cpu, monkeypatch):
+    """sglang's graph runner over an fp8 cache: the capture hook names the batch shape, the eager warm-up plans the
+    fp8 variant into its CUDA-graph wrapper, the captured layer only runs, and after each replay hook (which re-plans
+    it) the layer, run as the graph runs it, stores and attends over that step with the cache's current scales."""
+    backend, kernels = flashinfer_on_cpu
+    layer = AttentionLayer(0, sliding_window=5, logit_cap=2.0)
+    cache = PagedKVCache(40, 4, 2, D, max_pages_per_request=8, dtype=E4M3, kv_scale=0.5)
+    hybrid = HybridAttnBackend(PhaseBackend(cache, "flashinfer"), PhaseBackend(cache, "flashinfer"))
+    hybrid.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+    hybrid.init_forward_metadata_capture_cuda_graph(3, 3, ForwardMode.DECODE)
+    static = hybrid.decode_backend.forward_batch
+    q, k, v = (torch.zeros(3, h, D, dtype=torch.bfloat16) for h in (4, 2, 2))
+    hybrid.forward_decode(q, k, v, layer, static)  # the warm-up
+    with cuda_graph_capture(monkeypatch, kernels):
+        hybrid.forward_decode(q, k, v, layer, static)
+    k_scale, v_scale = cache.k_scales[0], cache.v_scales[0]
+    for seed in (1, 2):
+        k_scale.fill_(0.5 * seed)
+        v_scale.fill_(2.0 / seed)
+        case = make_case([1, 1, 1], [4 + seed, 9, 2 * seed], head_dim=D, dtype=torch.bfloat16, seed=seed)
+        fp8, read, (k_want, v_want) = fp8_case(case, E4M3, k_scale, v_scale)
+        pages = fp8.k_cache.shape[0]
+        cache.k_caches[0][:pages], cache.v_caches[0][:pages] = fp8.k_cache, fp8.v_cache
+        real = hybrid_ops.build_metadata([1, 1, 1], case.seq_lens.tolist(), case.pages, max_pages=8,
+                                         forward_mode=ForwardMode.DECODE)
+        hybrid.init_forward_metadata_replay_cuda_graph(3, real)
+        for static_input, value in zip((q, k, v), (case.q, case.k, case.v)):
+            static_input.copy_(value)
+        with cuda_graph_capture(monkeypatch, kernels):
+            out = hybrid.forward_decode(q, k, v, layer, static)
+        assert_close(out, reference(read, sliding_window=5, logit_cap=2.0), torch.bfloat16)
+        assert torch.equal(cache.k_caches[0][:pages].view(torch.uint8), k_want)
+        assert torch.equal(cache.v_caches[0][:pages].view(torch.uint8), v_want)
+        assert backend.plans_made == 1 + seed
+    assert planned_fp8(kernels, torch.bfloat16, E4M3)
+
+
+def test_fp8_fp32_q_goes_to_another_backend(flashinfer_on_cpu):
+    """FlashInfer has no kernel for fp32 q (fp8 caches included): named, it is refused naming q's dtype; preferred,
+    "auto" takes it for bf16 q and passes fp32 q to another backend."""
+    backend, kernels = flashinfer_on_cpu
+    with hybrid_ops.register_backend(backend, prefer=True):
+        for dtype in (torch.bfloat16, torch.float32):
+            case = make_case([3, 1], [5, 8], head_dim=D, dtype=dtype)
+            check_fp8_call(torch.ops.hybrid.prefill, case, E5M2, "per_head", {}, backend="auto")
+            assert len(kernels.runs) == 1  # the bf16 call's
+        fp8 = fp8_case(case, E5M2, *scales("per_head", 2))[0]
+        with pytest.raises(hybrid_ops.HybridInputError, match="'flashinfer' does not support q on cpu with dtype "
+                                                              "torch.float32"):
+            torch.ops.hybrid.prefill(*fp8.args, k_scale=torch.ones(2), v_scale=torch.ones(2), backend="flashinfer")
 
 
 def test_clear_errors(flashinfer_on_cpu):

@@ -139,6 +139,10 @@ def test_a_request_larger_than_the_page_budget_is_refused(model):
     (dict(prefix_caching=1), "prefix_caching must be a bool, got 1"),
     (dict(cuda_graphs="yes"), "cuda_graphs must be a bool, got 'yes'"),
     (dict(compile=None), "compile must be a bool, got None"),
+    (dict(kv_cache_dtype=torch.bfloat16), "kv_cache_dtype must be None (the model's torch.float32), "
+                                          "torch.float8_e4m3fn or torch.float8_e5m2, got torch.bfloat16"),
+    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype must be None (the model's torch.float32), torch.float8_e4m3fn or "
+                                 "torch.float8_e5m2, got 'fp8'"),
     (dict(max_seq_len=129), "max_seq_len (129) exceeds the model's max_position_embeddings (128); raise "
                             "model.config.max_position_embeddings to go past it"),
 ])
@@ -451,6 +455,13 @@ def test_generate_forwards_prefix_caching(model):
     tokens = hybrid_ops.generate(model, prompts, 5, compile=False, page_size=4, prefix_caching=True, stats=stats)
     assert tokens == hybrid_ops.generate(model, prompts, 5, compile=False, page_size=4)
     assert stats.cached_tokens > 0
+
+
+def test_generate_forwards_kv_cache_dtype(model, monkeypatch):
+    caches = []
+    monkeypatch.setattr(HybridGenerator, "generate", lambda self, *args, **kwargs: caches.append(self.cache))
+    hybrid_ops.generate(model, [[1, 2]], 3, compile=False, kv_cache_dtype=torch.float8_e5m2)
+    assert caches[0].k_caches[0].dtype == torch.float8_e5m2 and caches[0].k_scales[0].item() == 1.0
 
 
 # Compiled: one graph set, warmed up on the first step.

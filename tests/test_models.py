@@ -8,6 +8,7 @@ from models import hybrid_tokens, make_model, reference_tokens, tiny_config
 
 import hybrid_ops
 from hybrid_ops import HybridGenerator, HybridInputError
+from hybrid_ops.integrations import transformers as transformers_integration
 
 # model type -> what it covers; tiny configs (tests/models.py), 3 layers.
 IDENTICAL = {
@@ -25,6 +26,11 @@ IDENTICAL = {
     "deepseek_v3": "MLA: q/k head dim 24, v head dim 16",
     "mimo_v2_flash": "per-layer KV layouts",
     "jetmoe": "K/V repeated to every head before the attention call",
+    "gemma3": "a composite config (SigLIP vision tower, text config) on text prompts",
+    "mllama": "cross-attention layers, skipped without an image",
+    "phi4_multimodal": "an audio tower's convolutions, which never see the tokens",
+    "gemma3n_text": "a layer reusing an earlier layer's K/V (num_kv_shared_layers)",
+    "dbrx": "fused Wqkv clipped by clip_qkv, DBRX's experts",
 }
 # model type -> words of the refusal.
 REFUSED = {
@@ -40,6 +46,8 @@ REFUSED = {
     "whisper": "whisper cannot be served exactly: it does not take logits_to_keep as a tensor of row indices",
     "jamba": "jamba cannot be served exactly",
     "bamba": "bamba cannot be served exactly",
+    "lfm2": "lfm2 cannot be served exactly: its layer_types include ['conv']",
+    "blt": "blt cannot be served exactly: the decoder layers [0, 1, 2] do not pass hybrid_step",
 }
 
 
@@ -53,6 +61,16 @@ def test_greedy_tokens_equal_transformers(model_type):
 def test_refused_before_generating(model_type):
     with pytest.raises(HybridInputError, match=REFUSED[model_type].replace("[", r"\[").replace("]", r"\]")):
         hybrid_tokens(make_model(tiny_config(model_type)))
+
+
+def test_state_in_decoder_layers_refused_whatever_layer_types_say(monkeypatch):
+    """LFM2's short convolutions keep state (their weights are used without calling the Conv1d): refused from the
+    module even where layer_types would let conv layers through."""
+    monkeypatch.setattr(transformers_integration, "_ATTENTION_LAYER_TYPES",
+                        (*transformers_integration._ATTENTION_LAYER_TYPES, "conv"))
+    reason = r"lfm2 cannot be served exactly: model\.layers\.0\.conv\.conv \(Conv1d\) keeps recurrent or convolution"
+    with pytest.raises(HybridInputError, match=reason):
+        hybrid_tokens(make_model(tiny_config("lfm2")))
 
 
 def test_cache_sized_per_layer():

@@ -97,8 +97,8 @@ def sinks(num_q_heads, seed=0):
     return torch.randn(num_q_heads, generator=torch.Generator().manual_seed(seed)) * 2
 
 
-# The options that only some backends serve (`options`): the torch backend serves them all, Triton all but a value
-# head dim of its own; "auto" finds one that does.
+# The options that only some backends serve (`options`): the torch and Triton backends serve them all; "auto" finds
+# one that does.
 FEATURES = {
     "sinks": dict(sinks=sinks(8)),
     "chunk": dict(attention_chunk=5),  # chunks of 5 positions across 4-token pages
@@ -110,9 +110,7 @@ FEATURES = {
 FEATURE_V_HEAD_DIM = {"v_head_dim": 24, "all": 8}
 
 
-# Triton's refusal of a value head dim of its own: test_features_refused_by_backends_without_them.
-BACKEND_FEATURES = [(backend, feature) for backend in ("torch", "triton", "auto") for feature in FEATURES
-                    if not (backend == "triton" and feature in FEATURE_V_HEAD_DIM)]
+BACKEND_FEATURES = [(backend, feature) for backend in ("torch", "triton", "auto") for feature in FEATURES]
 
 
 @pytest.mark.parametrize("backend, feature", BACKEND_FEATURES)
@@ -135,8 +133,7 @@ def test_features_under_attn(feature):
     check_call(torch.ops.hybrid.attn, case, FEATURES[feature], torch.float32, forward_mode=int(ForwardMode.DECODE))
 
 
-@pytest.mark.parametrize("backend, feature", [("cpu", "sinks"), ("cpu", "chunk"), ("cpu", "v_head_dim"),
-                                              ("triton", "v_head_dim")])
+@pytest.mark.parametrize("backend, feature", [("cpu", "sinks"), ("cpu", "chunk"), ("cpu", "v_head_dim")])
 def test_features_refused_by_backends_without_them(backend, feature):
     case = make_case([3, 2], [1, 4], num_q_heads=8, num_kv_heads=2, v_head_dim=FEATURE_V_HEAD_DIM.get(feature))
     before = case.k_cache.clone()

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from reference import assert_close, make_case, reference
+from reference import assert_close, fp8_case, make_case, reference
 
 import hybrid_ops
 from hybrid_ops import AttentionLayer, ForwardMode, HybridAttnBackend, PagedKVCache, PhaseBackend, build_metadata
@@ -88,6 +88,22 @@ def test_phase_backends_run_the_ops():
     hybrid.init_forward_metadata_replay_cuda_graph(2, real)
     out = hybrid.forward_decode(decode.q, decode.k, decode.v, AttentionLayer(0), real)
     assert_close(out, reference(decode), torch.float32)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_phase_backend_passes_an_fp8_caches_scales(backend):
+    case = make_case([2, 3], [3, 7], seed=7, page_size=4)
+    fp8, read, (k_expected, _) = fp8_case(case, torch.float8_e4m3fn, torch.tensor(0.5), torch.tensor(0.5))
+    cache = PagedKVCache(num_pages=case.k_cache.shape[0], page_size=4, num_kv_heads=2, head_dim=16,
+                         dtype=torch.float8_e4m3fn, kv_scale=0.5)
+    cache.k_caches[0].copy_(fp8.k_cache)
+    cache.v_caches[0].copy_(fp8.v_cache)
+    hybrid = HybridAttnBackend(PhaseBackend(cache, backend), PhaseBackend(cache, backend))
+    batch = build_metadata(case.q_lens, case.seq_lens.tolist(), case.pages, forward_mode=ForwardMode.EXTEND)
+    hybrid.init_forward_metadata(batch)
+    out = hybrid.forward_extend(case.q, case.k, case.v, AttentionLayer(0, sliding_window=4), batch)
+    assert_close(out, reference(read, sliding_window=4), torch.float32)
+    assert torch.equal(cache.k_caches[0].view(torch.uint8), k_expected)
 
 
 # (forward mode, speculative_attention_mode, tokens per request) for the CUDA-graph tests: verify has 3 per

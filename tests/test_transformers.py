@@ -2,7 +2,18 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
+from reference import from_fp8, to_fp8
+from transformers import (
+    AttentionInterface,
+    AttentionMaskInterface,
+    AutoModelForCausalLM,
+    Gemma2Config,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+)
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
 
 import hybrid_ops
 from hybrid_ops import ForwardMode, HybridGenerator, HybridInputError
@@ -33,8 +44,27 @@ def make_model(name, attn):
     return model
 
 
-def reference_tokens(name):
-    model = make_model(name, MODELS[name][1])
+def fp8_sdpa(cache_dtype, scale):
+    """transformers' SDPA over K/V rounded through an fp8 cache of one scale (`reference.to_fp8`): the reference for
+    `kv_cache_dtype`."""
+    scale = torch.tensor(scale)
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        key, value = (from_fp8(to_fp8(x, scale, cache_dtype), scale).to(x.dtype) for x in (key, value))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    return attention
+
+
+# name -> (kv_cache_dtype, the cache's scales): e4m3 at 0.3 stores every value differently from 1.0 (not a power of 2)
+FP8 = {"e4m3": (torch.float8_e4m3fn, 1.0), "e5m2": (torch.float8_e5m2, 1.0), "e4m3_scaled": (torch.float8_e4m3fn, 0.3)}
+for _name, (_dtype, _scale) in FP8.items():
+    AttentionInterface.register(f"sdpa_{_name}", fp8_sdpa(_dtype, _scale))
+    AttentionMaskInterface.register(f"sdpa_{_name}", sdpa_mask)
+
+
+def reference_tokens(name, attn=None):
+    model = make_model(name, attn or MODELS[name][1])
     out = []
     with torch.no_grad():
         for p in PROMPTS:
@@ -61,6 +91,32 @@ def test_compiled_generate_matches_and_never_recompiles(name, fresh_dynamo):
     assert set(stats.steps) == {"EXTEND", "MIXED", "DECODE"}
     with torch._dynamo.config.patch(error_on_recompile=True):
         assert generator.generate(PROMPTS[::-1], NEW_TOKENS) == reference_tokens(name)[::-1]
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral_window"])
+@pytest.mark.parametrize("fp8", FP8)
+def test_fp8_cache_generates_transformers_tokens_over_fp8_kv(name, fp8):
+    """kv_cache_dtype: the tokens of transformers' generate whose attention reads K/V rounded through fp8, and
+    (e5m2, 2 mantissa bits) tokens that differ from the unrounded model's, so the rounding is what is compared."""
+    kv_cache_dtype, scale = FP8[fp8]
+    generator = HybridGenerator(make_model(name, "sdpa"), max_batch_size=3, max_seq_len=48, page_size=4,
+                                prefill_chunk=12, compile=False, kv_cache_dtype=kv_cache_dtype)
+    for t in generator.cache.k_scales + generator.cache.v_scales:
+        t.fill_(scale)
+    tokens = generator.generate(PROMPTS, NEW_TOKENS)
+    assert tokens == reference_tokens(name, f"sdpa_{fp8}")
+    if fp8 == "e5m2":
+        assert tokens != reference_tokens(name)
+
+
+@pytest.mark.slow
+def test_compiled_fp8_cache_generates_the_same_tokens_and_never_recompiles(fresh_dynamo):
+    generator = HybridGenerator(make_model("llama", "sdpa"), max_batch_size=3, max_seq_len=48, page_size=4,
+                                prefill_chunk=12, kv_cache_dtype=torch.float8_e5m2)
+    want = reference_tokens("llama", "sdpa_e5m2")
+    assert generator.generate(PROMPTS, NEW_TOKENS) == want  # warm-up
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert generator.generate(PROMPTS[::-1], NEW_TOKENS) == want[::-1]
 
 
 def test_seeded_sampling_is_reproducible():

@@ -1,16 +1,23 @@
-"""The Triton kernels through the interpreter: every head dim and dtype, split-KV decode, compile, packaging."""
+"""The Triton kernels through the interpreter: every head dim and dtype, split-KV decode, compile, packaging, fp8
+caches (at the kernels' boundaries, and the conversions against torch's)."""
 
+import math
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from reference import assert_close, expected_cache, make_case, reference
+import triton
+import triton.language as tl
+from reference import assert_close, expected_cache, fp8_case, fp8_hard_values, fp8_store_case, make_case, reference
 
 import hybrid_ops
 from hybrid_ops.kernels import decode as decode_kernels
-from hybrid_ops.kernels.config import INTERPRETER
+from hybrid_ops.kernels import kv_store
+from hybrid_ops.kernels import prefill as prefill_kernels
+from hybrid_ops.kernels.common import FP8_FORMATS, float_to_fp8, fp8_to_float
+from hybrid_ops.kernels.config import INTERPRETER, Target, decode_tiles, prefill_tiles
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -38,6 +45,70 @@ def test_decode_splits(num_splits, window):
     out = decode_kernels.decode(case.q, case.k_cache, case.v_cache, case.seq_lens, case.block_table, scale, window,
                                 0.0, INTERPRETER, num_splits=num_splits)
     assert_close(out, reference(case, sliding_window=window), torch.float32)
+
+
+# A value head dim Dv of its own (MLA), at the kernels' boundaries with a GPU's tiles: (D, Dv, q dtype, options).
+# Dv smaller and larger than D, neither always a power of two; DeepSeek's 192 / 128 pads K to 256 and V to 128.
+V_HEAD_DIMS = {
+    "d192_dv128_bf16_sinks": (192, 128, torch.bfloat16, dict(scale=0.15, sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))),
+    "d64_dv24_fp32_window_softcap": (64, 24, torch.float32, dict(scale=0.25, sliding_window=200, logit_cap=10.0)),
+    "d24_dv80_fp16_chunk": (24, 80, torch.float16, dict(scale=0.4, attention_chunk=100)),
+}
+
+
+def v_head_dim_case(name, q_lens, prefixes, num_q_heads):
+    head_dim, v_head_dim, dtype, options = V_HEAD_DIMS[name]
+    options = dict(options, sinks=options["sinks"].repeat(num_q_heads // 4)) if "sinks" in options else options
+    case = make_case(q_lens, prefixes, num_q_heads=num_q_heads, num_kv_heads=2, head_dim=head_dim, page_size=16,
+                     dtype=dtype, v_head_dim=v_head_dim)
+    kv_store.store_kv(case.k, case.v, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seq_lens, case.block_table)
+    k_ref, v_ref = expected_cache(case)
+    assert torch.equal(case.k_cache, k_ref) and torch.equal(case.v_cache, v_ref)
+    return case, options
+
+
+@pytest.mark.parametrize("q_len", [1, 4], ids=["decode", "verify"])
+@pytest.mark.parametrize("name", V_HEAD_DIMS)
+def test_v_head_dim_decode(name, q_len):
+    """3 KV splits of several KV blocks each; verify's 4 x 8 rows take 2 row tiles (1 at fp16, whose cap is 32)."""
+    case, options = v_head_dim_case(name, [q_len] * 2, [290, 130], num_q_heads=16)
+    head_dim, v_head_dim, dtype, _ = V_HEAD_DIMS[name]
+    tiles = decode_tiles(dtype, max(head_dim, v_head_dim), q_len * 8, GPU_TILES)
+    splits = 3
+    visible = min(290 + q_len, options.get("sliding_window", 1000))
+    chunk = math.ceil(math.ceil(visible / splits) / tiles.block_n) * tiles.block_n  # as the kernel splits
+    assert chunk >= 2 * tiles.block_n and visible > 2 * chunk, "splits of one KV block, or fewer than 3 non-empty"
+    out = decode_kernels.decode(case.q, case.k_cache, case.v_cache, case.seq_lens, case.block_table,
+                                options["scale"], options.get("sliding_window", -1), options.get("logit_cap", 0.0),
+                                GPU_TILES, num_splits=splits, sinks=options.get("sinks"),
+                                attention_chunk=options.get("attention_chunk", -1))
+    assert out.shape == (case.q.shape[0], 16, v_head_dim)
+    assert_close(out, reference(case, **options), dtype)
+
+
+@pytest.mark.parametrize("name", V_HEAD_DIMS)
+def test_v_head_dim_prefill(name):
+    """Requests spanning several query tiles and KV blocks."""
+    q_lens, prefixes = [40, 3, 17], [70, 0, 33]
+    case, options = v_head_dim_case(name, q_lens, prefixes, num_q_heads=8)
+    head_dim, v_head_dim, dtype, _ = V_HEAD_DIMS[name]
+    tiles = prefill_tiles(dtype, max(head_dim, v_head_dim), 4, GPU_TILES)
+    assert q_lens[0] > tiles.block_rows and prefixes[0] > tiles.block_n
+    out = prefill_kernels.prefill(case.q, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seq_lens,
+                                  case.block_table, options["scale"], options.get("sliding_window", -1),
+                                  options.get("logit_cap", 0.0), GPU_TILES, sinks=options.get("sinks"),
+                                  attention_chunk=options.get("attention_chunk", -1))
+    assert out.shape == (sum(q_lens), 8, v_head_dim)
+    assert_close(out, reference(case, **options), dtype)
+
+
+@pytest.mark.parametrize("op", ["prefill", "decode"])
+def test_v_head_dim_above_256_refused(op):
+    case = make_case([1], [3], v_head_dim=264)
+    before = case.v_cache.clone()
+    with pytest.raises(hybrid_ops.HybridInputError, match="Dv <= 256, got 264"):
+        getattr(torch.ops.hybrid, op)(*case.args, backend="triton")
+    assert torch.equal(case.v_cache, before)
 
 
 def test_num_splits_from_static_sizes():
@@ -89,3 +160,144 @@ def test_import_without_triton():
 def test_auto_picks_the_native_kernels_on_cpu():
     """Not Triton's interpreter, even when it is on."""
     assert hybrid_ops.get_backend("auto", torch.device("cpu"), torch.float32, 8).name == "cpu"
+
+
+# -- fp8 caches --------------------------------------------------------------------------------------------------
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+GPU_TILES = Target(num_sms=2, interpret=True)  # a GPU's tiles and stages; the tests choose the KV splits
+
+
+def fp8_scales(num_kv_heads, per_head):
+    """(k_scale, v_scale) as the ops pass them: [Hkv] float32, one per kv head spread over [0.05, 4] (a kernel that
+    takes another head's scale is off by far), or one value expanded (stride 0)."""
+    if per_head:
+        return tuple(torch.exp(torch.empty(num_kv_heads).uniform_(-3, 1.4)) for _ in range(2))
+    return torch.tensor([0.3]).expand(num_kv_heads), torch.tensor([2.5]).expand(num_kv_heads)
+
+
+def run_fp8(case, cache_dtype, per_head, attend, **options):
+    """Stores the case's new k, v into fp8 caches with the Triton store and attends with `attend(fp8 case, k_scale,
+    v_scale)`; checks the output against float64 over the dequantized cache and the cache bytes exactly."""
+    k_scale, v_scale = fp8_scales(case.k.shape[1], per_head)
+    fp8, read, (k_expected, v_expected) = fp8_case(case, cache_dtype, k_scale, v_scale)
+    kv_store.store_kv(fp8.k, fp8.v, fp8.k_cache, fp8.v_cache, fp8.cu_seqlens_q, fp8.seq_lens, fp8.block_table,
+                      k_scale, v_scale)
+    assert torch.equal(fp8.k_cache.view(torch.uint8), k_expected), "k_cache differs from the quantized values"
+    assert torch.equal(fp8.v_cache.view(torch.uint8), v_expected), "v_cache differs from the quantized values"
+    out = attend(fp8, k_scale, v_scale)
+    assert_close(out, reference(read, **options), case.q.dtype)
+
+
+# (q dtype, head dim, page size, q_len, Hq/Hkv, splits, options): each KV split spans several KV blocks; verify's
+# 4 x 8 rows take 2 row tiles at fp32; D 80 is padded to 128.
+FP8_DECODE = {
+    "bf16_d64": (torch.bfloat16, 64, 16, 1, (8, 2), 3, dict(scale=0.25)),
+    "fp16_d80_window": (torch.float16, 80, 4, 1, (4, 1), 3, dict(scale=0.25, sliding_window=270)),
+    "fp32_verify_softcap": (torch.float32, 64, 16, 4, (16, 2), 3, dict(scale=0.25, logit_cap=10.0)),
+}
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("name", FP8_DECODE)
+def test_fp8_decode(name, cache_dtype):
+    dtype, head_dim, page_size, q_len, (num_q_heads, num_kv_heads), splits, options = FP8_DECODE[name]
+    case = make_case([q_len] * 2, [290, 130], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                     head_dim=head_dim, page_size=page_size, dtype=dtype)
+    block_n = decode_tiles(dtype, head_dim, q_len * num_q_heads // num_kv_heads, GPU_TILES).block_n
+    visible = min(290 + q_len, options.get("sliding_window", 1000))  # the longest request's keys
+    chunk = math.ceil(math.ceil(visible / splits) / block_n) * block_n  # as the kernel splits
+    assert chunk >= 2 * block_n and visible > 2 * chunk, "splits of one KV block, or fewer than 3 non-empty"
+
+    def attend(fp8, k_scale, v_scale):
+        return decode_kernels.decode(fp8.q, fp8.k_cache, fp8.v_cache, fp8.seq_lens, fp8.block_table,
+                                     options["scale"], options.get("sliding_window", -1),
+                                     options.get("logit_cap", 0.0), GPU_TILES, num_splits=splits, k_scale=k_scale,
+                                     v_scale=v_scale)
+
+    run_fp8(case, cache_dtype, cache_dtype == torch.float8_e4m3fn, attend, **options)
+
+
+# (q dtype, head dim, page size, Hq/Hkv, options): requests spanning several query tiles and KV blocks.
+FP8_PREFILL = {
+    "bf16_d64": (torch.bfloat16, 64, 16, (8, 2), dict(scale=0.25)),
+    "fp16_d80_window": (torch.float16, 80, 1, (4, 1), dict(scale=0.25, sliding_window=40)),
+    "fp32_softcap": (torch.float32, 64, 16, (8, 2), dict(scale=0.25, logit_cap=10.0)),
+}
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("name", FP8_PREFILL)
+def test_fp8_prefill(name, cache_dtype):
+    dtype, head_dim, page_size, (num_q_heads, num_kv_heads), options = FP8_PREFILL[name]
+    q_lens, prefixes = [40, 3, 17], [70, 0, 33]
+    case = make_case(q_lens, prefixes, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     page_size=page_size, dtype=dtype)
+    tiles = prefill_tiles(dtype, head_dim, num_q_heads // num_kv_heads, GPU_TILES)
+    assert q_lens[0] > tiles.block_rows and prefixes[0] > tiles.block_n
+
+    def attend(fp8, k_scale, v_scale):
+        return prefill_kernels.prefill(fp8.q, fp8.k_cache, fp8.v_cache, fp8.cu_seqlens_q, fp8.seq_lens,
+                                       fp8.block_table, options["scale"], options.get("sliding_window", -1),
+                                       options.get("logit_cap", 0.0), GPU_TILES, k_scale=k_scale, v_scale=v_scale)
+
+    run_fp8(case, cache_dtype, cache_dtype == torch.float8_e4m3fn, attend, **options)
+
+
+@pytest.mark.parametrize("op", ["decode", "prefill"])
+@pytest.mark.parametrize("head_dim, v_head_dim, dtype", [(192, 128, torch.bfloat16), (64, 24, torch.float16)],
+                         ids=["d192_dv128_bf16", "d64_dv24_fp16"])
+def test_fp8_v_head_dim(head_dim, v_head_dim, dtype, op):
+    """e4m3 caches with per-head scales and a value head dim of its own, over 3 KV splits or several query tiles."""
+    q_lens, prefixes = ([1, 1], [290, 130]) if op == "decode" else ([40, 3, 17], [70, 0, 33])
+    case = make_case(q_lens, prefixes, num_q_heads=8, num_kv_heads=2, head_dim=head_dim, page_size=16, dtype=dtype,
+                     v_head_dim=v_head_dim)
+
+    def attend(fp8, k_scale, v_scale):
+        if op == "decode":
+            return decode_kernels.decode(fp8.q, fp8.k_cache, fp8.v_cache, fp8.seq_lens, fp8.block_table, 0.15, -1,
+                                         0.0, GPU_TILES, num_splits=3, k_scale=k_scale, v_scale=v_scale)
+        return prefill_kernels.prefill(fp8.q, fp8.k_cache, fp8.v_cache, fp8.cu_seqlens_q, fp8.seq_lens,
+                                       fp8.block_table, 0.15, -1, 0.0, GPU_TILES, k_scale=k_scale, v_scale=v_scale)
+
+    run_fp8(case, torch.float8_e4m3fn, True, attend, scale=0.15)
+
+
+@triton.jit
+def _convert_kernel(X, Codes, AnyCodes, Values, n, FP8: tl.constexpr, BLOCK: tl.constexpr):
+    """Codes[i] = float_to_fp8(X[i]); Values[i] = fp8_to_float(AnyCodes[i])."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Codes + i, float_to_fp8(tl.load(X + i, mask=i < n), FP8), mask=i < n)
+    tl.store(Values + i, fp8_to_float(tl.load(AnyCodes + i, mask=i < n), FP8), mask=i < n)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
+def test_fp8_conversions_match_torch(cache_dtype):
+    """The kernels' fp32 -> fp8 (torch's clamp, then conversion) and fp8 -> fp32 (every code), bit for bit, on the
+    values where conversions go wrong (ties, subnormals, saturation, +-0, NaN) and 2^20 random bit patterns."""
+    random_bits = torch.randint(-(2**31), 2**31, (1 << 20,), dtype=torch.int64).to(torch.int32).view(torch.float32)
+    x = torch.cat([fp8_hard_values(cache_dtype), random_bits])
+    any_codes = (torch.arange(x.numel()) % 256).to(torch.uint8)
+    codes, values = torch.empty(x.shape, dtype=torch.uint8), torch.empty(x.shape)
+    block = 1 << 16
+    _convert_kernel[(triton.cdiv(x.numel(), block),)](x, codes, any_codes, values, x.numel(),
+                                                      FP8=FP8_FORMATS[cache_dtype], BLOCK=block)
+    limit = torch.finfo(cache_dtype).max
+    expected = x.clamp(-limit, limit).to(cache_dtype).view(torch.uint8)
+    wrong = codes != expected
+    assert not wrong.any(), f"{wrong.sum()} values, e.g. {x[wrong][:4].tolist()} -> {codes[wrong][:4].tolist()}"
+    read = any_codes.view(cache_dtype).float()
+    same = (values.view(torch.int32) == read.view(torch.int32)) | (values.isnan() & read.isnan())
+    assert same.all(), f"codes {any_codes[~same][:4].tolist()} read as {values[~same][:4].tolist()}"
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
+def test_fp8_store_at_ties(cache_dtype):
+    """The store divides (correctly rounded) before it converts: quotients at and next to ties, per-head scales."""
+    k_scale, v_scale = torch.tensor([1.0, 0.37]), torch.tensor([3.1, 1.0])
+    fp8, _, (k_expected, v_expected) = fp8_case(fp8_store_case(cache_dtype, k_scale, v_scale), cache_dtype, k_scale,
+                                                v_scale)
+    kv_store.store_kv(fp8.k, fp8.v, fp8.k_cache, fp8.v_cache, fp8.cu_seqlens_q, fp8.seq_lens, fp8.block_table,
+                      k_scale, v_scale)
+    assert torch.equal(fp8.k_cache.view(torch.uint8), k_expected) and torch.equal(fp8.v_cache.view(torch.uint8),
+                                                                                 v_expected)

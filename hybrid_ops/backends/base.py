@@ -3,12 +3,15 @@
 A backend stores a step's new k, v in the paged cache and attends; the ops (`hybrid_ops.ops`) check the arguments
 (`validation.check_args`) before they call it, so a backend sees only well-formed tensors:
 
-    q: [T, Hq, D]; k, v: [T, Hkv, D]; k_cache, v_cache: [num_pages, page_size, Hkv, D], contiguous, q's dtype;
+    q: [T, Hq, D]; k, v: [T, Hkv, D]; k_cache, v_cache: [num_pages, page_size, Hkv, D], contiguous, q's dtype
+    (or fp8, below);
     cu_seqlens_q: [B + 1], seq_lens: [B], block_table: [B, max_pages], int32 (`hybrid_ops.metadata`);
     scale: float; sliding_window: int (-1: none); logit_cap: float (0.0: none). Returns [T, Hq, Dv] in q's dtype.
 
 v and v_cache may have a head dim Dv of their own, and `sinks=` ([Hq] float32) and `attention_chunk=` (int) come as
 keywords when in use: only to a backend whose `options` names them ("v_head_dim", "sinks", "attention_chunk").
+Caches of float8_e4m3fn or float8_e5m2 come with `k_scale=`, `v_scale=` ([Hkv] float32, possibly an expanded view),
+to a backend whose `options` names "fp8_kv": it stores and reads them as `hybrid_ops.fp8` says.
 
 Subclass it, then `hybrid_ops.register_backend(MyBackend())`.
 """
@@ -23,7 +26,8 @@ class Backend:
     # True if the backend reads the metadata to the host and checks its values itself on every call; otherwise the
     # ops run `validation.check_metadata_values` for it when validation is switched on.
     checks_values: bool = False
-    # What it serves beyond plain paged attention: any of "sinks", "attention_chunk", "v_head_dim" (Dv != D).
+    # What it serves beyond plain paged attention: any of "sinks", "attention_chunk", "v_head_dim" (Dv != D),
+    # "fp8_kv" (fp8 caches with their scales).
     options: frozenset = frozenset()
 
     def is_available(self) -> bool:

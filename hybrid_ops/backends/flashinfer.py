@@ -16,6 +16,15 @@ the same shape again refreshes those buffers in place and keeps the split's layo
 replay. While a graph is being captured the layers use their shape's CUDA-graph plan and never plan (the metadata
 they receive may be copies: CUDA-graph trees copy inputs that are not static). Our cache layout (separate k and v
 caches, [num_pages, page_size, Hkv, D]) is FlashInfer's "NHD" layout.
+
+fp8 caches (float8_e4m3fn, float8_e5m2) run FlashInfer's fa2 kernels for an fp8 KV cache: planned with the cache's dtype
+as `kv_data_type` and q's (fp16 or bf16: FlashInfer has no fp32-q kernel, so `supports` declines fp32 q and "auto" picks
+another backend). The new k, v are quantized as `fp8.quantize` defines it. FlashInfer's `run` takes k_scale and v_scale
+as scalars (folded into the kernel's float `sm_scale`, and a multiply of the whole output, over which an [Hkv] tensor
+would broadcast along the head dim), while ours are [Hkv] tensors that may change between calls and must not be read to
+the host (CUDA graphs read their current value), so they are applied on the device around the kernel: each query head's
+q is multiplied by its kv head's k_scale (its scores are then those over stored * k_scale) and its output by the v_scale
+(the output is linear in the values).
 """
 
 from dataclasses import dataclass
@@ -23,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import HybridInputError
+from ..fp8 import quantize, raw
 from .base import Backend
 from .deps import importable
 
@@ -98,6 +108,7 @@ class FlashInferBackend(Backend):
     name = "flashinfer"
     requirement = "flashinfer (pip install 'hybrid_ops[flashinfer]')"
     checks_values = False
+    options = frozenset({"fp8_kv"})
     head_dims = (64, 128, 256)
 
     def __init__(self):
@@ -117,8 +128,9 @@ class FlashInferBackend(Backend):
              logit_cap, cuda_graph=False):
         """Plan one variant of this step; with `cuda_graph`, this batch shape takes CUDA-graph wrappers from now on.
 
-        k_cache: [num_pages, page_size, Hkv, D]; cu_seqlens_q: [B + 1], seq_lens: [B], block_table: [B, max_pages],
-        int32 (our metadata). Reads T = cu_seqlens_q[-1] to the host, as FlashInfer's plan reads the metadata.
+        k_cache: [num_pages, page_size, Hkv, D] (its dtype, fp8 included, is the plan's kv_data_type); cu_seqlens_q:
+        [B + 1], seq_lens: [B], block_table: [B, max_pages], int32 (our metadata). Reads T = cu_seqlens_q[-1] to the
+        host, as FlashInfer's plan reads the metadata.
         """
         variant = _Variant.of(path, q_dtype, num_q_heads, k_cache, scale, sliding_window, logit_cap)
         num_tokens = int(cu_seqlens_q[-1])  # planning reads the metadata to the host anyway
@@ -200,10 +212,14 @@ class FlashInferBackend(Backend):
             paged_kv_indices_buf=indices, paged_kv_last_page_len_buf=last_page_len, max_total_num_rows=num_tokens)
 
     def _run(self, path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-             logit_cap):
+             logit_cap, k_scale=None, v_scale=None):
+        """k_scale, v_scale: [Hkv] float32 with fp8 caches (`fp8.per_head`), else None. Returns [T, Hq, D] in q's
+        dtype."""
         from ..kernels.kv_store import store_kv  # masked and sync-free
 
-        store_kv(k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table)
+        if k_scale is not None:  # quantized here, then copied as bytes (Triton's fp8 types depend on the GPU)
+            k, v = quantize(k, k_scale, k_cache.dtype), quantize(v, v_scale, v_cache.dtype)
+        store_kv(raw(k), raw(v), raw(k_cache), raw(v_cache), cu_seqlens_q, seq_lens, block_table)
         num_tokens = q.shape[0]
         if num_tokens == 0:  # B = 0 or no new tokens: nothing to attend, nothing to plan
             return q.new_empty(q.shape)
@@ -220,10 +236,14 @@ class FlashInferBackend(Backend):
         else:
             plan = next((p for p in (graph, self._plans.get(variant)) if p is not None and p.matches(metadata)), None)
             wrapper = plan.wrapper if plan is not None else self._plan(variant, metadata, num_tokens)
-        return wrapper.run(q.contiguous(), (k_cache, v_cache))
+        if k_scale is None:
+            return wrapper.run(q.contiguous(), (k_cache, v_cache))
+        group = q.shape[1] // k_cache.shape[2]  # query head h reads kv head h // group
+        q = (q * k_scale.repeat_interleave(group)[:, None]).to(q.dtype)
+        return wrapper.run(q, (k_cache, v_cache)).mul_(v_scale.repeat_interleave(group)[:, None])
 
-    def prefill(self, *args):
-        return self._run("prefill", *args)
+    def prefill(self, *args, **scales):
+        return self._run("prefill", *args, **scales)
 
-    def decode(self, *args):
-        return self._run("decode", *args)
+    def decode(self, *args, **scales):
+        return self._run("decode", *args, **scales)

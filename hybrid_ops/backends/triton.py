@@ -2,7 +2,7 @@
 
 Sync-free and CUDA-graph safe: metadata stays on the device, out-of-range block ids and positions are masked
 (neither read nor written). On the CPU it runs under Triton's interpreter (`TRITON_INTERPRET=1`, set before
-the first use), which is how the tests run it.
+the first use), which is how the tests run it. fp8 caches (`hybrid_ops.fp8`) are read 1 byte per element.
 """
 
 import functools
@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from ..errors import HybridInputError
 from ..settings import deterministic_enabled
 from ..validation import FLOAT_DTYPES
 from .base import Backend
@@ -30,11 +31,17 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _check_v_head_dim(v_cache):
+    """`supports` sees D only; the tile tables stop at 256 for Dv as for D."""
+    if v_cache.shape[3] > 256:
+        raise HybridInputError(f"backend='triton' supports a value head dim Dv <= 256, got {v_cache.shape[3]}")
+
+
 class TritonBackend(Backend):
     name = "triton"
     requirement = "triton (pip install 'hybrid_ops[triton]')"
     checks_values = False
-    options = frozenset({"sinks", "attention_chunk"})
+    options = frozenset({"sinks", "attention_chunk", "v_head_dim", "fp8_kv"})
 
     def __init__(self):
         self.target = None  # a kernels.config.Target that overrides the device's
@@ -53,18 +60,21 @@ class TritonBackend(Backend):
         return self.target if self.target is not None else _device_target(q.device)
 
     def prefill(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                logit_cap, sinks=None, attention_chunk=-1):
+                logit_cap, sinks=None, attention_chunk=-1, k_scale=None, v_scale=None):
         from ..kernels import kv_store, prefill
 
-        kv_store.store_kv(k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table)
+        _check_v_head_dim(v_cache)
+        kv_store.store_kv(k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, k_scale, v_scale)
         return prefill.prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                               logit_cap, self.launch_target(q), sinks=sinks, attention_chunk=attention_chunk)
+                               logit_cap, self.launch_target(q), sinks=sinks, attention_chunk=attention_chunk,
+                               k_scale=k_scale, v_scale=v_scale)
 
     def decode(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-               logit_cap, sinks=None, attention_chunk=-1):
+               logit_cap, sinks=None, attention_chunk=-1, k_scale=None, v_scale=None):
         from ..kernels import decode, kv_store
 
-        kv_store.store_kv(k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table)
+        _check_v_head_dim(v_cache)
+        kv_store.store_kv(k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, k_scale, v_scale)
         return decode.decode(q, k_cache, v_cache, seq_lens, block_table, scale, sliding_window, logit_cap,
                              self.launch_target(q), batch_invariant=deterministic_enabled(), sinks=sinks,
-                             attention_chunk=attention_chunk)
+                             attention_chunk=attention_chunk, k_scale=k_scale, v_scale=v_scale)

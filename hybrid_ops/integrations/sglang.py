@@ -12,6 +12,7 @@ import torch
 from ..backends import check_backend_name, get_backend
 from ..buckets import pad_batch
 from ..errors import HybridInputError
+from ..fp8 import FP8_DTYPES
 from ..metadata import ForwardBatch
 from ..modes import ForwardMode, check_speculative_attention_mode, select_path
 
@@ -98,7 +99,11 @@ class PhaseBackend:
         """Outside the graph, before capture and replay: a backend that plans (FlashInfer) plans the static metadata
         into the buffers the graph reads (`plan_cuda_graph`); the others need nothing."""
         k_cache = self.kv_cache.k_caches[0]
-        impl = get_backend(self.backend, k_cache.device, k_cache.dtype, k_cache.shape[-1])
+        fp8 = k_cache.dtype in FP8_DTYPES
+        # The backend the layers' ops take. An fp8 cache does not tell q's dtype: bf16 stands for it (fp16 is
+        # served alike, and the backend that plans, FlashInfer, has no fp32-q kernel).
+        impl = get_backend(self.backend, k_cache.device, torch.bfloat16 if fp8 else k_cache.dtype, k_cache.shape[-1],
+                           features=frozenset({"fp8_kv"} if fp8 else ()))
         # The path of the op the layers call: forward_decode for DECODE (and IDLE), forward_extend otherwise.
         path = "decode" if batch.forward_mode.is_decode_or_idle() else "prefill"
         impl.plan_cuda_graph(path, k_cache, *batch.metadata)
@@ -113,7 +118,8 @@ class PhaseBackend:
     def _forward(self, op, q, k, v, layer):
         k_cache, v_cache = self.kv_cache.layer(layer.layer_id)
         return op(q, k, v, k_cache, v_cache, *self.forward_batch.metadata, scale=layer.scale,
-                  sliding_window=layer.sliding_window, logit_cap=layer.logit_cap, backend=self.backend)
+                  sliding_window=layer.sliding_window, logit_cap=layer.logit_cap, backend=self.backend,
+                  **self.kv_cache.scales(layer.layer_id))
 
     def forward_extend(self, q, k, v, layer, forward_batch=None):
         return self._forward(torch.ops.hybrid.prefill, q, k, v, layer)

@@ -32,7 +32,8 @@ class HybridStep:
     """What one forward step passes to every attention layer.
 
     k_caches, v_caches: per layer [num_pages, page_size, Hkv, D] and [num_pages, page_size, Hkv, Dv] (a
-    `PagedKVCache`'s); the metadata as in the ops.
+    `PagedKVCache`'s); the metadata as in the ops; k_scales, v_scales: per layer the float32 scales of fp8 caches
+    (`PagedKVCache.k_scales`), None for others.
     """
 
     forward_mode: int
@@ -44,6 +45,8 @@ class HybridStep:
     prefill_backend: str = "auto"
     decode_backend: str = "auto"
     speculative_attention_mode: str = "prefill"
+    k_scales: list | None = None
+    v_scales: list | None = None
 
 
 @dataclass
@@ -58,6 +61,7 @@ class _Probe:
     biased: set = field(default_factory=set)
     unpassed_sinks: set = field(default_factory=set)
     windowless: set = field(default_factory=set)  # layers called without a sliding_window
+    modules: set = field(default_factory=set)  # the attention modules that called with the step
 
 
 _probe: _Probe | None = None  # set only while `probe_attention` runs its forward
@@ -96,6 +100,8 @@ def hybrid_attention(module, query, key, value, attention_mask, scaling=None, dr
         attention_chunk=attention_chunk(getattr(module, "config", None), layer),
         prefill_backend=hybrid_step.prefill_backend, decode_backend=hybrid_step.decode_backend,
         speculative_attention_mode=hybrid_step.speculative_attention_mode,
+        k_scale=None if hybrid_step.k_scales is None else hybrid_step.k_scales[layer],
+        v_scale=None if hybrid_step.v_scales is None else hybrid_step.v_scales[layer],
     )
     return out[None], None
 
@@ -106,6 +112,7 @@ def _record(module, query, key, value, attention_mask, with_step, passed_sinks):
         _probe.dense.add(layer)
     else:
         _probe.calls.setdefault(layer, []).append((key.shape[1], key.shape[3], value.shape[3]))
+        _probe.modules.add(module)
     # Bidirectional (an encoder's, or a decoder config without is_decoder) or cross-attention (keys that are not
     # the query tokens'): the op attends causally over the sequence's own tokens only. As SDPA reads them: the
     # mask when there is one (here the first of two tokens must not see the second), else the module's is_causal.
@@ -186,31 +193,41 @@ def check_servable(model) -> list:
     for name in _BLOCK_TYPE_FIELDS:
         if getattr(config, name, None):
             refuse(f"its config's {name} mixes attention with other blocks that keep state outside attention")
-    for name, module in model.named_modules():
-        stateful = any(hasattr(module, p) for p in _RECURRENT_PARAMETERS) or (
-            isinstance(module, torch.nn.Conv1d) and module.groups == module.in_channels > 1 and module.padding[0] > 0)
-        if stateful:
-            refuse(f"{name} ({type(module).__name__}) keeps recurrent or convolution state outside attention, which "
-                   f"transformers carries only in its own cache")
     if getattr(config, "attention_chunk_size", None) and "chunked_attention" not in (config.layer_types or ()):
         refuse("it sets attention_chunk_size without naming its chunked layers in layer_types")
-    return probe_attention(model, refuse)
+    stateful = {name: module for name, module in model.named_modules()
+                if any(hasattr(module, p) for p in _RECURRENT_PARAMETERS) or (
+                    isinstance(module, torch.nn.Conv1d) and module.groups == module.in_channels > 1
+                    and module.padding[0] > 0)}
+    return probe_attention(model, refuse, stateful)
 
 
-def probe_attention(model, refuse) -> list:
+def probe_attention(model, refuse, stateful=None) -> list:
     """Runs three eager two-token forwards (positions 0, 1 and 0, 3; one row or all rows of logits) with a step
     whose attention is dense, recording every attention call, and returns each layer's (Hkv, D, Dv) as its layer
     passed K and V.
 
-    Calls `refuse(reason)` unless every decoder layer calls the attention interface exactly once per forward, with
-    the step, as causal self-attention, and the positions follow position_ids (a decoder layer that drops
-    `**kwargs` would attend densely over one step's tokens only; two calls with one layer_idx would overwrite each
-    other's cache rows; positions counted from the packed row would be other requests' positions)."""
+    Calls `refuse(reason)` if a module of `stateful` ({name: module}, mixers that keep recurrent or convolution
+    state) is in a decoder layer or runs in these forwards, and unless every decoder layer calls the attention
+    interface exactly once per forward, with the step, as causal self-attention (or never runs), and the positions
+    follow position_ids (a decoder layer that drops `**kwargs` would attend densely over one step's tokens only; two
+    calls with one layer_idx would overwrite each other's cache rows; positions counted from the packed row would be
+    other requests' positions)."""
     global _probe
-    num_layers = model.config.get_text_config().num_hidden_layers
+    num_layers = getattr(model.config.get_text_config(), "num_hidden_layers", 0)  # none: BLT (stacks of its own)
     device = next(model.parameters()).device
     step = HybridStep(1, *(torch.zeros(n, dtype=torch.int32, device=device) for n in (2, 1)),
                       torch.zeros(1, 1, dtype=torch.int32, device=device), None, None)
+    # The stateful modules that ran, or whose owner did (a mixer may use its convolution's weight without calling
+    # it), and whether each element "list.i" of each ModuleList ran.
+    stateful, ran, listed, hooks = stateful or {}, set(), {}, []
+    for name, module in stateful.items():
+        owner = model.get_submodule(name.rpartition(".")[0])
+        hooks += [m.register_forward_pre_hook(lambda *_, name=name: ran.add(name)) for m in (module, owner)]
+    for name, module in model.named_modules():
+        for i, element in enumerate(module if isinstance(module, torch.nn.ModuleList) else ()):
+            listed[f"{name}.{i}"] = False
+            hooks.append(element.register_forward_pre_hook(lambda *_, key=f"{name}.{i}": listed.update({key: True})))
     _probe = _Probe()
     try:
         with torch.inference_mode():
@@ -220,8 +237,25 @@ def probe_attention(model, refuse) -> list:
                             logits_to_keep=keep, hybrid_step=step).logits
                       for second, keep in ((1, torch.tensor([0], device=device)), (3, 0), (1, 0))]
         probe = _probe
+    except Exception:
+        if not stateful:
+            raise
+        probe = None  # a model with state that fails here is refused for that state
     finally:
         _probe = None
+        for hook in hooks:
+            hook.remove()
+    # The decoder's layer lists: those whose elements hold the attention modules that called with the step. A
+    # stateful module in them, or one that ran, keeps state; one elsewhere that never ran (an audio tower's
+    # convolution) never sees the tokens.
+    names = {module: name for name, module in model.named_modules()}
+    decoders = {key.rsplit(".", 1)[0] for key in listed for module in (probe.modules if probe else ())
+                if names[module].startswith(key + ".")}
+    kept = [name for name in stateful
+            if probe is None or name in ran or any(name.startswith(d + ".") for d in decoders)]
+    if kept:
+        refuse(f"{kept[0]} ({type(stateful[kept[0]]).__name__}) keeps recurrent or convolution state outside "
+               f"attention, which transformers carries only in its own cache")
     if not probe.calls and not probe.dense:
         refuse("its attention does not run through transformers' AttentionInterface")
     if logits[0].shape[1] != 1 or not torch.allclose(logits[0][:, 0], logits[2][:, 0], rtol=1e-3, atol=1e-4):
@@ -237,7 +271,11 @@ def probe_attention(model, refuse) -> list:
     if repeated:
         refuse(f"its layers call attention several times with one layer_idx (layer: calls {repeated})")
     num_layers = max(num_layers, max(probe.calls) + 1)  # a decoder may have more layers than num_hidden_layers
-    missing = [layer for layer in range(num_layers) if layer not in probe.calls]
+    # A decoder layer (an element of the list that holds those calling attention) that never runs on tokens alone
+    # (Mllama's cross-attention layers without an image) has neither attention nor state; one that runs without
+    # calling the interface may keep its own.
+    skipped = [layer for layer in range(num_layers) if any(listed.get(f"{d}.{layer}") is False for d in decoders)]
+    missing = [layer for layer in range(num_layers) if layer not in probe.calls and layer not in skipped]
     if missing:
         refuse(f"its layers {missing} do not call attention through AttentionInterface (no attention, or state of "
                f"their own)")
@@ -259,7 +297,8 @@ def probe_attention(model, refuse) -> list:
     if getattr(config, "sliding_window", None) and windowless:
         refuse(f"its config sets sliding_window={config.sliding_window} but layers {windowless} call attention "
                f"without it (the window lives in its mask or cache only)")
-    return [probe.calls[layer][0] for layer in range(num_layers)]
+    # A skipped layer gets pages it never reads or writes, shaped as the first layer's, so indices stay the layers'.
+    return [probe.calls.get(layer, probe.calls[min(probe.calls)])[0] for layer in range(num_layers)]
 
 
 def tensor_parallel_group(model):
