@@ -255,7 +255,8 @@ _BARE_OP = r"""
 #include <torch/library.h>
 at::Tensor bare(const at::Tensor& q, const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
                 const at::Tensor&, const at::Tensor&, int64_t, std::optional<double>, int64_t, double,
-                const std::optional<at::Tensor>&, int64_t, c10::string_view, c10::string_view, c10::string_view) {
+                const std::optional<at::Tensor>&, int64_t, const std::optional<at::Tensor>&,
+                const std::optional<at::Tensor>&, c10::string_view, c10::string_view, c10::string_view) {
   return at::empty_like(q);
 }
 TORCH_LIBRARY_IMPL(hybrid_bench, CPU, m) { m.impl("attn", &bare); }

@@ -49,7 +49,8 @@ def test_gpu_check_script_smoke(tmp_path):
     result = subprocess.run([sys.executable, str(EXAMPLES.parent / "scripts" / "gpu_check.py"), "--smoke", "--out",
                              str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "correct: triton torch.bfloat16 every mode" in result.stdout
+    for cache in ("torch.bfloat16", "torch.float8_e4m3fn"):
+        assert f"correct: triton q torch.bfloat16, cache {cache}, every mode" in result.stdout
     assert (tmp_path / "gpu_check_smoke_cpu.md").exists()
 
 

@@ -93,8 +93,7 @@ def test_compiled_generate_matches_and_never_recompiles(name, fresh_dynamo):
         assert generator.generate(PROMPTS[::-1], NEW_TOKENS) == reference_tokens(name)[::-1]
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral_window"])
-@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("name, fp8", [("llama", "e4m3"), ("llama", "e5m2"), ("mistral_window", "e4m3_scaled")])
 def test_fp8_cache_generates_transformers_tokens_over_fp8_kv(name, fp8):
     """kv_cache_dtype: the tokens of transformers' generate whose attention reads K/V rounded through fp8, and
     (e5m2, 2 mantissa bits) tokens that differ from the unrounded model's, so the rounding is what is compared."""
