@@ -251,7 +251,8 @@ class _Null(hybrid_ops.Backend):
 
 # The floor: attn's schema with a C++ CPU kernel that only allocates the output (no checks, no routing, no work).
 _BARE_OP = r"""
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 at::Tensor bare(const at::Tensor& q, const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
                 const at::Tensor&, const at::Tensor&, int64_t, std::optional<double>, int64_t, double,
