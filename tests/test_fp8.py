@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 from reference import CPU_BACKENDS, assert_close, fp8_case, make_case, reference
+from test_ops import mode_batch
 from torch._dynamo.testing import CompileCounter
 
 import hybrid_ops
@@ -68,12 +69,7 @@ def test_fp8_cache(backend, cache_dtype, name):
 @pytest.mark.parametrize("spec", ["prefill", "decode"])
 @pytest.mark.parametrize("mode", list(ForwardMode))
 def test_fp8_every_mode(backend, spec, mode):
-    if mode == ForwardMode.IDLE:
-        q_lens, prefixes = [], []
-    elif hybrid_ops.select_path(mode, spec) == "decode":
-        q_lens, prefixes = [1 if mode == ForwardMode.DECODE else 3] * 3, [4, 0, 11]
-    else:
-        q_lens, prefixes = [5, 1, 0, 7], [0, 9, 3, 2]
+    q_lens, prefixes = mode_batch(mode, spec)
     case = make_case(q_lens, prefixes, num_q_heads=4, num_kv_heads=2, dtype=torch.bfloat16)
     check_fp8_call(torch.ops.hybrid.attn, case, torch.float8_e4m3fn, "per_head", {"sliding_window": 6},
                    forward_mode=int(mode), prefill_backend=backend, decode_backend=backend,

@@ -77,16 +77,21 @@ def test_decode_lengths_off_page_boundaries(backend, prefixes, q_len):
     check_call(torch.ops.hybrid.decode, case, {}, torch.float32, backend=backend)
 
 
+def mode_batch(mode, spec):
+    """(q_lens, prefix_lens) of a batch `mode` may carry: none for IDLE, equal query lengths on the decode path (1 for
+    DECODE, 3 for verify), ragged ones with an empty request otherwise."""
+    if mode == ForwardMode.IDLE:
+        return [], []
+    if hybrid_ops.select_path(mode, spec) == "decode":
+        return [1 if mode == ForwardMode.DECODE else 3] * 3, [4, 0, 11]
+    return [5, 1, 0, 7], [0, 9, 3, 2]
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("spec", ["prefill", "decode"])
 @pytest.mark.parametrize("mode", list(ForwardMode))
 def test_attn_every_mode(backend, spec, mode):
-    if mode == ForwardMode.IDLE:
-        q_lens, prefixes = [], []
-    elif hybrid_ops.select_path(mode, spec) == "decode":
-        q_lens, prefixes = [1 if mode == ForwardMode.DECODE else 3] * 3, [4, 0, 11]
-    else:
-        q_lens, prefixes = [5, 1, 0, 7], [0, 9, 3, 2]
+    q_lens, prefixes = mode_batch(mode, spec)
     case = make_case(q_lens, prefixes, num_q_heads=4, num_kv_heads=1)
     check_call(torch.ops.hybrid.attn, case, {"sliding_window": 6}, torch.float32, forward_mode=int(mode),
                prefill_backend=backend, decode_backend=backend, speculative_attention_mode=spec)
