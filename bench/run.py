@@ -122,15 +122,26 @@ class Batch:
         caches = self.cache.layer(0)
         scales = [c.float().abs().amax(dim=(0, 1, 3)) / torch.finfo(cache_dtype).max for c in caches]
         k_cache, v_cache = (quantize(c, s, cache_dtype) for c, s in zip(caches, scales))
-        return lambda: op(self.q, self.k_new, self.v_new, k_cache, v_cache, *self.meta, k_scale=scales[0],
-                          v_scale=scales[1], backend=backend)
+        return lambda: op(
+            self.q,
+            self.k_new,
+            self.v_new,
+            k_cache,
+            v_cache,
+            *self.meta,
+            k_scale=scales[0],
+            v_scale=scales[1],
+            backend=backend,
+        )
 
     def sdpa_exact(self):
         """Per-request SDPA over exact contiguous K/V: the dense ideal."""
+
         def run():
             for q, k, v in zip(self.q_per_request, self.k, self.v):
                 mask = None if q.shape[2] == 1 else causal_lower_right(q.shape[2], k.shape[2])
                 F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
         return run
 
     def sdpa_padded(self):
@@ -141,7 +152,7 @@ class Batch:
         q_pad = torch.zeros(batch, HQ, width, D, dtype=self.dtype)
         for i, s in enumerate(self.seq_lens):
             k_pad[i, :, :s], v_pad[i, :, :s] = self.k[i][0], self.v[i][0]
-            q_pad[i, :, width - self.new_lens[i]:] = self.q_per_request[i][0]
+            q_pad[i, :, width - self.new_lens[i] :] = self.q_per_request[i][0]
         q_pos = torch.tensor(self.seq_lens)[:, None] - width + torch.arange(width)  # left-padded queries
         mask = (torch.arange(STATIC_CACHE_LEN) <= q_pos[:, :, None])[:, None]
         return lambda: F.scaled_dot_product_attention(q_pad, k_pad, v_pad, attn_mask=mask, enable_gqa=True)
@@ -169,8 +180,11 @@ class Batch:
 # The backends that run on the CPU, each its own rows; ratios are against the first.
 HYBRID_BACKENDS = ["cpu", "torch"]
 # The peers' rows: method name -> the Batch method that builds it.
-PEER_METHODS = {"sdpa exact per request": "sdpa_exact", "sdpa padded static cache": "sdpa_padded",
-                "flex attention": "flex"}
+PEER_METHODS = {
+    "sdpa exact per request": "sdpa_exact",
+    "sdpa padded static cache": "sdpa_padded",
+    "flex attention": "flex",
+}
 PEERS = list(PEER_METHODS)
 # bf16 decode's extra rows: the cpu backend over an fp8 copy of the cache, timed in the same rounds.
 FP8_METHOD = f"hybrid_ops {HYBRID_BACKENDS[0]}, fp8 e4m3 cache"
@@ -184,20 +198,24 @@ def op_section(quick, bandwidth):
     reps = 3 if quick else 15
     decode_lens = torch.linspace(256, 2048, 16).long().tolist()
     # case, dtype, prefixes, new tokens, peers measured (pages do not matter to them: consecutive pages only)
-    cases = [("decode", "fp32", decode_lens, [1] * 16, torch.float32, PEERS),
-             ("decode", "bf16", decode_lens, [1] * 16, torch.bfloat16, PEERS),
-             ("prefill", "fp32", [0] * 4, [512, 256, 1024, 384], torch.float32, PEERS),
-             ("prefill", "bf16", [0] * 4, [512, 256, 1024, 384], torch.bfloat16, PEERS[:1]),
-             ("prefill+prefix", "fp32", [1024, 512, 2048, 768], [256, 128, 512, 192], torch.float32, PEERS),
-             ("prefill+prefix", "bf16", [1024, 512, 2048, 768], [256, 128, 512, 192], torch.bfloat16, PEERS[:1])]
+    cases = [
+        ("decode", "fp32", decode_lens, [1] * 16, torch.float32, PEERS),
+        ("decode", "bf16", decode_lens, [1] * 16, torch.bfloat16, PEERS),
+        ("prefill", "fp32", [0] * 4, [512, 256, 1024, 384], torch.float32, PEERS),
+        ("prefill", "bf16", [0] * 4, [512, 256, 1024, 384], torch.bfloat16, PEERS[:1]),
+        ("prefill+prefix", "fp32", [1024, 512, 2048, 768], [256, 128, 512, 192], torch.float32, PEERS),
+        ("prefill+prefix", "bf16", [1024, 512, 2048, 768], [256, 128, 512, 192], torch.bfloat16, PEERS[:1]),
+    ]
     if quick:
         cases = [c for c in cases if c[1] == "fp32" or c[:2] == ("decode", "bf16")]
     rows = []
     for name, dtype_name, prefixes, news, dtype, peers in cases:
         prefixes = [p - 1 for p in prefixes] if name == "decode" else prefixes  # context includes the new token
         op = torch.ops.hybrid.decode if name == "decode" else torch.ops.hybrid.prefill
-        batches = {layout: Batch(prefixes, news, dtype, shuffle_pages=layout == "scattered")
-                   for layout in ("consecutive", "scattered")}
+        batches = {
+            layout: Batch(prefixes, news, dtype, shuffle_pages=layout == "scattered")
+            for layout in ("consecutive", "scattered")
+        }
         methods = {}
         for layout, batch in batches.items():
             methods |= {(layout, m): fn for m, fn in hybrid_methods(batch, op).items()}
@@ -211,12 +229,23 @@ def op_section(quick, bandwidth):
             measured = {m: t for (pages, m), t in times.items() if pages == layout}
             for method, seconds in measured.items():
                 kv_bytes = batch.kv_bytes // 2 if method == FP8_METHOD else batch.kv_bytes  # 1 byte, not 2
-                rows.append(dict(case=name, dtype=dtype_name, pages=layout, method=method,
-                                 ms=seconds and seconds * 1e3, kv_gbps=seconds and kv_bytes / seconds / 1e9,
-                                 of_read_bandwidth=seconds and kv_bytes / seconds / 1e9 / bandwidth,
-                                 vs_hybrid=seconds and ours and seconds / ours))
-            print(f"  {name} {dtype_name} {layout}: " + ", ".join(
-                f"{m} {t * 1e3:.1f} ms" if t else f"{m} failed" for m, t in measured.items()), flush=True)
+                rows.append(
+                    dict(
+                        case=name,
+                        dtype=dtype_name,
+                        pages=layout,
+                        method=method,
+                        ms=seconds and seconds * 1e3,
+                        kv_gbps=seconds and kv_bytes / seconds / 1e9,
+                        of_read_bandwidth=seconds and kv_bytes / seconds / 1e9 / bandwidth,
+                        vs_hybrid=seconds and ours and seconds / ours,
+                    )
+                )
+            print(
+                f"  {name} {dtype_name} {layout}: "
+                + ", ".join(f"{m} {t * 1e3:.1f} ms" if t else f"{m} failed" for m, t in measured.items()),
+                flush=True,
+            )
             if measured.get(FP8_METHOD) and ours:
                 print(f"  {name} {layout}: fp8 e4m3 / bf16 cache time {measured[FP8_METHOD] / ours:.2f}", flush=True)
     return rows
@@ -292,22 +321,30 @@ def dispatch_section():
 
     def per_call(fns):
         """Microseconds per call of each function, timed side by side in rounds of n calls each."""
+
         def loop(fn):
             def run():
                 for _ in range(n):
                     fn()
+
             return run
+
         times = timeit_side_by_side({name: (lambda f=f: loop(f)) for name, f in fns.items()}, reps=5, warmup=1)
         return {name: seconds / n * 1e6 for name, seconds in times.items()}
 
     rows = []
     with torch.no_grad():
         for name, args, mode in (("decode (T = 1)", decode, 2), ("IDLE (T = 0)", idle, 4)):
-            us = per_call(dict(kernel=lambda: kernel(*args, 0.3, -1, 0.0, True),
-                               bare=lambda: bare(*args, mode, decode_backend="cpu"),
-                               op=lambda: torch.ops.hybrid.attn(*args, mode, decode_backend="cpu")))
-            rows.append(dict(mode=f"eager {name}, cpu backend", kernel_us=us["kernel"], bare_us=us["bare"],
-                             op_us=us["op"]))
+            us = per_call(
+                dict(
+                    kernel=lambda: kernel(*args, 0.3, -1, 0.0, True),
+                    bare=lambda: bare(*args, mode, decode_backend="cpu"),
+                    op=lambda: torch.ops.hybrid.attn(*args, mode, decode_backend="cpu"),
+                )
+            )
+            rows.append(
+                dict(mode=f"eager {name}, cpu backend", kernel_us=us["kernel"], bare_us=us["bare"], op_us=us["op"])
+            )
 
         # Compiled: the same graph around the op and around the floor op (guards and wrapper are in both).
         def compiled(op):
@@ -315,16 +352,31 @@ def dispatch_section():
 
         compiled_bare, compiled_op = compiled(bare), compiled(torch.ops.hybrid.attn)
         us = per_call(dict(bare=lambda: compiled_bare(*decode), op=lambda: compiled_op(*decode)))
-        rows.append(dict(mode="compiled decode (T = 1), cpu backend", kernel_us=rows[0]["kernel_us"],
-                         bare_us=us["bare"], op_us=us["op"]))
+        rows.append(
+            dict(
+                mode="compiled decode (T = 1), cpu backend",
+                kernel_us=rows[0]["kernel_us"],
+                bare_us=us["bare"],
+                op_us=us["op"],
+            )
+        )
 
         # A backend written in Python goes through the op's Python implementation.
         hybrid_ops.register_backend(_Null())
         null = _Null()
-        us = per_call(dict(kernel=lambda: null.decode(*decode),
-                           op=lambda: torch.ops.hybrid.attn(*decode, 2, decode_backend="null")))
-        rows.append(dict(mode="eager decode (T = 1), a Python backend", kernel_us=us["kernel"],
-                         bare_us=rows[0]["bare_us"], op_us=us["op"]))
+        us = per_call(
+            dict(
+                kernel=lambda: null.decode(*decode), op=lambda: torch.ops.hybrid.attn(*decode, 2, decode_backend="null")
+            )
+        )
+        rows.append(
+            dict(
+                mode="eager decode (T = 1), a Python backend",
+                kernel_us=us["kernel"],
+                bare_us=rows[0]["bare_us"],
+                op_us=us["op"],
+            )
+        )
     return rows
 
 
@@ -334,8 +386,10 @@ def e2e_section(quick):
     from examples.generate import PROMPT_LENGTHS, demo_model, demo_prompts, run_hybrid, run_transformers_static
 
     model = demo_model()
-    workloads = [("demo: 8 prompts of 7..150, 48 new", PROMPT_LENGTHS, 16 if quick else 48),
-                 ("16 prompts of 16..1000, 32 new", torch.linspace(16, 1000, 16).long().tolist(), 32)]
+    workloads = [
+        ("demo: 8 prompts of 7..150, 48 new", PROMPT_LENGTHS, 16 if quick else 48),
+        ("16 prompts of 16..1000, 32 new", torch.linspace(16, 1000, 16).long().tolist(), 32),
+    ]
     rows = []
     for name, lengths, new_tokens in workloads[:1] if quick else workloads:
         prompts = demo_prompts(model.config.vocab_size, lengths)
@@ -344,12 +398,29 @@ def e2e_section(quick):
         _, first_seconds = run_transformers_static(model, prompts, 1)
         ours_ttft = statistics.mean(stats.first_token_seconds)
         ref_rate = len(prompts) * new_tokens / seconds
-        rows += [dict(workload=name, method="hybrid_ops generate (compiled)", tokens_per_s=stats.tokens_per_second,
-                      ttft_ms=ours_ttft * 1e3, recompiles=recompiles),
-                 dict(workload=name, method="transformers static cache (compiled)", tokens_per_s=ref_rate,
-                      ttft_ms=first_seconds * 1e3, recompiles=None),
-                 dict(workload=name, method="ratio hybrid_ops / transformers", tokens_per_s=stats.tokens_per_second /
-                      ref_rate, ttft_ms=ours_ttft / first_seconds, recompiles=None)]
+        rows += [
+            dict(
+                workload=name,
+                method="hybrid_ops generate (compiled)",
+                tokens_per_s=stats.tokens_per_second,
+                ttft_ms=ours_ttft * 1e3,
+                recompiles=recompiles,
+            ),
+            dict(
+                workload=name,
+                method="transformers static cache (compiled)",
+                tokens_per_s=ref_rate,
+                ttft_ms=first_seconds * 1e3,
+                recompiles=None,
+            ),
+            dict(
+                workload=name,
+                method="ratio hybrid_ops / transformers",
+                tokens_per_s=stats.tokens_per_second / ref_rate,
+                ttft_ms=ours_ttft / first_seconds,
+                recompiles=None,
+            ),
+        ]
     return rows
 
 
@@ -371,18 +442,35 @@ def prefix_section(quick):
     warm_up, measured = prompts(1), prompts(2)
     runs = {}
     for caching in (False, True):
-        generator = hybrid_ops.HybridGenerator(model, max_batch_size=len(tails), max_seq_len=1000 + max(tails) +
-                                               new_tokens, prefill_chunk=1024, prefix_caching=caching)
+        generator = hybrid_ops.HybridGenerator(
+            model,
+            max_batch_size=len(tails),
+            max_seq_len=1000 + max(tails) + new_tokens,
+            prefill_chunk=1024,
+            prefix_caching=caching,
+        )
         generator.generate(warm_up, new_tokens)
         stats = hybrid_ops.GenerationStats()
         runs[caching] = generator.generate(measured, new_tokens, stats=stats), stats
     assert runs[True][0] == runs[False][0], "prefix caching changed the tokens"
-    rows = [dict(method=f"prefix caching {'on' if caching else 'off'}", ttft_ms=statistics.mean(
-                 stats.first_token_seconds) * 1e3, seconds=stats.seconds, prompt_tokens=stats.prompt_tokens)
-            for caching, (_, stats) in runs.items()]
+    rows = [
+        dict(
+            method=f"prefix caching {'on' if caching else 'off'}",
+            ttft_ms=statistics.mean(stats.first_token_seconds) * 1e3,
+            seconds=stats.seconds,
+            prompt_tokens=stats.prompt_tokens,
+        )
+        for caching, (_, stats) in runs.items()
+    ]
     off, on = rows
-    rows.append(dict(method="ratio on / off", ttft_ms=on["ttft_ms"] / off["ttft_ms"],
-                     seconds=on["seconds"] / off["seconds"], prompt_tokens=on["prompt_tokens"] / off["prompt_tokens"]))
+    rows.append(
+        dict(
+            method="ratio on / off",
+            ttft_ms=on["ttft_ms"] / off["ttft_ms"],
+            seconds=on["seconds"] / off["seconds"],
+            prompt_tokens=on["prompt_tokens"] / off["prompt_tokens"],
+        )
+    )
     return rows
 
 
@@ -398,84 +486,141 @@ def fp8_section(quick):
     prompts = demo_prompts(models[torch.bfloat16].config.vocab_size)
 
     def tokens(kv_cache_dtype):
-        return hybrid_ops.generate(models[torch.bfloat16], prompts, new_tokens, compile=False,
-                                   kv_cache_dtype=kv_cache_dtype)
+        return hybrid_ops.generate(
+            models[torch.bfloat16], prompts, new_tokens, compile=False, kv_cache_dtype=kv_cache_dtype
+        )
 
     def logits(model, kv_cache_dtype, sequence):
         """[len(sequence), vocab] fp32 logits of one prefill over a fresh cache."""
         config = model.config
-        cache = PagedKVCache(-(-len(sequence) // PAGE), PAGE, config.num_key_value_heads, config.head_dim,
-                             num_layers=config.num_hidden_layers, dtype=kv_cache_dtype)
+        cache = PagedKVCache(
+            -(-len(sequence) // PAGE),
+            PAGE,
+            config.num_key_value_heads,
+            config.head_dim,
+            num_layers=config.num_hidden_layers,
+            dtype=kv_cache_dtype,
+        )
         cache.add(0)
         batch = cache.step([0], [len(sequence)])
-        step = HybridStep(int(batch.forward_mode), *batch.metadata, cache.k_caches, cache.v_caches,
-                          k_scales=cache.k_scales, v_scales=cache.v_scales)
+        step = HybridStep(
+            int(batch.forward_mode),
+            *batch.metadata,
+            cache.k_caches,
+            cache.v_caches,
+            k_scales=cache.k_scales,
+            v_scales=cache.v_scales,
+        )
         with torch.no_grad():
-            return model(input_ids=torch.tensor([sequence]), position_ids=torch.arange(len(sequence))[None],
-                         use_cache=False, hybrid_step=step).logits[0].float()
+            return (
+                model(
+                    input_ids=torch.tensor([sequence]),
+                    position_ids=torch.arange(len(sequence))[None],
+                    use_cache=False,
+                    hybrid_step=step,
+                )
+                .logits[0]
+                .float()
+            )
 
     baseline = tokens(None)
     sequences = [p + t for p, t in zip(prompts, baseline)]
     base_logits = [logits(models[torch.bfloat16], torch.bfloat16, s) for s in sequences]
     rows = []
-    for name, model, kv_cache_dtype in (("fp8 e4m3", models[torch.bfloat16], torch.float8_e4m3fn),
-                                        ("fp8 e5m2", models[torch.bfloat16], torch.float8_e5m2),
-                                        ("fp32 model, fp32 cache", models[torch.float32], torch.float32)):
+    for name, model, kv_cache_dtype in (
+        ("fp8 e4m3", models[torch.bfloat16], torch.float8_e4m3fn),
+        ("fp8 e5m2", models[torch.bfloat16], torch.float8_e5m2),
+        ("fp32 model, fp32 cache", models[torch.float32], torch.float32),
+    ):
         generated = tokens(kv_cache_dtype) if model is models[torch.bfloat16] else None
-        errors = torch.cat([(logits(model, kv_cache_dtype, s) - b).abs().flatten()
-                            for s, b in zip(sequences, base_logits)])
-        agree = torch.cat([logits(model, kv_cache_dtype, s).argmax(-1) == b.argmax(-1)
-                           for s, b in zip(sequences, base_logits)])
-        matched = None if generated is None else sum(
-            next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w)) for g, w in zip(generated, baseline))
-        rows.append(dict(kv_cache=name, tokens_matched=matched, tokens=len(prompts) * new_tokens,
-                         max_logit_error=errors.max().item(), mean_logit_error=errors.mean().item(),
-                         logit_std=torch.cat(base_logits).std().item(), top1_agreement=agree.float().mean().item()))
+        errors = torch.cat(
+            [(logits(model, kv_cache_dtype, s) - b).abs().flatten() for s, b in zip(sequences, base_logits)]
+        )
+        agree = torch.cat(
+            [logits(model, kv_cache_dtype, s).argmax(-1) == b.argmax(-1) for s, b in zip(sequences, base_logits)]
+        )
+        matched = (
+            None
+            if generated is None
+            else sum(
+                next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w)) for g, w in zip(generated, baseline)
+            )
+        )
+        rows.append(
+            dict(
+                kv_cache=name,
+                tokens_matched=matched,
+                tokens=len(prompts) * new_tokens,
+                max_logit_error=errors.max().item(),
+                mean_logit_error=errors.mean().item(),
+                logit_std=torch.cat(base_logits).std().item(),
+                top1_agreement=agree.float().mean().item(),
+            )
+        )
     return rows
 
 
 def markdown(results):
     lines = [f"Measured {results['date']} on {results['machine']}; read bandwidth {results['read_gbps']:.1f} GB/s.", ""]
     if "op" in results:
-        lines += ["| case | dtype | pages | method | ms | KV GB/s | of read bw "
-                  f"| time / hybrid_ops {HYBRID_BACKENDS[0]} |", "|---|---|---|---|---:|---:|---:|---:|"]
-        lines += [f"| {r['case']} | {r['dtype']} | {r['pages']} | {r['method']} | {r['ms']:.1f} | {r['kv_gbps']:.1f} "
-                  f"| {r['of_read_bandwidth']:.0%} | {r['vs_hybrid']:.2f} |" if r["ms"] else
-                  f"| {r['case']} | {r['dtype']} | {r['pages']} | {r['method']} | failed | | | |"
-                  for r in results["op"]]
+        lines += [
+            f"| case | dtype | pages | method | ms | KV GB/s | of read bw | time / hybrid_ops {HYBRID_BACKENDS[0]} |",
+            "|---|---|---|---|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {r['case']} | {r['dtype']} | {r['pages']} | {r['method']} | {r['ms']:.1f} | {r['kv_gbps']:.1f} "
+            f"| {r['of_read_bandwidth']:.0%} | {r['vs_hybrid']:.2f} |"
+            if r["ms"]
+            else f"| {r['case']} | {r['dtype']} | {r['pages']} | {r['method']} | failed | | | |"
+            for r in results["op"]
+        ]
         lines.append("")
     if "dispatch" in results:
-        lines += ["| dispatch | kernel us | floor op us | op us | op - floor us | op - floor - kernel us |",
-                  "|---|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r['mode']} | {r['kernel_us']:.1f} | {r['bare_us']:.1f} | {r['op_us']:.1f} "
-                  f"| {r['op_us'] - r['bare_us']:.1f} | {r['op_us'] - r['bare_us'] - r['kernel_us']:.1f} |"
-                  for r in results["dispatch"]]
-        lines += ["", "kernel: the backend's own call (the native kernel through its Python module; the Python "
-                  "backend's method). floor op: attn's schema with a C++ CPU kernel that only allocates the output."]
+        lines += [
+            "| dispatch | kernel us | floor op us | op us | op - floor us | op - floor - kernel us |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {r['mode']} | {r['kernel_us']:.1f} | {r['bare_us']:.1f} | {r['op_us']:.1f} "
+            f"| {r['op_us'] - r['bare_us']:.1f} | {r['op_us'] - r['bare_us'] - r['kernel_us']:.1f} |"
+            for r in results["dispatch"]
+        ]
+        lines += [
+            "",
+            "kernel: the backend's own call (the native kernel through its Python module; the Python "
+            "backend's method). floor op: attn's schema with a C++ CPU kernel that only allocates the output.",
+        ]
         lines.append("")
     if "e2e" in results:
         lines += ["| end to end | method | tokens/s | time to first token (ms) |", "|---|---|---:|---:|"]
         for r in results["e2e"]:
             fmt = "{:.2f}x" if r["method"].startswith("ratio") else "{:.1f}"
-            lines.append(f"| {r['workload']} | {r['method']} | {fmt.format(r['tokens_per_s'])} "
-                         f"| {fmt.format(r['ttft_ms'])} |")
+            lines.append(
+                f"| {r['workload']} | {r['method']} | {fmt.format(r['tokens_per_s'])} | {fmt.format(r['ttft_ms'])} |"
+            )
         lines.append("")
     if "prefix" in results:
-        lines += ["| 16 prompts sharing a 1,000-token prefix | time to first token (ms) | total (s) "
-                  "| prefilled tokens |", "|---|---:|---:|---:|"]
+        lines += [
+            "| 16 prompts sharing a 1,000-token prefix | time to first token (ms) | total (s) | prefilled tokens |",
+            "|---|---:|---:|---:|",
+        ]
         for r in results["prefix"]:
             fmts = ["{:.2f}x"] * 3 if r["method"].startswith("ratio") else ["{:.1f}", "{:.1f}", "{:.0f}"]
             cells = [f.format(r[k]) for f, k in zip(fmts, ("ttft_ms", "seconds", "prompt_tokens"))]
             lines.append(f"| {r['method']} | " + " | ".join(cells) + " |")
         lines.append("")
     if "fp8" in results:
-        lines += ["| demo model in bf16, against its bf16 KV cache | greedy tokens before the first difference "
-                  "| logits: max abs error | mean abs error | (logits' std) | top-1 agreement, teacher forced |",
-                  "|---|---:|---:|---:|---:|---:|"]
+        lines += [
+            "| demo model in bf16, against its bf16 KV cache | greedy tokens before the first difference "
+            "| logits: max abs error | mean abs error | (logits' std) | top-1 agreement, teacher forced |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
         for r in results["fp8"]:
             matched = "" if r["tokens_matched"] is None else f"{r['tokens_matched']} / {r['tokens']}"
-            lines.append(f"| {r['kv_cache']} | {matched} | {r['max_logit_error']:.3f} | {r['mean_logit_error']:.4f} "
-                         f"| {r['logit_std']:.3f} | {r['top1_agreement']:.1%} |")
+            lines.append(
+                f"| {r['kv_cache']} | {matched} | {r['max_logit_error']:.3f} | {r['mean_logit_error']:.4f} "
+                f"| {r['logit_std']:.3f} | {r['top1_agreement']:.1%} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -509,8 +654,12 @@ def main(argv=None):
     torch.manual_seed(0)
     bandwidth = read_bandwidth()
     device = "cpu"
-    results = dict(date=time.strftime("%Y-%m-%d"), machine=f"{platform.processor() or platform.machine()}, "
-                   f"{torch.get_num_threads()} threads, torch {torch.__version__}", read_gbps=bandwidth)
+    results = dict(
+        date=time.strftime("%Y-%m-%d"),
+        machine=f"{platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}",
+        read_gbps=bandwidth,
+    )
     print(f"read bandwidth {bandwidth:.1f} GB/s")
     if "op" in args.sections:
         results["op"] = op_section(args.quick, bandwidth)

@@ -41,8 +41,10 @@ def main():
             ref = dense_attention(q[start : start + n], keys, values)
             error = max(error, (out[start : start + n] - ref).abs().max().item())
             start += n
-        print(f"{mode.name:8s} requests {requests} new tokens {new_tokens}: max error {error:.1e}, "
-              f"seq_lens {batch.seq_lens.tolist()}, free pages {cache.num_free_pages}")
+        print(
+            f"{mode.name:8s} requests {requests} new tokens {new_tokens}: max error {error:.1e}, "
+            f"seq_lens {batch.seq_lens.tolist()}, free pages {cache.num_free_pages}"
+        )
         return error
 
     errors = []

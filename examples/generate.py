@@ -23,9 +23,18 @@ def demo_model(path=None, dtype=torch.float32):
     """A local checkpoint, or a small random Llama (4 layers, 256 wide, GQA 8/2 heads)."""
     if path:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    config = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
 
@@ -38,8 +47,9 @@ def demo_prompts(vocab_size, lengths=PROMPT_LENGTHS):
 def run_hybrid(model, prompts, max_new_tokens, progress=False):
     """Two runs of one HybridGenerator (the first compiles); returns (tokens, stats of the second, graphs compiled,
     graphs compiled in the second run)."""
-    generator = hybrid_ops.HybridGenerator(model, max_batch_size=len(prompts),
-                                           max_seq_len=max(map(len, prompts)) + max_new_tokens, prefill_chunk=1024)
+    generator = hybrid_ops.HybridGenerator(
+        model, max_batch_size=len(prompts), max_seq_len=max(map(len, prompts)) + max_new_tokens, prefill_chunk=1024
+    )
     graphs = counters["stats"]["unique_graphs"]
     generator.generate(prompts, max_new_tokens, progress=progress)
     warm_graphs = counters["stats"]["unique_graphs"]
@@ -59,9 +69,16 @@ def run_transformers_static(model, prompts, max_new_tokens):
     compile_config._compile_all_devices = True  # transformers compiles on the CPU only when asked
     for _ in range(2):
         start = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                             cache_implementation="static", compile_config=compile_config, eos_token_id=None,
-                             pad_token_id=0)
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            cache_implementation="static",
+            compile_config=compile_config,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
         seconds = time.perf_counter() - start
     return [row[width:].tolist() for row in out], seconds
 
@@ -94,8 +111,10 @@ def main():
         ref_rate = len(prompts) * args.max_new_tokens / seconds
         same = sum(a == b for a, b in zip(tokens, ref_tokens))
         print(f"transformers static cache, compiled: {ref_rate:8.1f} tokens/s")
-        print(f"  hybrid_ops / transformers: {stats.tokens_per_second / ref_rate:.2f}x; "
-              f"identical tokens for {same}/{len(prompts)} prompts")
+        print(
+            f"  hybrid_ops / transformers: {stats.tokens_per_second / ref_rate:.2f}x; "
+            f"identical tokens for {same}/{len(prompts)} prompts"
+        )
 
 
 if __name__ == "__main__":

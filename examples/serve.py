@@ -29,8 +29,9 @@ def main():
     prompts = demo_prompts(model.config.vocab_size, lengths=[12, 96, 7, 150, 40, 64])
     sizes = dict(max_batch_size=4, max_seq_len=256, page_size=8, prefill_chunk=128)
     start = time.perf_counter()
-    generator = hybrid_ops.HybridGenerator(model, **sizes, compile=not args.no_compile,
-                                           compile_cache=args.compile_cache)
+    generator = hybrid_ops.HybridGenerator(
+        model, **sizes, compile=not args.no_compile, compile_cache=args.compile_cache
+    )
     generator.generate(prompts[:1], 1)  # the first step also compiles every graph a later one needs
     print(f"start: {time.perf_counter() - start:.1f} s to the first token")
 
@@ -39,13 +40,20 @@ def main():
     for index, tokens, finished in generator.stream(prompts[:3], args.max_new_tokens):
         shown.setdefault(index, []).extend(tokens)
         if finished:
-            print(f"  prompt {index} ({len(prompts[index])} tokens) finished after {len(shown[index])}: "
-                  f"{shown[index][:8]}...")
+            print(
+                f"  prompt {index} ({len(prompts[index])} tokens) finished after {len(shown[index])}: "
+                f"{shown[index][:8]}..."
+            )
 
     print("\n2. step API, through a fifth of the worst case's pages")
     want = generator.generate(prompts, args.max_new_tokens)
-    budget = hybrid_ops.HybridGenerator(model, **sizes, num_pages=generator.cache.num_pages // 5,
-                                        compile=not args.no_compile, compile_cache=args.compile_cache)
+    budget = hybrid_ops.HybridGenerator(
+        model,
+        **sizes,
+        num_pages=generator.cache.num_pages // 5,
+        compile=not args.no_compile,
+        compile_cache=args.compile_cache,
+    )
     ids = {budget.add_request(prompts[i], args.max_new_tokens): i for i in range(4)}
     sampled = budget.add_request(prompts[4], 8, do_sample=True, temperature=0.8, top_p=0.9, seed=7)
     got, step, stats = {rid: [] for rid in ids}, 0, hybrid_ops.GenerationStats()
@@ -65,8 +73,10 @@ def main():
             if finished:
                 print(f"  step {step}: request {rid} finished")
     same = all(got[rid] == want[ids[rid]] for rid in got)
-    print(f"  sampled request {sampled} ran too; {stats.preemptions} preemptions; free pages at the end: "
-          f"{budget.cache.num_free_pages}/{budget.cache.num_pages}")
+    print(
+        f"  sampled request {sampled} ran too; {stats.preemptions} preemptions; free pages at the end: "
+        f"{budget.cache.num_free_pages}/{budget.cache.num_pages}"
+    )
     print(f"  step API tokens equal generate's: {same}")
 
 

@@ -14,9 +14,18 @@ from hybrid_ops.integrations.transformers import HybridStep
 
 
 def tiny_llama(layers, seed):
-    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
 
@@ -26,17 +35,28 @@ def speculative_generate(target, draft, prompts, max_new_tokens, num_draft, spec
     """Greedy speculative decoding; returns (tokens per prompt, accepted draft tokens, proposed draft tokens)."""
     target.set_attn_implementation("hybrid")
     config = target.config
-    cache = PagedKVCache(num_pages=64, page_size=8, num_kv_heads=config.num_key_value_heads,
-                         head_dim=config.hidden_size // config.num_attention_heads,
-                         num_layers=config.num_hidden_layers, max_pages_per_request=16)
+    cache = PagedKVCache(
+        num_pages=64,
+        page_size=8,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=config.hidden_size // config.num_attention_heads,
+        num_layers=config.num_hidden_layers,
+        max_pages_per_request=16,
+    )
 
     def target_logits(mode, requests, chunks):
         batch = cache.step(requests, [len(c) for c in chunks], mode)
         positions = [p for r, c in zip(requests, chunks) for p in range(cache.seq_len(r) - len(c), cache.seq_len(r))]
-        step = HybridStep(int(mode), *batch.metadata, cache.k_caches, cache.v_caches,
-                          speculative_attention_mode=speculative_attention_mode)
-        out = target(torch.tensor([sum(chunks, [])]), position_ids=torch.tensor([positions]), use_cache=False,
-                      hybrid_step=step)
+        step = HybridStep(
+            int(mode),
+            *batch.metadata,
+            cache.k_caches,
+            cache.v_caches,
+            speculative_attention_mode=speculative_attention_mode,
+        )
+        out = target(
+            torch.tensor([sum(chunks, [])]), position_ids=torch.tensor([positions]), use_cache=False, hybrid_step=step
+        )
         return out.logits[0].argmax(-1).split([len(c) for c in chunks])
 
     requests = list(range(len(prompts)))
@@ -74,8 +94,10 @@ def main(max_new_tokens=16, num_draft=3):
     greedy = hybrid_ops.generate(target, prompts, max_new_tokens, compile=False)
     for mode in ("prefill", "decode"):
         tokens, accepted, proposed = speculative_generate(target, draft, prompts, max_new_tokens, num_draft, mode)
-        print(f"speculative_attention_mode={mode!r}: {accepted}/{proposed} draft tokens accepted, "
-              f"tokens equal plain greedy decoding: {tokens == greedy}")
+        print(
+            f"speculative_attention_mode={mode!r}: {accepted}/{proposed} draft tokens accepted, "
+            f"tokens equal plain greedy decoding: {tokens == greedy}"
+        )
         assert tokens == greedy
 
 

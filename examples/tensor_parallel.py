@@ -50,9 +50,12 @@ def main():
     path = checkpoint(args.model)
     model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_plan="auto"))
     prompts = demo_prompts(model.config.vocab_size)[: args.prompts]
-    generator = hybrid_ops.HybridGenerator(model, max_batch_size=len(prompts),
-                                           max_seq_len=max(map(len, prompts)) + args.max_new_tokens,
-                                           compile=args.compile)
+    generator = hybrid_ops.HybridGenerator(
+        model,
+        max_batch_size=len(prompts),
+        max_seq_len=max(map(len, prompts)) + args.max_new_tokens,
+        compile=args.compile,
+    )
     tokens = generator.generate(prompts, args.max_new_tokens)
     every_rank = [None] * world
     dist.all_gather_object(every_rank, tokens)

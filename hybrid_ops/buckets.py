@@ -71,8 +71,10 @@ def padding_q_lens(q_lens, forward_mode, batch_sizes, token_counts, max_q_len: i
         count = batch_size - num_requests
         if count >= 0 and (extra == 0 or (count > 0 and -(-extra // count) <= max_q_len)):
             return [extra // count + (i < extra % count) for i in range(count)]
-    raise HybridInputError(f"{extra} padding tokens for {num_requests} requests fit no batch bucket up to "
-                           f"{batch_sizes[-1]} with at most {max_q_len} tokens per padding request")
+    raise HybridInputError(
+        f"{extra} padding tokens for {num_requests} requests fit no batch bucket up to "
+        f"{batch_sizes[-1]} with at most {max_q_len} tokens per padding request"
+    )
 
 
 def pad_batch(batch: ForwardBatch, q_lens, scratch_page: int, page_size: int, seq_len_fill: int = 1) -> ForwardBatch:
@@ -89,8 +91,10 @@ def pad_batch(batch: ForwardBatch, q_lens, scratch_page: int, page_size: int, se
     width = batch.block_table.shape[1]
     seq_lens = [max(n, seq_len_fill) for n in q_lens]
     if max(seq_lens) > width * page_size:
-        raise HybridInputError(f"a padding request of {max(seq_lens)} tokens exceeds block_table's capacity of "
-                               f"{width} pages x {page_size} tokens")
+        raise HybridInputError(
+            f"a padding request of {max(seq_lens)} tokens exceeds block_table's capacity of "
+            f"{width} pages x {page_size} tokens"
+        )
     device, int32 = batch.seq_lens.device, torch.int32
     ends = torch.tensor(list(accumulate(q_lens)), dtype=int32, device=device)
     padded = ForwardBatch(

@@ -51,10 +51,21 @@ class PagedKVCache:
     in `num_free_pages`.
     """
 
-    def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, num_layers: int = 1,
-                 max_pages_per_request: int | None = None, dtype=torch.float32, device="cpu",
-                 reserve_scratch: bool = False, v_head_dim: int | None = None, layer_shapes=None,
-                 kv_scale: float = 1.0):
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_layers: int = 1,
+        max_pages_per_request: int | None = None,
+        dtype=torch.float32,
+        device="cpu",
+        reserve_scratch: bool = False,
+        v_head_dim: int | None = None,
+        layer_shapes=None,
+        kv_scale: float = 1.0,
+    ):
         if layer_shapes is None:
             layer_shapes = [(num_kv_heads, head_dim, v_head_dim or head_dim)] * num_layers
         sizes = [("num_pages", num_pages), ("page_size", page_size), ("num_layers", len(layer_shapes))]
@@ -63,10 +74,12 @@ class PagedKVCache:
         for name, value in sizes:
             if not (isinstance(value, int) and value > 0):
                 raise HybridInputError(f"{name} must be a positive int, got {value!r}")
-        if not (isinstance(dtype, torch.dtype) and (dtype.is_floating_point and dtype.itemsize > 1
-                                                    or dtype in FP8_DTYPES)):
-            raise HybridInputError(f"dtype must be a floating-point torch.dtype (float8_e4m3fn and float8_e5m2 "
-                                   f"included), got {dtype!r}")
+        if not (
+            isinstance(dtype, torch.dtype) and (dtype.is_floating_point and dtype.itemsize > 1 or dtype in FP8_DTYPES)
+        ):
+            raise HybridInputError(
+                f"dtype must be a floating-point torch.dtype (float8_e4m3fn and float8_e5m2 included), got {dtype!r}"
+            )
         if not (isinstance(kv_scale, (int, float)) and 0 < kv_scale < float("inf")):
             raise HybridInputError(f"kv_scale must be a finite positive float, got {kv_scale!r}")
         self.page_size = page_size
@@ -81,8 +94,9 @@ class PagedKVCache:
             torch._dynamo.mark_static(t)
         self.k_scales = self.v_scales = None
         if dtype in FP8_DTYPES:
-            self.k_scales, self.v_scales = ([torch.full((), float(kv_scale), device=device) for _ in layer_shapes]
-                                            for _ in range(2))
+            self.k_scales, self.v_scales = (
+                [torch.full((), float(kv_scale), device=device) for _ in layer_shapes] for _ in range(2)
+            )
             for t in self.k_scales + self.v_scales:
                 torch._dynamo.mark_static_address(t)
         self.device = torch.device(device)
@@ -156,8 +170,13 @@ class PagedKVCache:
     def fork(self, parent, child) -> None:
         """Start request `child` as a copy of request `parent`: the same tokens on the same pages, shared (see the
         class docstring: the first write into a shared page copies it)."""
-        self._start(child, self._pages[self._known(parent, "parent")], list(self._tokens[parent]),
-                    self._lengths[parent], "child")
+        self._start(
+            child,
+            self._pages[self._known(parent, "parent")],
+            list(self._tokens[parent]),
+            self._lengths[parent],
+            "child",
+        )
 
     def match(self, token_ids) -> list:
         """The page ids of the cached pages that hold the longest run of full pages of `token_ids` from its start."""
@@ -174,8 +193,10 @@ class PagedKVCache:
         up to its length), once a forward has written their K/V. Each page they fill becomes a cached prefix page."""
         tokens = self._tokens[self._known(request_id)]
         if len(tokens) + len(token_ids) > self._lengths[request_id]:
-            raise HybridInputError(f"token_ids: {len(token_ids)} ids after the {len(tokens)} registered exceed the "
-                                   f"{self._lengths[request_id]} tokens of request {request_id!r}")
+            raise HybridInputError(
+                f"token_ids: {len(token_ids)} ids after the {len(tokens)} registered exceed the "
+                f"{self._lengths[request_id]} tokens of request {request_id!r}"
+            )
         full = len(tokens) // self.page_size
         tokens += token_ids
         self._key_pages(request_id, full, len(tokens) // self.page_size)
@@ -257,8 +278,9 @@ class PagedKVCache:
         Either every request grows or, when pages or table width run out, none does and the cache is unchanged.
         """
         if len(request_ids) != len(num_new_tokens):
-            raise HybridInputError(f"num_new_tokens must have one entry per request ({len(request_ids)}), "
-                                   f"got {len(num_new_tokens)}")
+            raise HybridInputError(
+                f"num_new_tokens must have one entry per request ({len(request_ids)}), got {len(num_new_tokens)}"
+            )
         if len(set(request_ids)) != len(request_ids):
             raise HybridInputError(f"request_ids must be distinct, got {list(request_ids)}")
         new_lens, pages_needed = [], 0
@@ -268,8 +290,10 @@ class PagedKVCache:
             length = self._lengths[self._known(rid)] + n
             num_pages = -(-length // self.page_size)
             if num_pages > self.max_pages_per_request:
-                raise OutOfPagesError(f"request {rid!r} needs {num_pages} pages for {length} tokens, more than "
-                                      f"max_pages_per_request = {self.max_pages_per_request}")
+                raise OutOfPagesError(
+                    f"request {rid!r} needs {num_pages} pages for {length} tokens, more than "
+                    f"max_pages_per_request = {self.max_pages_per_request}"
+                )
             pages_needed += num_pages - len(self._pages[rid]) + self._shared_write(rid, n)
             new_lens.append(length)
         if pages_needed > self.num_free_pages:
@@ -281,7 +305,13 @@ class PagedKVCache:
             while len(pages) * self.page_size < length:
                 pages.append(self._allocate())
             self._lengths[rid] = length
-        batch = build_metadata(num_new_tokens, new_lens, [self._pages[r] for r in request_ids],
-                               max_pages=self.max_pages_per_request, device=self.device, forward_mode=forward_mode)
+        batch = build_metadata(
+            num_new_tokens,
+            new_lens,
+            [self._pages[r] for r in request_ids],
+            max_pages=self.max_pages_per_request,
+            device=self.device,
+            forward_mode=forward_mode,
+        )
         torch._dynamo.mark_static(batch.block_table, 1)
         return batch

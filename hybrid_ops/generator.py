@@ -38,8 +38,13 @@ from .modes import ForwardMode
 
 # (tokens per request, logits rows, mode) of steps with one request, one token or one logits row: sizes that
 # Dynamo specialises, with a graph each.
-_WARM_UP_STEPS = [([1], [0], ForwardMode.DECODE), ([2], [1], ForwardMode.EXTEND), ([2, 1], [2], ForwardMode.MIXED),
-                  ([2, 1], [1, 2], ForwardMode.MIXED), ([1, 1], [0, 1], ForwardMode.DECODE)]
+_WARM_UP_STEPS = [
+    ([1], [0], ForwardMode.DECODE),
+    ([2], [1], ForwardMode.EXTEND),
+    ([2, 1], [2], ForwardMode.MIXED),
+    ([2, 1], [1, 2], ForwardMode.MIXED),
+    ([1, 1], [0, 1], ForwardMode.DECODE),
+]
 
 
 class _Sampling(NamedTuple):
@@ -125,31 +130,52 @@ class HybridGenerator:
     rank's own KV heads, the scheduling depends only on the tokens, and rank 0's sampled tokens are broadcast.
     """
 
-    def __init__(self, model, max_batch_size: int = 8, max_seq_len: int | None = None, page_size: int = 16,
-                 prefill_chunk: int = 256, compile: bool = True, prefill_backend: str = "auto",
-                 decode_backend: str = "auto", cuda_graphs: bool = False, num_pages: int | None = None,
-                 compile_cache: str | None = None, prefix_caching: bool = False, kv_cache_dtype=None):
+    def __init__(
+        self,
+        model,
+        max_batch_size: int = 8,
+        max_seq_len: int | None = None,
+        page_size: int = 16,
+        prefill_chunk: int = 256,
+        compile: bool = True,
+        prefill_backend: str = "auto",
+        decode_backend: str = "auto",
+        cuda_graphs: bool = False,
+        num_pages: int | None = None,
+        compile_cache: str | None = None,
+        prefix_caching: bool = False,
+        kv_cache_dtype=None,
+    ):
         from .integrations.transformers import HybridStep, check_servable, kv_heads_per_rank, tensor_parallel_group
 
         config = model.config.get_text_config()
         max_positions = _max_positions(config)
         if max_seq_len is None:
             max_seq_len = min(1024, max_positions or 1024)
-        for name, value in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len),
-                            ("page_size", page_size), ("prefill_chunk", prefill_chunk), ("num_pages", num_pages)):
+        for name, value in (
+            ("max_batch_size", max_batch_size),
+            ("max_seq_len", max_seq_len),
+            ("page_size", page_size),
+            ("prefill_chunk", prefill_chunk),
+            ("num_pages", num_pages),
+        ):
             if value is not None and not _is_int(value, 1):
                 raise HybridInputError(f"{name} must be a positive int, got {value!r}")
         for name, value in (("compile", compile), ("cuda_graphs", cuda_graphs), ("prefix_caching", prefix_caching)):
             if not isinstance(value, bool):
                 raise HybridInputError(f"{name} must be a bool, got {value!r}")
         if max_positions and max_seq_len > max_positions:
-            raise HybridInputError(f"max_seq_len ({max_seq_len}) exceeds the model's max_position_embeddings "
-                                   f"({max_positions}); raise model.config.max_position_embeddings to go past it")
+            raise HybridInputError(
+                f"max_seq_len ({max_seq_len}) exceeds the model's max_position_embeddings "
+                f"({max_positions}); raise model.config.max_position_embeddings to go past it"
+            )
         param = next(model.parameters())
         kv_cache_dtype = param.dtype if kv_cache_dtype is None else kv_cache_dtype
         if kv_cache_dtype not in (param.dtype, *FP8_DTYPES):
-            raise HybridInputError(f"kv_cache_dtype must be None (the model's {param.dtype}), torch.float8_e4m3fn "
-                                   f"or torch.float8_e5m2, got {kv_cache_dtype!r}")
+            raise HybridInputError(
+                f"kv_cache_dtype must be None (the model's {param.dtype}), torch.float8_e4m3fn "
+                f"or torch.float8_e5m2, got {kv_cache_dtype!r}"
+            )
         model.set_attn_implementation("hybrid")
         self.model = model.eval()
         self.max_batch_size, self.max_seq_len, self.prefill_chunk = max_batch_size, max_seq_len, prefill_chunk
@@ -161,9 +187,16 @@ class HybridGenerator:
             kv_heads_per_rank(model, head_dim)
         layer_shapes = check_servable(model)  # each layer's (Hkv, D, Dv) as its attention passes K and V
         pages_per_request = -(-max_seq_len // page_size)
-        self.cache = PagedKVCache(num_pages or max_batch_size * pages_per_request, page_size, *layer_shapes[0][:2],
-                                  layer_shapes=layer_shapes, max_pages_per_request=pages_per_request,
-                                  dtype=kv_cache_dtype, device=param.device, reserve_scratch=cuda_graphs)
+        self.cache = PagedKVCache(
+            num_pages or max_batch_size * pages_per_request,
+            page_size,
+            *layer_shapes[0][:2],
+            layer_shapes=layer_shapes,
+            max_pages_per_request=pages_per_request,
+            dtype=kv_cache_dtype,
+            device=param.device,
+            reserve_scratch=cuda_graphs,
+        )
         graphs_on_cuda = cuda_graphs and param.device.type == "cuda"
         backends = (prefill_backend, decode_backend)
         if graphs_on_cuda:
@@ -176,8 +209,9 @@ class HybridGenerator:
         max_padding_requests = -(-max_tokens // (pages_per_request * page_size))
         self.batch_sizes = batch_buckets(max_batch_size + max_padding_requests)
         mode = "reduce-overhead" if graphs_on_cuda else None
-        self.forward = torch.compile(self._forward, fullgraph=True, dynamic=True, mode=mode) if compile \
-            else self._forward
+        self.forward = (
+            torch.compile(self._forward, fullgraph=True, dynamic=True, mode=mode) if compile else self._forward
+        )
         self._warm = not compile
         self.compile_cache = compile_cache
         if compile and compile_cache and os.path.exists(compile_cache):
@@ -192,14 +226,26 @@ class HybridGenerator:
         self._undelivered = []  # step events of step-API requests, produced while `stream` ran the steps
         self._lock = threading.Lock()
 
-    def _forward(self, input_ids, position_ids, logits_index, forward_mode: int, cu_seqlens_q, seq_lens,
-                 block_table):
+    def _forward(self, input_ids, position_ids, logits_index, forward_mode: int, cu_seqlens_q, seq_lens, block_table):
         """input_ids, position_ids: [1, T]; logits_index: [n] token rows to project -> logits [n, vocab]."""
-        step = self._step_type(forward_mode, cu_seqlens_q, seq_lens, block_table, self.cache.k_caches,
-                               self.cache.v_caches, *self._backends, k_scales=self.cache.k_scales,
-                               v_scales=self.cache.v_scales)
-        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                         logits_to_keep=logits_index, hybrid_step=step)
+        step = self._step_type(
+            forward_mode,
+            cu_seqlens_q,
+            seq_lens,
+            block_table,
+            self.cache.k_caches,
+            self.cache.v_caches,
+            *self._backends,
+            k_scales=self.cache.k_scales,
+            v_scales=self.cache.v_scales,
+        )
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            use_cache=False,
+            logits_to_keep=logits_index,
+            hybrid_step=step,
+        )
         return out.logits[0]
 
     # The serving API: requests come and go between steps.
@@ -237,23 +283,51 @@ class HybridGenerator:
 
     # Batch calls on top of it.
 
-    def generate(self, prompts, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
-                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
-                 eos_token_id=None, progress: bool = False, stats: GenerationStats | None = None):
+    def generate(
+        self,
+        prompts,
+        max_new_tokens: int,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        eos_token_id=None,
+        progress: bool = False,
+        stats: GenerationStats | None = None,
+    ):
         """prompts: token-id sequences -> the generated ids of each, at most `max_new_tokens` (stops at eos).
 
         Options as in `add_request`; with an int `seed`, request i of the call is seeded with `seed + i`.
         """
         prompts = _prompt_list(prompts)
         results = [[] for _ in prompts]
-        for index, tokens, _ in self.stream(prompts, max_new_tokens, do_sample=do_sample, temperature=temperature,
-                                            top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                                            eos_token_id=eos_token_id, progress=progress, stats=stats):
+        for index, tokens, _ in self.stream(
+            prompts,
+            max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            seed=seed,
+            eos_token_id=eos_token_id,
+            progress=progress,
+            stats=stats,
+        ):
             results[index] += tokens
         return results
 
-    def stream(self, prompts, max_new_tokens: int, seed: int | None = None, progress: bool = False,
-               stats: GenerationStats | None = None, **options):
+    def stream(
+        self,
+        prompts,
+        max_new_tokens: int,
+        seed: int | None = None,
+        progress: bool = False,
+        stats: GenerationStats | None = None,
+        **options,
+    ):
         """Yields (index in prompts, new token ids, finished) as the steps produce them; arguments as `generate`'s.
 
         Steps also advance requests added with `add_request`; their events wait for the next `step()`. Closing the
@@ -263,9 +337,12 @@ class HybridGenerator:
         with self._exclusive(), torch.inference_mode():
             if seed is not None and not _is_int(seed, 0):
                 raise HybridInputError(f"seed must be None or a non-negative int, got {seed!r}")
-            requests = [self._make_request(f"prompts[{i}]", prompt, max_new_tokens,
-                                           seed=None if seed is None else seed + i, **options)
-                        for i, prompt in enumerate(_prompt_list(prompts))]
+            requests = [
+                self._make_request(
+                    f"prompts[{i}]", prompt, max_new_tokens, seed=None if seed is None else seed + i, **options
+                )
+                for i, prompt in enumerate(_prompt_list(prompts))
+            ]
             if self._group is not None:
                 _check_same_on_every_rank([_collective_args(r) for r in requests], self._group, self.device)
             index = {self._queue(r): i for i, r in enumerate(requests)}
@@ -292,19 +369,34 @@ class HybridGenerator:
 
     # Requests.
 
-    def _make_request(self, name, prompt, max_new_tokens, do_sample=False, temperature=1.0, top_k=0, top_p=1.0,
-                      min_p=0.0, seed=None, eos_token_id=None) -> _Request:
+    def _make_request(
+        self,
+        name,
+        prompt,
+        max_new_tokens,
+        do_sample=False,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        min_p=0.0,
+        seed=None,
+        eos_token_id=None,
+    ) -> _Request:
         """A checked request, not yet queued; every HybridInputError names `name` (the prompt) or the option."""
         prompt = _token_list(name, prompt, self.vocab_size)
         if not _is_int(max_new_tokens, 1):
             raise HybridInputError(f"max_new_tokens must be a positive int, got {max_new_tokens!r} (for {name})")
         if len(prompt) + max_new_tokens > self.max_seq_len:
-            raise HybridInputError(f"{name}: {len(prompt)} prompt tokens + max_new_tokens = {max_new_tokens} exceed "
-                                   f"max_seq_len = {self.max_seq_len}")
+            raise HybridInputError(
+                f"{name}: {len(prompt)} prompt tokens + max_new_tokens = {max_new_tokens} exceed "
+                f"max_seq_len = {self.max_seq_len}"
+            )
         pages = self._pages(len(prompt) + max_new_tokens)
         if pages > self.cache.num_pages:
-            raise HybridInputError(f"{name}: {len(prompt)} prompt tokens + max_new_tokens = {max_new_tokens} need "
-                                   f"{pages} pages, more than num_pages = {self.cache.num_pages}")
+            raise HybridInputError(
+                f"{name}: {len(prompt)} prompt tokens + max_new_tokens = {max_new_tokens} need "
+                f"{pages} pages, more than num_pages = {self.cache.num_pages}"
+            )
         if not isinstance(do_sample, bool):
             raise HybridInputError(f"do_sample must be a bool, got {do_sample!r}")
         sampling = _check_sampling(temperature, top_k, top_p, min_p) if do_sample else None
@@ -316,8 +408,9 @@ class HybridGenerator:
         eos = self.eos_token_id if eos_token_id is None else eos_token_id
         eos = [] if eos is None else [eos] if _is_int(eos, 0) else eos
         if not (isinstance(eos, (list, tuple)) and all(_is_int(t, 0) for t in eos)):
-            raise HybridInputError(f"eos_token_id must be None, a non-negative int or a list of them, got "
-                                   f"{eos_token_id!r}")
+            raise HybridInputError(
+                f"eos_token_id must be None, a non-negative int or a list of them, got {eos_token_id!r}"
+            )
         return _Request(-1, prompt, int(max_new_tokens), frozenset(map(int, eos)), sampling, generator)
 
     def _queue(self, request) -> int:
@@ -341,8 +434,9 @@ class HybridGenerator:
     @contextmanager
     def _exclusive(self):
         if not self._lock.acquire(blocking=False):
-            raise HybridOpsError("this HybridGenerator is running a call in another thread: one generator serves one "
-                                 "thread at a time")
+            raise HybridOpsError(
+                "this HybridGenerator is running a call in another thread: one generator serves one thread at a time"
+            )
         try:
             yield
         finally:
@@ -358,8 +452,9 @@ class HybridGenerator:
         while self._waiting and len(self._running) < self.max_batch_size:
             request = self._waiting[0]
             # Never the last token from the cache: the step that prefills it samples from its logits.
-            cached = self.cache.add(request.id, request.tokens(0, request.num_tokens - 1) if self.prefix_caching
-                                    else ())
+            cached = self.cache.add(
+                request.id, request.tokens(0, request.num_tokens - 1) if self.prefix_caching else ()
+            )
             need = self._pages(request.num_tokens) - self._pages(cached)
             # Taking cached pages that no request held lowered num_free_pages already.
             if need > self.cache.num_free_pages - promised or self._computing(request, cached):
@@ -469,16 +564,24 @@ class HybridGenerator:
         if self.cuda_graphs:
             meta, tokens, positions, rows = self._pad(meta, counts, tokens, positions, rows)
             torch.compiler.cudagraph_mark_step_begin()  # the last step's logits are read: graphs may reuse them
-        logits = self.forward(torch.tensor([tokens], device=self.device), torch.tensor([positions], device=self.device),
-                              torch.tensor(rows, device=self.device), int(mode), *meta.metadata)
+        logits = self.forward(
+            torch.tensor([tokens], device=self.device),
+            torch.tensor([positions], device=self.device),
+            torch.tensor(rows, device=self.device),
+            int(mode),
+            *meta.metadata,
+        )
         return logits[:num_rows]
 
     def _warm_up(self):
         """Compiles the graphs Dynamo specialises for sizes 1 (one request, one token, one logits row), which a run
         might otherwise first meet deep into serving. Writes only pages it frees again."""
         for counts, rows, mode in _WARM_UP_STEPS:
-            if (len(counts) > self.max_batch_size or max(counts) > self.max_seq_len
-                    or sum(map(self._pages, counts)) > self.cache.num_pages):
+            if (
+                len(counts) > self.max_batch_size
+                or max(counts) > self.max_seq_len
+                or sum(map(self._pages, counts)) > self.cache.num_pages
+            ):
                 continue  # a step no run can take either
             ids = [("warm-up", i) for i in range(len(counts))]
             for rid in ids:
@@ -566,8 +669,10 @@ def _check_same_on_every_rank(args, group, device):
     highest = torch.tensor([digest, -digest], device=device)
     dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
     if highest.tolist() != [digest, -digest]:
-        raise HybridInputError("prompts, max_new_tokens and the sampling options must be the same on every rank of "
-                               "the tensor-parallel group")
+        raise HybridInputError(
+            "prompts, max_new_tokens and the sampling options must be the same on every rank of "
+            "the tensor-parallel group"
+        )
 
 
 def _next_tokens(logits, requests):
@@ -622,15 +727,25 @@ def generate(model, prompts, max_new_tokens: int, **kwargs):
     Reuse a
     `HybridGenerator` to keep its compiled forward across calls.
     """
-    init_keys = ("max_batch_size", "max_seq_len", "num_pages", "page_size", "prefill_chunk", "compile",
-                 "prefill_backend", "decode_backend", "cuda_graphs", "compile_cache", "prefix_caching",
-                 "kv_cache_dtype")
+    init_keys = (
+        "max_batch_size",
+        "max_seq_len",
+        "num_pages",
+        "page_size",
+        "prefill_chunk",
+        "compile",
+        "prefill_backend",
+        "decode_backend",
+        "cuda_graphs",
+        "compile_cache",
+        "prefix_caching",
+        "kv_cache_dtype",
+    )
     init = {k: kwargs.pop(k) for k in init_keys if k in kwargs}
     prompts = _prompt_list(prompts)
     max_positions = _max_positions(model.config.get_text_config()) or math.inf
     if _is_int(max_new_tokens, 1) and all(hasattr(p, "__len__") for p in prompts):
         # At most max_position_embeddings: longer requests are refused, not given a cache they cannot use.
-        init.setdefault("max_seq_len", min(max((len(p) for p in prompts), default=1) + max_new_tokens,
-                                           max_positions))
+        init.setdefault("max_seq_len", min(max((len(p) for p in prompts), default=1) + max_new_tokens, max_positions))
     init.setdefault("max_batch_size", max(len(prompts), 1))
     return HybridGenerator(model, **init).generate(prompts, max_new_tokens, **kwargs)

@@ -43,8 +43,9 @@ class ForwardBatch:
         return self.cu_seqlens_q, self.seq_lens, self.block_table
 
 
-def build_metadata(q_lens, seq_lens, page_lists, max_pages=None, device="cpu",
-                   forward_mode=ForwardMode.EXTEND) -> ForwardBatch:
+def build_metadata(
+    q_lens, seq_lens, page_lists, max_pages=None, device="cpu", forward_mode=ForwardMode.EXTEND
+) -> ForwardBatch:
     """Metadata tensors from host lists: `q_lens[i]` new tokens, `seq_lens[i]` total tokens, `page_lists[i]` pages.
 
     `max_pages` fixes the block table's width (static shapes for compiled code); rows are padded with page 0,
@@ -54,8 +55,12 @@ def build_metadata(q_lens, seq_lens, page_lists, max_pages=None, device="cpu",
     rows = [list(pages) + [0] * (width - len(pages)) for pages in page_lists]
     table = torch.tensor(rows, dtype=torch.int32).view(len(page_lists), width)
     cu = torch.tensor(list(accumulate(q_lens, initial=0)), dtype=torch.int32)
-    return ForwardBatch(ForwardMode(forward_mode), cu.to(device),
-                        torch.tensor(seq_lens, dtype=torch.int32, device=device), table.to(device))
+    return ForwardBatch(
+        ForwardMode(forward_mode),
+        cu.to(device),
+        torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        table.to(device),
+    )
 
 
 def new_token_slots(cu_seqlens_q, seq_lens, block_table, num_tokens, page_size):

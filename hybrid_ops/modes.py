@@ -55,12 +55,13 @@ ROUTING = {
     ForwardMode.TARGET_VERIFY: ("prefill", "decode"),
     ForwardMode.DRAFT_EXTEND: ("prefill", "decode"),
 }
-_PATHS = {(int(mode), spec): paths[i] for mode, paths in ROUTING.items()
-          for i, spec in enumerate(SPECULATIVE_ATTENTION_MODES)}
+_PATHS = {
+    (int(mode), spec): paths[i] for mode, paths in ROUTING.items() for i, spec in enumerate(SPECULATIVE_ATTENTION_MODES)
+}
 
 
 def select_path(forward_mode: int, speculative_attention_mode: str = "prefill") -> str:
-    """"prefill" or "decode": which backend serves `forward_mode` (a dict lookup on the per-call path)."""
+    """ "prefill" or "decode": which backend serves `forward_mode` (a dict lookup on the per-call path)."""
     path = _PATHS.get((forward_mode, speculative_attention_mode))
     if path is None:
         to_forward_mode(forward_mode)

@@ -32,20 +32,24 @@ from .modes import check_speculative_attention_mode, select_path
 from .settings import validation_enabled
 from .validation import args_ok, check_args, check_decode_shape, check_metadata_values, decode_shape_ok
 
-_ARGS = ("Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-         "Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table")
-_OPTIONS = ("float? scale=None, int sliding_window=-1, float logit_cap=0.0, Tensor? sinks=None, "
-            "int attention_chunk=-1, Tensor? k_scale=None, Tensor? v_scale=None")
+_ARGS = (
+    "Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+    "Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table"
+)
+_OPTIONS = (
+    "float? scale=None, int sliding_window=-1, float logit_cap=0.0, Tensor? sinks=None, "
+    "int attention_chunk=-1, Tensor? k_scale=None, Tensor? v_scale=None"
+)
 
 SCHEMAS = {
-    "prefill": f"prefill({_ARGS}, *, {_OPTIONS}, str backend=\"auto\") -> Tensor",
-    "decode": f"decode({_ARGS}, *, {_OPTIONS}, str backend=\"auto\") -> Tensor",
-    "attn": f"attn({_ARGS}, SymInt forward_mode, *, {_OPTIONS}, str prefill_backend=\"auto\", "
-            "str decode_backend=\"auto\", str speculative_attention_mode=\"prefill\") -> Tensor",
+    "prefill": f'prefill({_ARGS}, *, {_OPTIONS}, str backend="auto") -> Tensor',
+    "decode": f'decode({_ARGS}, *, {_OPTIONS}, str backend="auto") -> Tensor',
+    "attn": f'attn({_ARGS}, SymInt forward_mode, *, {_OPTIONS}, str prefill_backend="auto", '
+    'str decode_backend="auto", str speculative_attention_mode="prefill") -> Tensor',
     # Host-side planning for the step (FlashInfer), outside CUDA graphs: k_cache gives device, layout and head dim.
     "plan": "plan(Tensor k_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, SymInt forward_mode, "
-            f"*, ScalarType q_dtype, int num_q_heads, {_OPTIONS}, str prefill_backend=\"auto\", "
-            "str decode_backend=\"auto\", str speculative_attention_mode=\"prefill\", bool cuda_graph=False) -> ()",
+    f'*, ScalarType q_dtype, int num_q_heads, {_OPTIONS}, str prefill_backend="auto", '
+    'str decode_backend="auto", str speculative_attention_mode="prefill", bool cuda_graph=False) -> ()',
 }
 
 lib = torch.library.Library("hybrid", "DEF")
@@ -55,21 +59,82 @@ for _name, _schema in SCHEMAS.items():
 torch.fx.node.has_side_effect(torch.ops.hybrid.plan.default)
 
 
-def _run(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
-         sinks, attention_chunk, k_scale, v_scale, backend, arg="backend"):
-    if not args_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
-                   sinks, attention_chunk, k_scale, v_scale):
-        check_args(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
-                   sinks, attention_chunk, k_scale, v_scale)
+def _run(
+    path,
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    seq_lens,
+    block_table,
+    scale,
+    sliding_window,
+    logit_cap,
+    sinks,
+    attention_chunk,
+    k_scale,
+    v_scale,
+    backend,
+    arg="backend",
+):
+    if not args_ok(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        scale,
+        sliding_window,
+        logit_cap,
+        sinks,
+        attention_chunk,
+        k_scale,
+        v_scale,
+    ):
+        check_args(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            cu_seqlens_q,
+            seq_lens,
+            block_table,
+            scale,
+            sliding_window,
+            logit_cap,
+            sinks,
+            attention_chunk,
+            k_scale,
+            v_scale,
+        )
     if path == "decode" and not decode_shape_ok(q.shape[0], seq_lens.shape[0]):
         check_decode_shape(q, seq_lens)
     options = _extra_options(sinks, attention_chunk, k_cache, k_scale, v_scale)
     impl = get_backend(backend, q.device, q.dtype, q.shape[-1], arg, _features(options, q.shape[-1], v.shape[-1]))
     if validation_enabled() and not impl.checks_values:
-        check_metadata_values(cu_seqlens_q, seq_lens, block_table, q.shape[0], k_cache.shape[0], k_cache.shape[1],
-                              path == "decode")
-    return getattr(impl, path)(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table,
-                               _scale(scale, q.shape[-1]), sliding_window, logit_cap, **options)
+        check_metadata_values(
+            cu_seqlens_q, seq_lens, block_table, q.shape[0], k_cache.shape[0], k_cache.shape[1], path == "decode"
+        )
+    return getattr(impl, path)(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        _scale(scale, q.shape[-1]),
+        sliding_window,
+        logit_cap,
+        **options,
+    )
 
 
 def _extra_options(sinks, attention_chunk, k_cache, k_scale, v_scale):
@@ -106,18 +171,86 @@ def _route(forward_mode, speculative_attention_mode, prefill_backend, decode_bac
     return "prefill", prefill_backend, "prefill_backend"
 
 
-def _attn(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, *, scale=None,
-          sliding_window=-1, logit_cap=0.0, sinks=None, attention_chunk=-1, k_scale=None, v_scale=None,
-          prefill_backend="auto", decode_backend="auto", speculative_attention_mode="prefill"):
+def _attn(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    seq_lens,
+    block_table,
+    forward_mode,
+    *,
+    scale=None,
+    sliding_window=-1,
+    logit_cap=0.0,
+    sinks=None,
+    attention_chunk=-1,
+    k_scale=None,
+    v_scale=None,
+    prefill_backend="auto",
+    decode_backend="auto",
+    speculative_attention_mode="prefill",
+):
     path, backend, arg = _route(forward_mode, speculative_attention_mode, prefill_backend, decode_backend)
-    return _run(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                logit_cap, sinks, attention_chunk, k_scale, v_scale, backend, arg)
+    return _run(
+        path,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        scale,
+        sliding_window,
+        logit_cap,
+        sinks,
+        attention_chunk,
+        k_scale,
+        v_scale,
+        backend,
+        arg,
+    )
 
 
-def _fake(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
-          sinks, attention_chunk, k_scale, v_scale):
-    check_args(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
-               sinks, attention_chunk, k_scale, v_scale)
+def _fake(
+    path,
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    seq_lens,
+    block_table,
+    scale,
+    sliding_window,
+    logit_cap,
+    sinks,
+    attention_chunk,
+    k_scale,
+    v_scale,
+):
+    check_args(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        scale,
+        sliding_window,
+        logit_cap,
+        sinks,
+        attention_chunk,
+        k_scale,
+        v_scale,
+    )
     if path == "decode":
         check_decode_shape(q, seq_lens)
     return q.new_empty((*q.shape[:2], v.shape[2]))
@@ -126,24 +259,110 @@ def _fake(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, 
 def _path_op(path):
     """The real and fake implementations of `hybrid::prefill` or `hybrid::decode`."""
 
-    def impl(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *, scale=None, sliding_window=-1,
-             logit_cap=0.0, sinks=None, attention_chunk=-1, k_scale=None, v_scale=None, backend="auto"):
-        return _run(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                    logit_cap, sinks, attention_chunk, k_scale, v_scale, backend)
+    def impl(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        *,
+        scale=None,
+        sliding_window=-1,
+        logit_cap=0.0,
+        sinks=None,
+        attention_chunk=-1,
+        k_scale=None,
+        v_scale=None,
+        backend="auto",
+    ):
+        return _run(
+            path,
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            cu_seqlens_q,
+            seq_lens,
+            block_table,
+            scale,
+            sliding_window,
+            logit_cap,
+            sinks,
+            attention_chunk,
+            k_scale,
+            v_scale,
+            backend,
+        )
 
-    def fake(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *, scale=None, sliding_window=-1,
-             logit_cap=0.0, sinks=None, attention_chunk=-1, k_scale=None, v_scale=None, backend="auto"):
+    def fake(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        *,
+        scale=None,
+        sliding_window=-1,
+        logit_cap=0.0,
+        sinks=None,
+        attention_chunk=-1,
+        k_scale=None,
+        v_scale=None,
+        backend="auto",
+    ):
         check_backend_name(backend)
-        return _fake(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                     logit_cap, sinks, attention_chunk, k_scale, v_scale)
+        return _fake(
+            path,
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            cu_seqlens_q,
+            seq_lens,
+            block_table,
+            scale,
+            sliding_window,
+            logit_cap,
+            sinks,
+            attention_chunk,
+            k_scale,
+            v_scale,
+        )
 
     return impl, fake
 
 
 @torch.library.register_fake("hybrid::attn")
-def _attn_fake(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, *, scale=None,
-               sliding_window=-1, logit_cap=0.0, sinks=None, attention_chunk=-1, k_scale=None, v_scale=None,
-               prefill_backend="auto", decode_backend="auto", speculative_attention_mode="prefill"):
+def _attn_fake(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    seq_lens,
+    block_table,
+    forward_mode,
+    *,
+    scale=None,
+    sliding_window=-1,
+    logit_cap=0.0,
+    sinks=None,
+    attention_chunk=-1,
+    k_scale=None,
+    v_scale=None,
+    prefill_backend="auto",
+    decode_backend="auto",
+    speculative_attention_mode="prefill",
+):
     check_backend_name(prefill_backend, "prefill_backend")
     check_backend_name(decode_backend, "decode_backend")
     check_speculative_attention_mode(speculative_attention_mode)
@@ -151,13 +370,47 @@ def _attn_fake(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, f
     path = "prefill"
     if isinstance(forward_mode, int):
         path = select_path(forward_mode, speculative_attention_mode)
-    return _fake(path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                 logit_cap, sinks, attention_chunk, k_scale, v_scale)
+    return _fake(
+        path,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        scale,
+        sliding_window,
+        logit_cap,
+        sinks,
+        attention_chunk,
+        k_scale,
+        v_scale,
+    )
 
 
-def _plan(k_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, *, q_dtype, num_q_heads, scale=None,
-          sliding_window=-1, logit_cap=0.0, sinks=None, attention_chunk=-1, k_scale=None, v_scale=None,
-          prefill_backend="auto", decode_backend="auto", speculative_attention_mode="prefill", cuda_graph=False):
+def _plan(
+    k_cache,
+    cu_seqlens_q,
+    seq_lens,
+    block_table,
+    forward_mode,
+    *,
+    q_dtype,
+    num_q_heads,
+    scale=None,
+    sliding_window=-1,
+    logit_cap=0.0,
+    sinks=None,
+    attention_chunk=-1,
+    k_scale=None,
+    v_scale=None,
+    prefill_backend="auto",
+    decode_backend="auto",
+    speculative_attention_mode="prefill",
+    cuda_graph=False,
+):
     """Plan the step for the backend that `forward_mode` routes to; a no-op for backends that do not plan.
 
     With `cuda_graph`, the plan goes into the CUDA-graph buffers of this batch shape (B, T), which a graph captured
@@ -167,14 +420,43 @@ def _plan(k_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, *, q_dtype
     # The same backend as the call it plans for: a backend without the options in use is never chosen.
     features = _features(_extra_options(sinks, attention_chunk, k_cache, k_scale, v_scale), head_dim, head_dim)
     impl = get_backend(backend, k_cache.device, q_dtype, head_dim, arg, features)
-    impl.plan(path, q_dtype, num_q_heads, k_cache, cu_seqlens_q, seq_lens, block_table, _scale(scale, head_dim),
-              sliding_window, logit_cap, cuda_graph=cuda_graph)
+    impl.plan(
+        path,
+        q_dtype,
+        num_q_heads,
+        k_cache,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        _scale(scale, head_dim),
+        sliding_window,
+        logit_cap,
+        cuda_graph=cuda_graph,
+    )
 
 
 @torch.library.register_fake("hybrid::plan")
-def _plan_fake(k_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, *, q_dtype, num_q_heads, scale=None,
-               sliding_window=-1, logit_cap=0.0, sinks=None, attention_chunk=-1, k_scale=None, v_scale=None,
-               prefill_backend="auto", decode_backend="auto", speculative_attention_mode="prefill", cuda_graph=False):
+def _plan_fake(
+    k_cache,
+    cu_seqlens_q,
+    seq_lens,
+    block_table,
+    forward_mode,
+    *,
+    q_dtype,
+    num_q_heads,
+    scale=None,
+    sliding_window=-1,
+    logit_cap=0.0,
+    sinks=None,
+    attention_chunk=-1,
+    k_scale=None,
+    v_scale=None,
+    prefill_backend="auto",
+    decode_backend="auto",
+    speculative_attention_mode="prefill",
+    cuda_graph=False,
+):
     check_backend_name(prefill_backend, "prefill_backend")
     check_backend_name(decode_backend, "decode_backend")
     check_speculative_attention_mode(speculative_attention_mode)

@@ -89,13 +89,40 @@ def float_to_fp8(x, FP8: tl.constexpr):
 
 @triton.jit
 def attend_pages(
-    q, q_pos, acc, l_i, m_i,  # q: [R, BLOCK_D]; q_pos: [R] position of each row's token; acc: [R, BLOCK_DV]
-    KCache, VCache, block_table_row, kv_head,  # block_table_row: pointer to this request's block_table row
-    kv_lo, kv_hi, seq_len, num_pages, num_table_pages, scale, logit_cap, sliding_window, attention_chunk,
-    stride_kp, stride_kr, stride_kh, stride_vp, stride_vr, stride_vh,  # caches: page, row, head (head dim contiguous)
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, UPCAST: tl.constexpr,
+    q,
+    q_pos,
+    acc,
+    l_i,
+    m_i,  # q: [R, BLOCK_D]; q_pos: [R] position of each row's token; acc: [R, BLOCK_DV]
+    KCache,
+    VCache,
+    block_table_row,
+    kv_head,  # block_table_row: pointer to this request's block_table row
+    kv_lo,
+    kv_hi,
+    seq_len,
+    num_pages,
+    num_table_pages,
+    scale,
+    logit_cap,
+    sliding_window,
+    attention_chunk,
+    stride_kp,
+    stride_kr,
+    stride_kh,
+    stride_vp,
+    stride_vr,
+    stride_vh,  # caches: page, row, head (head dim contiguous)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
+    UPCAST: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
     """Online softmax of q's rows over KV positions [kv_lo, kv_hi) of one request, read in place from its pages.
@@ -117,10 +144,12 @@ def attend_pages(
         row = pos % PAGE_SIZE
         k_offset = page * stride_kp + row * stride_kr + kv_head * stride_kh
         v_offset = page * stride_vp + row * stride_vr + kv_head * stride_vh
-        k = tl.load(KCache + k_offset[:, None] + d[None, :], mask=ok[:, None] & (d < HEAD_DIM)[None, :],
-                    other=0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(VCache + v_offset[:, None] + dv[None, :], mask=ok[:, None] & (dv < HEAD_DIM_V)[None, :],
-                    other=0)  # [BLOCK_N, BLOCK_DV]
+        k = tl.load(
+            KCache + k_offset[:, None] + d[None, :], mask=ok[:, None] & (d < HEAD_DIM)[None, :], other=0
+        )  # [BLOCK_N, BLOCK_D]
+        v = tl.load(
+            VCache + v_offset[:, None] + dv[None, :], mask=ok[:, None] & (dv < HEAD_DIM_V)[None, :], other=0
+        )  # [BLOCK_N, BLOCK_DV]
         if KV_FP8 != "":
             k = fp8_to_float(k, KV_FP8).to(q.dtype)
             v = fp8_to_float(v, KV_FP8).to(q.dtype)

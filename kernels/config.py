@@ -44,11 +44,20 @@ def block_d(head_dim: int) -> int:
 
 
 # (fp32, head dim up to) -> (row cap, BLOCK_N, warps): decode rows per program are min(next_pow2(rows), cap), >= 16.
-DECODE_TILES = {(False, 128): (32, 64, 4), (False, 256): (16, 32, 4),
-                (True, 128): (16, 32, 4), (True, 256): (16, 32, 8)}
+DECODE_TILES = {
+    (False, 128): (32, 64, 4),
+    (False, 256): (16, 32, 4),
+    (True, 128): (16, 32, 4),
+    (True, 256): (16, 32, 8),
+}
 # (fp32, head dim up to) -> (query rows, BLOCK_N, warps): prefill rows = tokens x next_pow2(group).
-PREFILL_TILES = {(False, 64): (128, 64, 4), (False, 128): (64, 64, 4), (False, 256): (64, 32, 8),
-                 (True, 128): (32, 32, 4), (True, 256): (32, 32, 8)}
+PREFILL_TILES = {
+    (False, 64): (128, 64, 4),
+    (False, 128): (64, 64, 4),
+    (False, 256): (64, 32, 8),
+    (True, 128): (32, 32, 4),
+    (True, 256): (32, 32, 8),
+}
 GPU_STAGES = 2
 
 

@@ -15,13 +15,42 @@ from .common import find_segment, float_to_fp8, kernel_kv
 
 @triton.jit
 def _store_kv_kernel(
-    K, V, KCache, VCache, CuSeqlensQ, SeqLens, BlockTable, KScale, VScale,  # pointers (scales: [Hkv] fp32)
-    num_requests, num_pages, num_table_pages,  # sizes
-    stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,  # new k: [T, Hkv, D], v: [T, Hkv, Dv]
-    stride_kcp, stride_kcr, stride_kch, stride_vcp, stride_vcr, stride_vch,  # caches: page, row, head
-    stride_bt, stride_ks, stride_vs,  # block_table rows; scales (0 when expanded from one value)
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr, LOG_B: tl.constexpr, KV_FP8: tl.constexpr,
+    K,
+    V,
+    KCache,
+    VCache,
+    CuSeqlensQ,
+    SeqLens,
+    BlockTable,
+    KScale,
+    VScale,  # pointers (scales: [Hkv] fp32)
+    num_requests,
+    num_pages,
+    num_table_pages,  # sizes
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,  # new k: [T, Hkv, D], v: [T, Hkv, Dv]
+    stride_kcp,
+    stride_kcr,
+    stride_kch,
+    stride_vcp,
+    stride_vcr,
+    stride_vch,  # caches: page, row, head
+    stride_bt,
+    stride_ks,
+    stride_vs,  # block_table rows; scales (0 when expanded from one value)
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    LOG_B: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     token = tl.program_id(0)
     request = find_segment(CuSeqlensQ, token, num_requests, LOG_B)
@@ -65,13 +94,33 @@ def store_kv(k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, k_scal
         return
     k_cache, v_cache, k_scale, v_scale, kv_fp8 = kernel_kv(k_cache, v_cache, k_scale, v_scale)
     _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, k_scale, v_scale,
-        num_requests, k_cache.shape[0], block_table.shape[1],
-        *k.stride(), *v.stride(),
-        *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0), k_scale.stride(0), v_scale.stride(0),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_V=v.shape[2],
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_DV=triton.next_power_of_2(v.shape[2]), PAGE_SIZE=k_cache.shape[1], LOG_B=log2_ceil(num_requests),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        k_scale,
+        v_scale,
+        num_requests,
+        k_cache.shape[0],
+        block_table.shape[1],
+        *k.stride(),
+        *v.stride(),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        block_table.stride(0),
+        k_scale.stride(0),
+        v_scale.stride(0),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_V=v.shape[2],
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_DV=triton.next_power_of_2(v.shape[2]),
+        PAGE_SIZE=k_cache.shape[1],
+        LOG_B=log2_ceil(num_requests),
         KV_FP8=kv_fp8,
     )
 

@@ -72,8 +72,12 @@ def available_backends(device):
 def check_correctness(device, smoke, report):
     """Every mode of every backend for q in fp16 and bf16 (and fp32 on the CPU, where FlashInfer does not run), over
     caches of q's dtype and over fp8 caches (per kv head scales), against float64 over what the cache holds."""
-    kinds = [(torch.bfloat16, None), (torch.float16, None), (torch.bfloat16, torch.float8_e4m3fn),
-             (torch.float16, torch.float8_e5m2)] + ([(torch.float32, None)] if device == "cpu" else [])
+    kinds = [
+        (torch.bfloat16, None),
+        (torch.float16, None),
+        (torch.bfloat16, torch.float8_e4m3fn),
+        (torch.float16, torch.float8_e5m2),
+    ] + ([(torch.float32, None)] if device == "cpu" else [])
     if smoke:  # the script's logic, not every dtype: the suite covers those
         kinds = [kinds[0], kinds[2]]
     # On the GPU a prefill query of more than 64 tokens: FlashInfer runs its FA3 kernels there on an H100/H200.
@@ -84,23 +88,42 @@ def check_correctness(device, smoke, report):
             for mode in ForwardMode:
                 for spec in ("prefill", "decode"):
                     decode_path = hybrid_ops.select_path(mode, spec) == "decode"
-                    q_lens = [] if mode == ForwardMode.IDLE else (
-                        [1 if mode == ForwardMode.DECODE else 3] * 3 if decode_path else [7, 1, 0, long_query])
-                    case = make_case(q_lens, [30, 0, 65, 12][: len(q_lens)], num_q_heads=8, num_kv_heads=2,
-                                     head_dim=128, page_size=16, dtype=dtype, device=device, seed=int(mode))
+                    q_lens = (
+                        []
+                        if mode == ForwardMode.IDLE
+                        else ([1 if mode == ForwardMode.DECODE else 3] * 3 if decode_path else [7, 1, 0, long_query])
+                    )
+                    case = make_case(
+                        q_lens,
+                        [30, 0, 65, 12][: len(q_lens)],
+                        num_q_heads=8,
+                        num_kv_heads=2,
+                        head_dim=128,
+                        page_size=16,
+                        dtype=dtype,
+                        device=device,
+                        seed=int(mode),
+                    )
                     options = dict(sliding_window=24, logit_cap=20.0)
                     read, (k_ref, v_ref) = case, expected_cache(case)
                     if cache_dtype is not None:
                         case, read, (k_ref, v_ref) = fp8_case(case, cache_dtype, *kv_scales.values())
                         options.update(kv_scales)
-                    out = torch.ops.hybrid.attn(*case.args, int(mode), **options, prefill_backend=backend,
-                                                decode_backend=backend, speculative_attention_mode=spec)
+                    out = torch.ops.hybrid.attn(
+                        *case.args,
+                        int(mode),
+                        **options,
+                        prefill_backend=backend,
+                        decode_backend=backend,
+                        speculative_attention_mode=spec,
+                    )
                     options = {k: v for k, v in options.items() if k not in kv_scales}
                     assert_close(out.cpu(), reference(read, **options), dtype)
                     raw = (lambda t: t.cpu().view(torch.uint8)) if cache_dtype else (lambda t: t.cpu())
                     assert torch.equal(raw(case.k_cache), k_ref.cpu()) and torch.equal(raw(case.v_cache), v_ref.cpu())
-            report.append(f"correct: {backend} q {dtype}, cache {cache_dtype or dtype}, every mode, both "
-                          "speculative settings")
+            report.append(
+                f"correct: {backend} q {dtype}, cache {cache_dtype or dtype}, every mode, both speculative settings"
+            )
             print(report[-1], flush=True)
 
 
@@ -109,12 +132,21 @@ def check_triton_fp32(device, report):
     about fp32's precision), not plain TF32. Decode, verify and prefill over several KV blocks and splits."""
     for head_dim in (64, 128, 256):
         for path, q_lens in (("decode", [1, 1]), ("decode", [4, 4]), ("prefill", [37, 5])):
-            case = make_case(q_lens, [300, 41], num_q_heads=8, num_kv_heads=2, head_dim=head_dim, page_size=16,
-                             device=device, seed=head_dim)
+            case = make_case(
+                q_lens,
+                [300, 41],
+                num_q_heads=8,
+                num_kv_heads=2,
+                head_dim=head_dim,
+                page_size=16,
+                device=device,
+                seed=head_dim,
+            )
             out = getattr(torch.ops.hybrid, path)(*case.args, backend="triton", sliding_window=200, logit_cap=20.0)
             assert_close(out.cpu(), reference(case, sliding_window=200, logit_cap=20.0), torch.float32)
-    report.append("triton fp32: decode, verify 4, prefill at D 64/128/256 within the fp32 tolerance "
-                  f"{TOLERANCE[torch.float32]:g}")
+    report.append(
+        f"triton fp32: decode, verify 4, prefill at D 64/128/256 within the fp32 tolerance {TOLERANCE[torch.float32]:g}"
+    )
     print(report[-1], flush=True)
 
 
@@ -123,8 +155,17 @@ def check_triton_many_rows(device, report):
     fp32, verify 4 x GQA 8 at D 256 fp32, verify 16 x GQA 16 at D 256 bf16."""
     shapes = [(1, 32, 1, torch.float32), (4, 16, 2, torch.float32), (16, 32, 2, torch.bfloat16)]
     for q_len, hq, hkv, dtype in shapes:
-        case = make_case([q_len] * 2, [200, 33], num_q_heads=hq, num_kv_heads=hkv, head_dim=256, page_size=16,
-                         dtype=dtype, device=device, seed=q_len)
+        case = make_case(
+            [q_len] * 2,
+            [200, 33],
+            num_q_heads=hq,
+            num_kv_heads=hkv,
+            head_dim=256,
+            page_size=16,
+            dtype=dtype,
+            device=device,
+            seed=q_len,
+        )
         out = torch.ops.hybrid.decode(*case.args, backend="triton")
         assert_close(out.cpu(), reference(case), dtype)
         report.append(f"triton decode q_len {q_len}, Hq {hq} / Hkv {hkv}, D 256, {dtype}: correct")
@@ -147,15 +188,25 @@ def check_triton_fp8(device, smoke, report):
         assert all(torch.equal(c.cpu().view(torch.uint8), e) for c, e in zip(args[3:5], expected)), "store bytes"
         for dtype in (torch.bfloat16,) if smoke else (torch.bfloat16, torch.float16, torch.float32):
             for path, q_lens in (("decode", [1, 1]), ("decode", [4, 4]), ("prefill", [37, 5])):
-                case = make_case(q_lens, [300, 41], num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16,
-                                 dtype=dtype, seed=len(q_lens))
+                case = make_case(
+                    q_lens,
+                    [300, 41],
+                    num_q_heads=8,
+                    num_kv_heads=2,
+                    head_dim=128,
+                    page_size=16,
+                    dtype=dtype,
+                    seed=len(q_lens),
+                )
                 fp8, read, expected = fp8_case(case, cache_dtype, k_scale, v_scale)
                 args = [a.to(device) for a in fp8.args]
                 out = getattr(torch.ops.hybrid, path)(*args, backend="triton", **scales, **options)
                 assert_close(out.cpu(), reference(read, **options), dtype)
                 assert all(torch.equal(c.cpu().view(torch.uint8), e) for c, e in zip(args[3:5], expected))
-        report.append(f"triton {cache_dtype}: store bit-exact at ties, subnormals, saturation; decode, verify 4, "
-                      "prefill at bf16/fp16/fp32 correct")
+        report.append(
+            f"triton {cache_dtype}: store bit-exact at ties, subnormals, saturation; decode, verify 4, "
+            "prefill at bf16/fp16/fp32 correct"
+        )
         print(report[-1], flush=True)
 
 
@@ -170,15 +221,38 @@ def check_cuda_graphs(report):
 
         def step(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode: int):
             # Outside the captured partitions (graph_partition): FlashInfer plans into its CUDA-graph buffers.
-            torch.ops.hybrid.plan(k_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, q_dtype=q.dtype,
-                                  num_q_heads=q.shape[1], prefill_backend=backend, decode_backend=backend,
-                                  speculative_attention_mode="decode", cuda_graph=True)
-            return torch.ops.hybrid.attn(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table,
-                                         forward_mode, prefill_backend=backend, decode_backend=backend,
-                                         speculative_attention_mode="decode") * 1.0
+            torch.ops.hybrid.plan(
+                k_cache,
+                cu_seqlens_q,
+                seq_lens,
+                block_table,
+                forward_mode,
+                q_dtype=q.dtype,
+                num_q_heads=q.shape[1],
+                prefill_backend=backend,
+                decode_backend=backend,
+                speculative_attention_mode="decode",
+                cuda_graph=True,
+            )
+            return (
+                torch.ops.hybrid.attn(
+                    q,
+                    k,
+                    v,
+                    k_cache,
+                    v_cache,
+                    cu_seqlens_q,
+                    seq_lens,
+                    block_table,
+                    forward_mode,
+                    prefill_backend=backend,
+                    decode_backend=backend,
+                    speculative_attention_mode="decode",
+                )
+                * 1.0
+            )
 
-        compiled = torch.compile(step, mode="reduce-overhead", dynamic=False,
-                                 options={"graph_partition": True})
+        compiled = torch.compile(step, mode="reduce-overhead", dynamic=False, options={"graph_partition": True})
         shapes = {ForwardMode.EXTEND: [9, 70], ForwardMode.DECODE: [1, 1], ForwardMode.TARGET_VERIFY: [4, 4]}
         # One persistent cache, as a model has: each step's case is copied into its first pages.
         k_cache = torch.zeros(64, 16, 2, 128, dtype=torch.bfloat16, device="cuda")
@@ -187,8 +261,17 @@ def check_cuda_graphs(report):
         torch._dynamo.mark_static_address(v_cache)
         for round_ in range(4):
             for mode, q_lens in shapes.items():
-                case = make_case(q_lens, [40, 7], num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16,
-                                 dtype=torch.bfloat16, device="cuda", seed=round_ * 10 + int(mode))
+                case = make_case(
+                    q_lens,
+                    [40, 7],
+                    num_q_heads=8,
+                    num_kv_heads=2,
+                    head_dim=128,
+                    page_size=16,
+                    dtype=torch.bfloat16,
+                    device="cuda",
+                    seed=round_ * 10 + int(mode),
+                )
                 used = case.k_cache.shape[0]
                 k_cache[:used].copy_(case.k_cache)
                 v_cache[:used].copy_(case.v_cache)
@@ -236,10 +319,16 @@ def check_generator_graphs(device, smoke, report):
     for graphs in (False, True):
         torch._dynamo.reset()
         counters.clear()
-        generator = hybrid_ops.HybridGenerator(model, max_batch_size=len(prompts),
-                                               max_seq_len=max(map(len, prompts)) + new_tokens, prefill_chunk=1024,
-                                               prefill_backend=backend, decode_backend=backend, cuda_graphs=graphs,
-                                               compile=device == "cuda" or not smoke)
+        generator = hybrid_ops.HybridGenerator(
+            model,
+            max_batch_size=len(prompts),
+            max_seq_len=max(map(len, prompts)) + new_tokens,
+            prefill_chunk=1024,
+            prefill_backend=backend,
+            decode_backend=backend,
+            cuda_graphs=graphs,
+            compile=device == "cuda" or not smoke,
+        )
         generator.generate(prompts, new_tokens)  # compiles and, with graphs, records them
         warm = count_cuda_graphs() if device == "cuda" else 0
         stats = hybrid_ops.GenerationStats()
@@ -249,11 +338,13 @@ def check_generator_graphs(device, smoke, report):
     cudagraphs_log.removeHandler(skips)
     (plain, plain_rate, _, _), (padded, rate, (warm, later), skip_count) = runs[False], runs[True]
     reasons = sorted({record.getMessage() for record in skips.buffer})
-    report.append(f"generator with cuda_graphs ({'CUDA graphs' if device == 'cuda' else 'padding only, no graphs'}): "
-                  f"{warm} graphs recorded in the warm-up run, {later} in the measured run; {skip_count} cudagraph "
-                  f"skips {reasons}; {rate:.0f} tokens/s against {plain_rate:.0f} without "
-                  f"({rate / plain_rate:.2f}x); identical tokens for {sum(a == b for a, b in zip(padded, plain))}/"
-                  f"{len(prompts)} prompts")
+    report.append(
+        f"generator with cuda_graphs ({'CUDA graphs' if device == 'cuda' else 'padding only, no graphs'}): "
+        f"{warm} graphs recorded in the warm-up run, {later} in the measured run; {skip_count} cudagraph "
+        f"skips {reasons}; {rate:.0f} tokens/s against {plain_rate:.0f} without "
+        f"({rate / plain_rate:.2f}x); identical tokens for {sum(a == b for a, b in zip(padded, plain))}/"
+        f"{len(prompts)} prompts"
+    )
     print(report[-1], flush=True)
     assert padded == plain and skip_count == 0, report[-1]
 
@@ -303,10 +394,13 @@ def benchmark(device, smoke, rows):
             for backend in backends:
                 for suffix, (op_args, scales, fraction) in variants.items():
                     ms = timed(lambda: op(*op_args, backend=backend, **scales), device)
-                    row[backend + suffix] = dict(ms=ms, kv_gbps=kv_bytes * fraction / ms / 1e6,
-                                                 tflops=flops / ms / 1e9,
-                                                 of_copy=kv_bytes * fraction / ms / 1e6 / copy_gbps,
-                                                 of_matmul=flops / ms / 1e9 / matmul_tflops)
+                    row[backend + suffix] = dict(
+                        ms=ms,
+                        kv_gbps=kv_bytes * fraction / ms / 1e6,
+                        tflops=flops / ms / 1e9,
+                        of_copy=kv_bytes * fraction / ms / 1e6 / copy_gbps,
+                        of_matmul=flops / ms / 1e9 / matmul_tflops,
+                    )
             rows.append(row)
             print(row, flush=True)
     return dict(copy_gbps=copy_gbps, matmul_tflops=matmul_tflops)
@@ -319,8 +413,10 @@ def main():
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     start = time.time()
-    report, rows = [f"{device}: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch "
-                    f"{torch.__version__}"], []
+    report, rows = (
+        [f"{device}: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch {torch.__version__}"],
+        [],
+    )
     check_correctness(device, args.smoke, report)
     check_triton_fp32(device, report)
     check_triton_many_rows(device, report)
@@ -329,14 +425,21 @@ def main():
         check_cuda_graphs(report)
     check_generator_graphs(device, args.smoke, report)
     rates = benchmark(device, args.smoke, rows)
-    lines = report + ["", f"copy bandwidth {rates['copy_gbps']:.0f} GB/s, bf16 matmul {rates['matmul_tflops']:.0f} "
-                      "TFLOP/s (measured in this run)", "", "| kind | shape | backend | ms | KV GB/s | of copy bw "
-                      "| TFLOP/s | of matmul |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    lines = report + [
+        "",
+        f"copy bandwidth {rates['copy_gbps']:.0f} GB/s, bf16 matmul {rates['matmul_tflops']:.0f} "
+        "TFLOP/s (measured in this run)",
+        "",
+        "| kind | shape | backend | ms | KV GB/s | of copy bw | TFLOP/s | of matmul |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
     for row in rows:
         for backend, r in row.items():
             if isinstance(r, dict):
-                lines.append(f"| {row['kind']} | {row['shape']} | {backend} | {r['ms']:.3f} | {r['kv_gbps']:.0f} "
-                             f"| {r['of_copy']:.0%} | {r['tflops']:.1f} | {r['of_matmul']:.0%} |")
+                lines.append(
+                    f"| {row['kind']} | {row['shape']} | {backend} | {r['ms']:.3f} | {r['kv_gbps']:.0f} "
+                    f"| {r['of_copy']:.0%} | {r['tflops']:.1f} | {r['of_matmul']:.0%} |"
+                )
     lines.append(f"\n{time.time() - start:.0f} s in all")
     text = "\n".join(lines) + "\n"
     print(text)

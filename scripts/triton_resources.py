@@ -43,8 +43,13 @@ SHARED_LIMIT = {80: 166_912, 90: 232_448}  # per-block opt-in shared memory, byt
 SM_COUNT = {80: 108, 90: 132}  # A100, H200
 NO_SPILL_CAPABILITY = 90
 NO_SPILL_MAX_HEAD_DIM = 128
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "e4m3",
-               torch.float8_e5m2: "e5m2"}
+DTYPE_NAMES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.float8_e4m3fn: "e4m3",
+    torch.float8_e5m2: "e5m2",
+}
 
 
 @dataclass(frozen=True)
@@ -66,11 +71,15 @@ class Case:
     def __str__(self):
         mode = ("decode" if self.q_len == 1 else f"verify {self.q_len}") if self.kind == "decode" else "prefill"
         dims = f"D{self.head_dim}" + (f" Dv{self.v_head_dim}" if self.v_head_dim else "")
-        text = (f"{mode} {DTYPE_NAMES[self.dtype]} {dims} Hq{self.num_q_heads}/Hkv{self.num_kv_heads} "
-                f"page {self.page_size}")
+        text = (
+            f"{mode} {DTYPE_NAMES[self.dtype]} {dims} Hq{self.num_q_heads}/Hkv{self.num_kv_heads} page {self.page_size}"
+        )
         text += f" batch {self.batch}" if self.batch != 2 else ""
-        return text + (" window+cap" if self.options else "") + (f" kv {DTYPE_NAMES[self.kv_dtype]}" if self.kv_dtype
-                                                                 else "")
+        return (
+            text
+            + (" window+cap" if self.options else "")
+            + (f" kv {DTYPE_NAMES[self.kv_dtype]}" if self.kv_dtype else "")
+        )
 
 
 def cases():
@@ -108,8 +117,13 @@ def cases():
     for dtype, head_dim in ((torch.float32, 128), (torch.float16, 64), (torch.bfloat16, 256)):
         for kind, q_len in (("decode", 1), ("prefill", 40)):
             out.append(Case(kind, dtype, head_dim, 32, 8, q_len, kv_dtype=torch.float8_e4m3fn))
-    mla = (("decode", 1, 16, 16, None), ("decode", 4, 32, 2, None), ("prefill", 40, 16, 16, None),
-           ("decode", 1, 16, 16, torch.float8_e4m3fn), ("prefill", 40, 16, 16, torch.float8_e4m3fn))
+    mla = (
+        ("decode", 1, 16, 16, None),
+        ("decode", 4, 32, 2, None),
+        ("prefill", 40, 16, 16, None),
+        ("decode", 1, 16, 16, torch.float8_e4m3fn),
+        ("prefill", 40, 16, 16, torch.float8_e4m3fn),
+    )
     for kind, q_len, hq, hkv, kv_dtype in mla:  # MLA (DeepSeek): q/k head dim 192, v head dim 128
         out.append(Case(kind, torch.bfloat16, 192, hq, hkv, q_len, kv_dtype=kv_dtype, v_head_dim=128))
     return out
@@ -149,8 +163,13 @@ def call_backend(backend, case):
     gen = torch.Generator().manual_seed(0)
     prefix, num_tokens = 300, case.batch * case.q_len
     pages_per_request = -(-(prefix + case.q_len) // case.page_size)
-    k_cache = torch.zeros(case.batch * pages_per_request, case.page_size, case.num_kv_heads, case.head_dim,
-                          dtype=case.kv_dtype or case.dtype)
+    k_cache = torch.zeros(
+        case.batch * pages_per_request,
+        case.page_size,
+        case.num_kv_heads,
+        case.head_dim,
+        dtype=case.kv_dtype or case.dtype,
+    )
     q = torch.randn(num_tokens, case.num_q_heads, case.head_dim, generator=gen).to(case.dtype)
     k = torch.randn(num_tokens, case.num_kv_heads, case.head_dim, generator=gen).to(case.dtype)
     cu_seqlens_q = torch.arange(case.batch + 1, dtype=torch.int32) * case.q_len
@@ -159,27 +178,35 @@ def call_backend(backend, case):
     window, cap = case.options or (-1, 0.0)
     scales = {}
     if case.kv_dtype is not None:
-        scale = torch.full((case.num_kv_heads,), 0.5) if case.kv_dtype == torch.float8_e4m3fn else torch.tensor(
-            [0.5]).expand(case.num_kv_heads)
+        scale = (
+            torch.full((case.num_kv_heads,), 0.5)
+            if case.kv_dtype == torch.float8_e4m3fn
+            else torch.tensor([0.5]).expand(case.num_kv_heads)
+        )
         scales = dict(k_scale=scale, v_scale=scale)
     v_head_dim = case.v_head_dim or case.head_dim
     v = torch.randn(num_tokens, case.num_kv_heads, v_head_dim, generator=gen).to(case.dtype)
     v_cache = k_cache.new_zeros(*k_cache.shape[:3], v_head_dim)
-    getattr(backend, case.kind)(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table,
-                                case.head_dim ** -0.5, window, cap, **scales)
+    getattr(backend, case.kind)(
+        q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, case.head_dim**-0.5, window, cap, **scales
+    )
 
 
 def specialise(launch, capability):
     """(cache key, ASTSource, options) of a launch for sm_<capability>, as `JITFunction.run` makes them."""
     target = GPUTarget("cuda", capability, 32)
     backend = make_backend(target)
-    kwargs = dict(launch.kwargs, debug=launch.kernel.debug or knobs.runtime.debug,
-                  instrumentation_mode=knobs.compilation.instrumentation_mode,
-                  fpsan_homomorphic_casts=knobs.compilation.fpsan_homomorphic_casts)
+    kwargs = dict(
+        launch.kwargs,
+        debug=launch.kernel.debug or knobs.runtime.debug,
+        instrumentation_mode=knobs.compilation.instrumentation_mode,
+        fpsan_homomorphic_casts=knobs.compilation.fpsan_homomorphic_casts,
+    )
     binder = create_function_from_signature(launch.kernel.signature, launch.kernel.params, backend)
     bound_args, specialization, options = binder(*launch.args, **kwargs)
-    options, signature, constexprs, attrs = launch.kernel._pack_args(backend, kwargs, bound_args, specialization,
-                                                                     options)
+    options, signature, constexprs, attrs = launch.kernel._pack_args(
+        backend, kwargs, bound_args, specialization, options
+    )
     key = (launch.kernel.fn.__name__, capability, str(signature), str(constexprs), str(attrs), str(options))
     return key, ASTSource(launch.kernel, signature, constexprs, attrs), target, options
 
@@ -239,8 +266,12 @@ def compile_all(case_list, workers=2):
             if key not in rows:
                 names = [p.name for p in launch.kernel.params]
                 meta = ", ".join(f"{names[path[0]]}={value}" for path, value in source.constants.items())
-                rows[key] = Row(launch.kernel.fn.__name__, capability,
-                                f"{meta}, warps={options.num_warps}, stages={options.num_stages}", [])
+                rows[key] = Row(
+                    launch.kernel.fn.__name__,
+                    capability,
+                    f"{meta}, warps={options.num_warps}, stages={options.num_stages}",
+                    [],
+                )
                 _LAUNCHES.append(launch)
                 jobs.append((len(_LAUNCHES) - 1, capability))
             if launch.case not in rows[key].cases:
@@ -271,9 +302,11 @@ def table(rows):
     ]
     for row in sorted(rows, key=lambda r: (r.kernel, r.capability, str(r.cases[0]))):
         spills = "" if row.spill_stores is None else f"{row.spill_stores}/{row.spill_loads}"
-        lines.append(f"| {row.kernel} | sm_{row.capability} | {row.shared if row.shared is not None else ''} | "
-                     f"{row.registers if row.registers is not None else ''} | {spills} | {row.constexprs} | "
-                     f"{'; '.join(str(c) for c in row.cases)} |")
+        lines.append(
+            f"| {row.kernel} | sm_{row.capability} | {row.shared if row.shared is not None else ''} | "
+            f"{row.registers if row.registers is not None else ''} | {spills} | {row.constexprs} | "
+            f"{'; '.join(str(c) for c in row.cases)} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -287,8 +320,11 @@ def main():
     print(text)
     if args.write:
         args.write.write_text(text)
-    failures = [f"{row.kernel} sm_{row.capability} [{'; '.join(map(str, row.cases))}]: {problem}"
-                for row in rows for problem in row.problems()]
+    failures = [
+        f"{row.kernel} sm_{row.capability} [{'; '.join(map(str, row.cases))}]: {problem}"
+        for row in rows
+        for problem in row.problems()
+    ]
     print(f"{len(rows)} specialisations compiled, {len(failures)} failing")
     for failure in failures:
         print("FAIL", failure)

@@ -9,8 +9,9 @@ from hypothesis import Phase, settings
 # Property tests draw the same examples on every run (a failure reruns as it failed) and keep no database. Mutation
 # runs (scripts/mutants.py) only ask whether a test fails, so they skip shrinking the failing example.
 settings.register_profile("default", derandomize=True, database=None)
-settings.register_profile("mutants", parent=settings.get_profile("default"),
-                          phases=[Phase.explicit, Phase.reuse, Phase.generate])
+settings.register_profile(
+    "mutants", parent=settings.get_profile("default"), phases=[Phase.explicit, Phase.reuse, Phase.generate]
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 # Triton kernels run on the CPU through the interpreter; it must be on before a kernel is decorated.

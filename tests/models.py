@@ -10,14 +10,42 @@ PROMPTS = [[(7 * i + 3 * j) % 90 + 3 for j in range(n)] for i, n in enumerate([1
 NEW_TOKENS = 8
 # Sizes every tiny config gets, under whichever of these names its config has (by name or through attribute_map).
 TINY = {
-    "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 16, "intermediate_size": 96, "max_position_embeddings": 256, "n_positions": 256,
-    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "ffn_dim": 96, "n_inner": 96,
-    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
-    "topk_group": 1, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
-    "v_head_dim": 16, "sliding_window": 6, "attention_chunk_size": 5, "rotary_dim": 8, "partial_rotary_factor": 0.5,
-    "first_k_dense_replace": 1, "n_shared_experts": 1, "num_layers": 3, "use_cache": True, "tie_word_embeddings": False,
-    "decoder_layers": 3, "decoder_attention_heads": 4, "decoder_ffn_dim": 96,
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 96,
+    "max_position_embeddings": 256,
+    "n_positions": 256,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "ffn_dim": 96,
+    "n_inner": 96,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "sliding_window": 6,
+    "attention_chunk_size": 5,
+    "rotary_dim": 8,
+    "partial_rotary_factor": 0.5,
+    "first_k_dense_replace": 1,
+    "n_shared_experts": 1,
+    "num_layers": 3,
+    "use_cache": True,
+    "tie_word_embeddings": False,
+    "decoder_layers": 3,
+    "decoder_attention_heads": 4,
+    "decoder_ffn_dim": 96,
     "is_decoder": True,  # encoder architectures (BERT, RoBERTa, ...) are causal LMs only as decoders
 }
 # Token ids that are not special, so generation never stops or gets suppressed early; a config that insists on an int
@@ -25,30 +53,54 @@ TINY = {
 SPECIAL_TOKENS = {"eos_token_id": None, "bos_token_id": None, "pad_token_id": 0}
 INT_BOS = {**SPECIAL_TOKENS, "bos_token_id": 1}
 # Qwen4-Exp's sparse attention over compressed blocks (on its full layers); it has no default.
-QSA = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
-       "indexer_compress_ratio": 4}
+QSA = {
+    "indexer_n_heads": 2,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": 16,
+    "indexer_budget": 8,
+    "indexer_compress_ratio": 4,
+}
 # model type -> what its tiny config needs beyond TINY (a dict for a sub-config updates it). Without a comment: sizes
 # and per-layer lists that must agree with TINY's 3 layers of width 64.
 OVERRIDES = {
     # Its byte-group hash embeddings (500002 rows) and the global width its local stacks project to.
-    "blt": {"encoder_hash_byte_group_vocab": 64, "local_attention_window_len": 6,
-            "encoder_config": {"hidden_size_global": 64}, "decoder_config": {"hidden_size_global": 64}},
+    "blt": {
+        "encoder_hash_byte_group_vocab": 64,
+        "local_attention_window_len": 6,
+        "encoder_config": {"hidden_size_global": 64},
+        "decoder_config": {"hidden_size_global": 64},
+    },
     # Cohere's pattern: sliding layers with RoPE, full ones without (its default config names no RoPE per kind).
-    "cohere_compass_text": {"layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
-                            "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-                                                "full_attention": None}},
+    "cohere_compass_text": {
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4}, "full_attention": None},
+    },
     # Its attention reads rope_theta from attn_config, which the config class does not define, and clamps with
     # clip_qkv (DBRX's is 8; the default None fails); ffn_config takes d_model before hidden_size maps onto it.
-    "dbrx": {"d_model": 64, "attn_config": {"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 1e4},
-             "ffn_config": {"ffn_hidden_size": 96}},
+    "dbrx": {
+        "d_model": 64,
+        "attn_config": {"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 1e4},
+        "ffn_config": {"ffn_hidden_size": 96},
+    },
     # A layer that reuses an earlier layer's K/V (num_kv_shared_layers), as the full model's last 15 do.
-    "gemma3n_text": {"layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
-                     "num_kv_shared_layers": 1, "activation_sparsity_pattern": [0.95, 0.0, 0.0],
-                     "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 128, "laurel_rank": 8},
+    "gemma3n_text": {
+        "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
+        "num_kv_shared_layers": 1,
+        "activation_sparsity_pattern": [0.95, 0.0, 0.0],
+        "hidden_size_per_layer_input": 16,
+        "vocab_size_per_layer_input": 128,
+        "laurel_rank": 8,
+    },
     # A drafter, which reads the K/V of the model it drafts for on all its layers: a text config it accepts.
-    "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
-                                         "use_double_wide_mlp": False, "enable_moe_block": False,
-                                         "num_kv_shared_layers": 0}},  # 0: all (its __post_init__)
+    "gemma4_assistant": {
+        "text_config": {
+            "hidden_size_per_layer_input": 0,
+            "vocab_size_per_layer_input": 0,
+            "use_double_wide_mlp": False,
+            "enable_moe_block": False,
+            "num_kv_shared_layers": 0,
+        }
+    },  # 0: all (its __post_init__)
     # Global and local (windowed) layers, as in GPT-Neo.
     "gpt_neo": {"attention_types": [[["global", "local"], 1], [["global"], 1]], "window_size": 6},
     # LFM2's checkpoints mix short convolutions with attention (their default config has attention only).
@@ -59,8 +111,12 @@ OVERRIDES = {
     "mllama": {"text_config": {"cross_attention_layers": [1]}},
     "qwen4_exp": {"text_config": QSA},
     "qwen4_exp_text": QSA,
-    "reformer": {"attn_layers": ["local", "lsh", "local"], "axial_pos_shape": [16, 16],
-                 "axial_pos_embds_dim": [16, 48], "attention_head_size": 16},
+    "reformer": {
+        "attn_layers": ["local", "lsh", "local"],
+        "axial_pos_shape": [16, 16],
+        "axial_pos_embds_dim": [16, 48],
+        "attention_head_size": 16,
+    },
     "xlnet": {"d_head": 16},
     # Its adapters need a language to run (its config names none by default).
     "xmod": {"default_language": "en_XX"},
@@ -105,8 +161,11 @@ def _build(model_type, default, overrides):
 
 def _tiny_sizes(config, tokens):
     """TINY's sizes under the names `config` has, `tokens`, and each sub-config as a dict with the same."""
-    sizes = {name: value for name, value in TINY.items()
-             if name in config.to_dict() or name in getattr(config, "attribute_map", {})}
+    sizes = {
+        name: value
+        for name, value in TINY.items()
+        if name in config.to_dict() or name in getattr(config, "attribute_map", {})
+    }
     if "partial_rotary_factor" in sizes and "rotary_dim" in sizes:
         del sizes["partial_rotary_factor"]
     if "qk_rope_head_dim" in sizes:  # MLA: head_dim is the rope part, K/V expand from a latent to every head
@@ -146,9 +205,10 @@ def reference_tokens(model, prompts=PROMPTS, new_tokens=NEW_TOKENS):
     out = []
     with torch.no_grad():
         for p in prompts:
-            ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 generation_config=greedy)
-            out.append(ids[0, len(p):].tolist())
+            ids = model.generate(
+                torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), generation_config=greedy
+            )
+            out.append(ids[0, len(p) :].tolist())
     return out
 
 

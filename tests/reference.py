@@ -29,12 +29,23 @@ class Case:
 
     @property
     def args(self):
-        return (self.q, self.k, self.v, self.k_cache, self.v_cache, self.cu_seqlens_q, self.seq_lens,
-                self.block_table)
+        return (self.q, self.k, self.v, self.k_cache, self.v_cache, self.cu_seqlens_q, self.seq_lens, self.block_table)
 
 
-def make_case(q_lens, prefix_lens, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4, dtype=torch.float32,
-              extra_pages=3, strided=False, seed=None, device="cpu", v_head_dim=None) -> Case:
+def make_case(
+    q_lens,
+    prefix_lens,
+    num_q_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    page_size=4,
+    dtype=torch.float32,
+    extra_pages=3,
+    strided=False,
+    seed=None,
+    device="cpu",
+    v_head_dim=None,
+) -> Case:
     """A batch whose requests own shuffled, non-contiguous pages; all other pages hold POISON.
 
     v_head_dim: the value head dim Dv (v, v_cache), head_dim when None.
@@ -75,12 +86,28 @@ def make_case(q_lens, prefix_lens, num_q_heads=4, num_kv_heads=2, head_dim=16, p
         kv = randn(total, 2, num_kv_heads, head_dim + v_head_dim)
         k, v = kv[:, 0, :, :head_dim], kv[:, 1, :, head_dim:]
     else:
-        q, k, v = randn(total, num_q_heads, head_dim), randn(total, num_kv_heads, head_dim), randn(
-            total, num_kv_heads, v_head_dim)
+        q, k, v = (
+            randn(total, num_q_heads, head_dim),
+            randn(total, num_kv_heads, head_dim),
+            randn(total, num_kv_heads, v_head_dim),
+        )
     cu = torch.tensor([0] + list(_cumsum(q_lens)), dtype=torch.int32)
     to = lambda t: t.to(device)  # noqa: E731
-    return Case(to(q), to(k), to(v), to(k_cache), to(v_cache), to(cu), to(torch.tensor(seq_lens, dtype=torch.int32)),
-                to(table), list(q_lens), list(prefix_lens), pages, prefix_k, prefix_v)
+    return Case(
+        to(q),
+        to(k),
+        to(v),
+        to(k_cache),
+        to(v_cache),
+        to(cu),
+        to(torch.tensor(seq_lens, dtype=torch.int32)),
+        to(table),
+        list(q_lens),
+        list(prefix_lens),
+        pages,
+        prefix_k,
+        prefix_v,
+    )
 
 
 def _cumsum(xs):
@@ -176,15 +203,21 @@ def fp8_case(case: Case, dtype, k_scale, v_scale):
     """`case` with fp8 caches (every slot quantized, poison included) and the case the float64 reference must attend
     over: the dequantized prefix rows and new k, v. Returns (fp8 case, reference case, expected caches after the
     call as uint8)."""
-    k_expected, v_expected = (to_fp8(c, s, dtype).view(torch.uint8) for c, s in zip(expected_cache(case),
-                                                                                       (k_scale, v_scale)))
+    k_expected, v_expected = (
+        to_fp8(c, s, dtype).view(torch.uint8) for c, s in zip(expected_cache(case), (k_scale, v_scale))
+    )
     stored = dict(k_cache=to_fp8(case.k_cache, k_scale, dtype), v_cache=to_fp8(case.v_cache, v_scale, dtype))
     fp8 = Case(**{**case.__dict__, **stored})
+
     def read(x, kv_scale):
         return from_fp8(to_fp8(x, kv_scale, dtype), kv_scale)
 
-    reads = dict(k=read(case.k, k_scale), v=read(case.v, v_scale), prefix_k=[read(x, k_scale) for x in case.prefix_k],
-                 prefix_v=[read(x, v_scale) for x in case.prefix_v])
+    reads = dict(
+        k=read(case.k, k_scale),
+        v=read(case.v, v_scale),
+        prefix_k=[read(x, k_scale) for x in case.prefix_k],
+        prefix_v=[read(x, v_scale) for x in case.prefix_v],
+    )
     return fp8, Case(**{**case.__dict__, **reads}), (k_expected, v_expected)
 
 
@@ -196,8 +229,21 @@ def fp8_hard_values(dtype):
     values = values[values.isfinite() & (values >= 0)].double().sort().values
     limit = values[-1].item()
     ties = ((values[1:] + values[:-1]) / 2).float()
-    special = torch.tensor([0.0, float("inf"), float("nan"), 1e-45, 2e-40, 1.17e-38, limit * 1.0625, limit * 1.125,
-                            limit * 1.5, 2 * limit, 1e30])
+    special = torch.tensor(
+        [
+            0.0,
+            float("inf"),
+            float("nan"),
+            1e-45,
+            2e-40,
+            1.17e-38,
+            limit * 1.0625,
+            limit * 1.125,
+            limit * 1.5,
+            2 * limit,
+            1e30,
+        ]
+    )
     hard = torch.cat([values.float(), ties, special])
     hard = torch.cat([hard, *(torch.nextafter(hard, torch.tensor(to)) for to in (0.0, float("inf")))])
     return torch.cat([hard, -hard])
@@ -211,8 +257,9 @@ def fp8_store_case(cache_dtype, k_scale, v_scale, head_dim=64):
     hard = fp8_hard_values(cache_dtype)
     tokens = -(-hard.numel() // head_dim)
     num_kv_heads = k_scale.shape[0]
-    case = make_case([tokens], [0], num_q_heads=num_kv_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                     page_size=16, seed=0)
+    case = make_case(
+        [tokens], [0], num_q_heads=num_kv_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=16, seed=0
+    )
     values = torch.cat([hard, hard[: tokens * head_dim - hard.numel()]]).view(tokens, 1, head_dim)
     case.k.copy_(values * k_scale[:, None])
     case.v.copy_(values * v_scale[:, None])

@@ -19,7 +19,7 @@ def pad_table(case, fill):
     table = case.block_table.clone()
     page_size = case.k_cache.shape[1]
     for i, length in enumerate(case.seq_lens.tolist()):
-        table[i, math.ceil(length / page_size):] = fill
+        table[i, math.ceil(length / page_size) :] = fill
     return table
 
 
@@ -37,9 +37,22 @@ def run(case, table, mode, spec, backend, validate):
     """attn on a fresh copy of the case's caches with `table`: (output, k_cache, v_cache)."""
     k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
     with hybrid_ops.set_validation(validate):
-        out = torch.ops.hybrid.attn(case.q, case.k, case.v, k_cache, v_cache, case.cu_seqlens_q, case.seq_lens,
-                                    table, int(mode), sliding_window=6, logit_cap=5.0, prefill_backend=backend,
-                                    decode_backend=backend, speculative_attention_mode=spec)
+        out = torch.ops.hybrid.attn(
+            case.q,
+            case.k,
+            case.v,
+            k_cache,
+            v_cache,
+            case.cu_seqlens_q,
+            case.seq_lens,
+            table,
+            int(mode),
+            sliding_window=6,
+            logit_cap=5.0,
+            prefill_backend=backend,
+            decode_backend=backend,
+            speculative_attention_mode=spec,
+        )
     return out, k_cache, v_cache
 
 

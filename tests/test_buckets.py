@@ -22,13 +22,26 @@ from hybrid_ops.buckets import UNIFORM_MODES, batch_buckets, bucket_for, pad_bat
 PAGE = 4
 BATCH_SIZES, NUM_TOKENS = [2, 8], [8, 32]
 # Real batches per mode: uniform query lengths where the decode path may serve the mode.
-Q_LENS = {ForwardMode.EXTEND: [5, 1, 0, 9], ForwardMode.MIXED: [7, 1, 1, 6], ForwardMode.DECODE: [1, 1, 1],
-          ForwardMode.IDLE: [], ForwardMode.TARGET_VERIFY: [3, 3, 3], ForwardMode.DRAFT_EXTEND: [2, 2, 2]}
+Q_LENS = {
+    ForwardMode.EXTEND: [5, 1, 0, 9],
+    ForwardMode.MIXED: [7, 1, 1, 6],
+    ForwardMode.DECODE: [1, 1, 1],
+    ForwardMode.IDLE: [],
+    ForwardMode.TARGET_VERIFY: [3, 3, 3],
+    ForwardMode.DRAFT_EXTEND: [2, 2, 2],
+}
 PREFIXES = [6, 0, 9, 3]
 # (mode, speculative_attention_mode): each path every mode can take.
-ROUTES = [(ForwardMode.EXTEND, "prefill"), (ForwardMode.MIXED, "prefill"), (ForwardMode.DECODE, "decode"),
-          (ForwardMode.IDLE, "decode"), (ForwardMode.TARGET_VERIFY, "prefill"), (ForwardMode.TARGET_VERIFY, "decode"),
-          (ForwardMode.DRAFT_EXTEND, "prefill"), (ForwardMode.DRAFT_EXTEND, "decode")]
+ROUTES = [
+    (ForwardMode.EXTEND, "prefill"),
+    (ForwardMode.MIXED, "prefill"),
+    (ForwardMode.DECODE, "decode"),
+    (ForwardMode.IDLE, "decode"),
+    (ForwardMode.TARGET_VERIFY, "prefill"),
+    (ForwardMode.TARGET_VERIFY, "decode"),
+    (ForwardMode.DRAFT_EXTEND, "prefill"),
+    (ForwardMode.DRAFT_EXTEND, "decode"),
+]
 
 
 def test_bucket_lists():
@@ -54,8 +67,9 @@ def test_padding_q_lens():
     with pytest.raises(HybridInputError, match="11 padding tokens for 2 requests fit no batch bucket up to 3"):
         padding_q_lens([20, 1], ForwardMode.EXTEND, [2, 3], [32], 8)
     batch = ForwardBatch(ForwardMode.EXTEND, *make_case([3], [2], page_size=PAGE).args[5:])
-    with pytest.raises(HybridInputError, match="a padding request of 13 tokens exceeds block_table's capacity of "
-                                               "3 pages x 4 tokens"):
+    with pytest.raises(
+        HybridInputError, match="a padding request of 13 tokens exceeds block_table's capacity of 3 pages x 4 tokens"
+    ):
         pad_batch(batch, [13], 9, PAGE)
 
 
@@ -86,18 +100,20 @@ def test_padding_changes_no_real_output_or_page(backend, mode, spec):
         assert pad == [(case.q_lens or [0])[0]] * (padded.batch_size - len(case.q_lens))
     else:
         assert num_real + extra in NUM_TOKENS
-    options = dict(prefill_backend=backend, decode_backend=backend, speculative_attention_mode=spec,
-                   sliding_window=7)
+    options = dict(prefill_backend=backend, decode_backend=backend, speculative_attention_mode=spec, sliding_window=7)
     caches, outs = {}, {}
-    padding_rows = {name: tuple(torch.randn(rows, *t.shape[1:]) for t in (case.q, case.k, case.v))
-                    for name, rows in (("real", 0), ("padded", extra))}
+    padding_rows = {
+        name: tuple(torch.randn(rows, *t.shape[1:]) for t in (case.q, case.k, case.v))
+        for name, rows in (("real", 0), ("padded", extra))
+    }
     for deterministic in (False, True):
         with hybrid_ops.set_deterministic(deterministic):
             for name, batch in (("real", real), ("padded", padded)):
                 k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
                 q, k, v = (torch.cat([t, rows]) for t, rows in zip((case.q, case.k, case.v), padding_rows[name]))
-                outs[name, deterministic] = torch.ops.hybrid.attn(q, k, v, k_cache, v_cache, *batch.metadata,
-                                                                  int(mode), **options)
+                outs[name, deterministic] = torch.ops.hybrid.attn(
+                    q, k, v, k_cache, v_cache, *batch.metadata, int(mode), **options
+                )
                 caches[name] = k_cache, v_cache
     want = reference(case, sliding_window=7)
     for name in ("real", "padded"):
@@ -105,8 +121,9 @@ def test_padding_changes_no_real_output_or_page(backend, mode, spec):
             assert outs[name, deterministic].shape[0] == num_real + (extra if name == "padded" else 0)
             assert_close(outs[name, deterministic][:num_real], want, torch.float32)
     assert torch.equal(outs["padded", True][:num_real], outs["real", True])
-    for want, real_cache, padded_cache, before in zip(expected_cache(case), caches["real"], caches["padded"],
-                                                      (case.k_cache, case.v_cache)):
+    for want, real_cache, padded_cache, before in zip(
+        expected_cache(case), caches["real"], caches["padded"], (case.k_cache, case.v_cache)
+    ):
         assert torch.equal(real_cache, want)
         assert torch.equal(padded_cache[:scratch], want[:scratch])
         assert torch.equal(padded_cache[scratch], before[scratch]) == (extra == 0)
@@ -123,8 +140,7 @@ def test_replay_pads_a_smaller_batch(backend, mode, q_len, bs):
     assert cache.scratch_page == num_pages and cache.num_free_pages == num_pages
     cache.k_caches[0][:num_pages].copy_(case.k_cache)
     cache.v_caches[0][:num_pages].copy_(case.v_cache)
-    hybrid = HybridAttnBackend(PhaseBackend(cache, backend), PhaseBackend(cache, backend), "decode",
-                               speculative=True)
+    hybrid = HybridAttnBackend(PhaseBackend(cache, backend), PhaseBackend(cache, backend), "decode", speculative=True)
     hybrid.init_cuda_graph_state(max_bs=8, max_num_tokens=24)
     hybrid.init_forward_metadata_capture_cuda_graph(bs, bs * q_len, mode)
     real = ForwardBatch(mode, case.cu_seqlens_q, case.seq_lens, case.block_table)
@@ -150,9 +166,18 @@ def test_replay_pads_a_smaller_batch(backend, mode, q_len, bs):
 
 
 def tiny_model():
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-                         eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
 
@@ -174,8 +199,9 @@ def test_generator_pads_every_step_to_a_bucket(fresh_dynamo):
     """A long ragged run (requests joining and finishing, chunked prefills, MIXED steps): the padded, compiled
     forward meets only bucket shapes, and the tokens are the unpadded run's."""
     model = tiny_model()
-    prompts = [[(5 * i + 3 * j) % 60 + 1 for j in range(n)] for i, n in enumerate([3, 17, 1, 9, 26, 6, 12, 2, 30, 5,
-                                                                                   14, 7])]
+    prompts = [
+        [(5 * i + 3 * j) % 60 + 1 for j in range(n)] for i, n in enumerate([3, 17, 1, 9, 26, 6, 12, 2, 30, 5, 14, 7])
+    ]
     options = dict(max_batch_size=4, max_seq_len=40, page_size=PAGE, prefill_chunk=10)
     plain = HybridGenerator(model, compile=False, **options)
     plain_shapes = count_shapes(plain)

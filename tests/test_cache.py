@@ -47,7 +47,9 @@ def test_per_layer_shapes():
     assert [(k.shape, v.shape) for k, v in zip(cache.k_caches, cache.v_caches)] == [((5, 2, 1, 8), (5, 2, 1, 4))] * 2
     cache = PagedKVCache(num_pages=5, page_size=2, num_kv_heads=1, head_dim=8, layer_shapes=[(2, 8, 8), (4, 16, 12)])
     assert [(k.shape[2:], v.shape[2:]) for k, v in zip(cache.k_caches, cache.v_caches)] == [
-        ((2, 8), (2, 8)), ((4, 16), (4, 12))]
+        ((2, 8), (2, 8)),
+        ((4, 16), (4, 12)),
+    ]
     with pytest.raises(HybridInputError, match="layer 1's v_head_dim must be a positive int, got 0"):
         PagedKVCache(num_pages=5, page_size=2, num_kv_heads=1, head_dim=8, layer_shapes=[(2, 8, 8), (4, 16, 0)])
 
@@ -57,8 +59,7 @@ def test_generation_over_the_cache():
     built from the tokens each request has seen."""
     rng = random.Random(0)
     torch.manual_seed(0)
-    cache = PagedKVCache(num_pages=40, page_size=3, num_kv_heads=2, head_dim=8, num_layers=2,
-                         max_pages_per_request=12)
+    cache = PagedKVCache(num_pages=40, page_size=3, num_kv_heads=2, head_dim=8, num_layers=2, max_pages_per_request=12)
     history = {}  # (layer, request) -> (keys, values) so far
     live = []
     for step in range(30):
@@ -114,8 +115,14 @@ def test_truncate_off_a_page_boundary_keeps_the_partly_filled_page():
     cache.add("b")
     batch = cache.step(["b"], [8])
     assert not set(batch.block_table[0, :2].tolist()) & set(a_pages)
-    torch.ops.hybrid.attn(torch.randn(8, 4, 8), torch.randn(8, 2, 8), torch.randn(8, 2, 8), *cache.layer(0),
-                          *batch.metadata, int(ForwardMode.EXTEND))
+    torch.ops.hybrid.attn(
+        torch.randn(8, 4, 8),
+        torch.randn(8, 2, 8),
+        torch.randn(8, 2, 8),
+        *cache.layer(0),
+        *batch.metadata,
+        int(ForwardMode.EXTEND),
+    )
 
     batch = cache.step(["a"], [1], ForwardMode.DECODE)
     assert batch.block_table[0, :2].tolist() == a_pages
@@ -125,6 +132,7 @@ def test_truncate_off_a_page_boundary_keeps_the_partly_filled_page():
 
 
 # Shared pages and the prefix cache.
+
 
 def check_pages(cache):
     """Every page is exactly one of: held (its count = the number of block tables listing it), unused, or cached; so
@@ -192,8 +200,7 @@ def test_fork_shares_full_pages_and_copies_the_partly_filled_one():
 def test_fp8_cache_keeps_its_scales_and_copies_pages_bit_for_bit(dtype):
     """An fp8 cache: a scale tensor per layer and role, the ops' keywords from `scales`; the store's bytes are the
     quantized rows, a forked request's copy on write keeps them, and attention reads them back times the scale."""
-    cache = PagedKVCache(num_pages=8, page_size=4, num_kv_heads=2, head_dim=8, num_layers=2, dtype=dtype,
-                         kv_scale=0.25)
+    cache = PagedKVCache(num_pages=8, page_size=4, num_kv_heads=2, head_dim=8, num_layers=2, dtype=dtype, kv_scale=0.25)
     assert PagedKVCache(4, 4, 2, 8).scales(0) == {}
     scales = [cache.scales(layer) for layer in range(2)]
     assert all(s.dtype == torch.float32 and s.shape == () and s.item() == 0.25 for d in scales for s in d.values())
@@ -203,8 +210,16 @@ def test_fp8_cache_keeps_its_scales_and_copies_pages_bit_for_bit(dtype):
     history = []
     for layer in range(2):
         q, k, v = torch.randn(10, 4, 8), torch.randn(10, 2, 8) * 3, torch.randn(10, 2, 8) * 3
-        torch.ops.hybrid.attn(q, k, v, *cache.layer(layer), *batch.metadata, int(ForwardMode.EXTEND),
-                              **cache.scales(layer), prefill_backend="torch")
+        torch.ops.hybrid.attn(
+            q,
+            k,
+            v,
+            *cache.layer(layer),
+            *batch.metadata,
+            int(ForwardMode.EXTEND),
+            **cache.scales(layer),
+            prefill_backend="torch",
+        )
         history.append((k, v))
     cache.fork("parent", "child")
     batch = cache.step(["child"], [1], ForwardMode.DECODE)
@@ -216,19 +231,25 @@ def test_fp8_cache_keeps_its_scales_and_copies_pages_bit_for_bit(dtype):
             assert cached.dtype == dtype
             assert torch.equal(cached[page, :2].view(torch.uint8), to_fp8(rows[8:10], scale, dtype).view(torch.uint8))
         q, k1, v1 = torch.randn(1, 4, 8), torch.randn(1, 2, 8), torch.randn(1, 2, 8)
-        out = torch.ops.hybrid.attn(q, k1, v1, *cache.layer(layer), *batch.metadata, int(ForwardMode.DECODE),
-                                    **cache.scales(layer))
+        out = torch.ops.hybrid.attn(
+            q, k1, v1, *cache.layer(layer), *batch.metadata, int(ForwardMode.DECODE), **cache.scales(layer)
+        )
         keys, values = (from_fp8(to_fp8(torch.cat(x), scale, dtype), scale) for x in ((k, k1), (v, v1)))
         assert_close(out, dense_attention(q, keys, values, 10), torch.float32)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(dtype=torch.int8), "dtype must be a floating-point torch.dtype (float8_e4m3fn and float8_e5m2 included), "
-                             "got torch.int8"),
-    (dict(dtype="bf16"), "dtype must be a floating-point torch.dtype"),
-    (dict(dtype=torch.float8_e4m3fn, kv_scale=0.0), "kv_scale must be a finite positive float, got 0.0"),
-    (dict(dtype=torch.float8_e5m2, kv_scale=float("nan")), "kv_scale must be a finite positive float, got nan"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            dict(dtype=torch.int8),
+            "dtype must be a floating-point torch.dtype (float8_e4m3fn and float8_e5m2 included), got torch.int8",
+        ),
+        (dict(dtype="bf16"), "dtype must be a floating-point torch.dtype"),
+        (dict(dtype=torch.float8_e4m3fn, kv_scale=0.0), "kv_scale must be a finite positive float, got 0.0"),
+        (dict(dtype=torch.float8_e5m2, kv_scale=float("nan")), "kv_scale must be a finite positive float, got nan"),
+    ],
+)
 def test_bad_cache_dtype_or_scale(kwargs, message):
     with pytest.raises(HybridInputError, match=re.escape(message)):
         PagedKVCache(4, 4, 2, 8, **kwargs)
@@ -238,14 +259,14 @@ def test_truncating_into_a_shared_or_cached_page_copies_it_before_writing():
     cache = PagedKVCache(num_pages=8, page_size=4, num_kv_heads=2, head_dim=8, max_pages_per_request=4)
     tokens = list(range(1, 13))
     cache.add("a")
-    (k, v), = write_tokens(cache, "a", 12)
+    ((k, v),) = write_tokens(cache, "a", 12)
     cache.register_tokens("a", tokens)
     pages = cache.pages("a")
     k_cache, v_cache = cache.layer(0)
     cache.fork("a", "b")
     cache.truncate("b", 6)  # into the second page, which "a" holds too
     assert cache.pages("b") == pages[:2]
-    (k_b, _), = write_tokens(cache, "b", 1)
+    ((k_b, _),) = write_tokens(cache, "b", 1)
     assert cache.pages("b")[0] == pages[0] and cache.pages("b")[1] not in pages
     assert torch.equal(k_cache[cache.pages("b")[1], :3], torch.cat([k[4:6], k_b]))
     assert torch.equal(k_cache[pages[1]], k[4:8]) and cache.pages("a") == pages
@@ -284,7 +305,13 @@ def test_a_finished_requests_pages_serve_a_later_prefix_until_evicted():
     assert cache.pages("b")[:2] == pages[:2]
     assert torch.equal(cache.layer(0)[0][pages[:2]], k)
     cache.free("b")  # b registered nothing past the 8 tokens it started with: only those two pages are cached
-    assert cache.add("c", prompt, ) == 8
+    assert (
+        cache.add(
+            "c",
+            prompt,
+        )
+        == 8
+    )
     cache.free("c")
 
     cache.add("d")
@@ -338,8 +365,10 @@ def test_bad_fork_and_registration_leave_the_cache_unchanged():
         (lambda: cache.fork("a", "b"), "child 'b' is in the cache already"),
         (lambda: cache.fork("a", "a"), "child 'a' is in the cache already"),
         (lambda: cache.add("a", [1, 2, 3, 4]), "request_id 'a' is in the cache already"),
-        (lambda: cache.register_tokens("a", [1] * 6), "token_ids: 6 ids after the 0 registered exceed the 5 tokens "
-                                                      "of request 'a'"),
+        (
+            lambda: cache.register_tokens("a", [1] * 6),
+            "token_ids: 6 ids after the 0 registered exceed the 5 tokens of request 'a'",
+        ),
         (lambda: cache.register_tokens("x", [1]), "request_id 'x' is not in the cache (never added, or freed already)"),
     ]:
         with pytest.raises(HybridInputError) as error:
@@ -360,8 +389,9 @@ def test_random_requests_share_pages_and_never_write_what_another_reads():
     request reads, in every layer's k and v, the rows of its own tokens; at each step the new tokens land only in
     pages their request alone holds and no key describes."""
     size, vocab = 3, (1, 3)
-    cache = PagedKVCache(num_pages=20, page_size=size, num_kv_heads=1, head_dim=1, num_layers=2,
-                         max_pages_per_request=8)
+    cache = PagedKVCache(
+        num_pages=20, page_size=size, num_kv_heads=1, head_dim=1, num_layers=2, max_pages_per_request=8
+    )
     capacity = 8 * size
     stem = [random.randint(*vocab) for _ in range(12)]
     tokens = {}  # request id -> its tokens in the cache
@@ -383,8 +413,10 @@ def test_random_requests_share_pages_and_never_write_what_another_reads():
             tokens[op] = list(tokens[parent])
         elif action == "step":
             ids = random.sample(live, random.randint(1, len(live)))
-            new = {rid: [random.randint(*vocab) for _ in range(random.randint(0, min(4, capacity - len(tokens[rid]))))]
-                   for rid in ids}
+            new = {
+                rid: [random.randint(*vocab) for _ in range(random.randint(0, min(4, capacity - len(tokens[rid]))))]
+                for rid in ids
+            }
             before = {rid: (cache.pages(rid), cache.seq_len(rid)) for rid in live}
             cached = cache.num_cached_pages
             try:

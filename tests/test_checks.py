@@ -21,11 +21,17 @@ from hybrid_ops.validation import args_ok, check_args, check_metadata_values, de
 # v_scale.
 SCALARS = ("scale", "sliding_window", "logit_cap")
 KV_SCALES = ("k_scale", "v_scale")
-MUTATIONS = {name: mutation for name, (op, mutation, _) in {**BAD_INPUTS, **VALUE_INPUTS}.items()
-             if set(mutation(valid_case("decode").args, {})[1]) <= {*SCALARS, *KV_SCALES}}
+MUTATIONS = {
+    name: mutation
+    for name, (op, mutation, _) in {**BAD_INPUTS, **VALUE_INPUTS}.items()
+    if set(mutation(valid_case("decode").args, {})[1]) <= {*SCALARS, *KV_SCALES}
+}
 VALID_OPTIONS = {"scale": [None, 0.125, 1.0], "sliding_window": [-1, 1, 5], "logit_cap": [0.0, 3.0]}
-BAD_OPTIONS = {"scale": [0.0, -1.0, math.nan, math.inf], "sliding_window": [0, -2], "logit_cap": [-1.0, math.nan,
-                                                                                                   math.inf]}
+BAD_OPTIONS = {
+    "scale": [0.0, -1.0, math.nan, math.inf],
+    "sliding_window": [0, -2],
+    "logit_cap": [-1.0, math.nan, math.inf],
+}
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # The caches' dtypes: q's (None), fp8, or two that differ.
 CACHE_DTYPES = [None, E4M3, E5M2, (E4M3, E5M2), (E5M2, torch.float32)]
@@ -66,13 +72,22 @@ def inputs(draw, first=None):
     values on top."""
     decode = draw(st.booleans())
     num_requests = draw(st.integers(0, 4))
-    q_lens = [draw(st.integers(1, 3))] * num_requests if decode else draw(
-        st.lists(st.integers(0, 5), min_size=num_requests, max_size=num_requests))
-    case = make_case(q_lens, draw(st.lists(st.integers(0, 9), min_size=num_requests, max_size=num_requests)),
-                     num_q_heads=draw(st.sampled_from([2, 4, 8])), num_kv_heads=2,
-                     head_dim=draw(st.sampled_from([8, 16])),
-                     page_size=draw(st.sampled_from([1, 4])), strided=draw(st.booleans()),
-                     dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])), seed=draw(st.integers(0, 2**16)))
+    q_lens = (
+        [draw(st.integers(1, 3))] * num_requests
+        if decode
+        else draw(st.lists(st.integers(0, 5), min_size=num_requests, max_size=num_requests))
+    )
+    case = make_case(
+        q_lens,
+        draw(st.lists(st.integers(0, 9), min_size=num_requests, max_size=num_requests)),
+        num_q_heads=draw(st.sampled_from([2, 4, 8])),
+        num_kv_heads=2,
+        head_dim=draw(st.sampled_from([8, 16])),
+        page_size=draw(st.sampled_from([1, 4])),
+        strided=draw(st.booleans()),
+        dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
+        seed=draw(st.integers(0, 2**16)),
+    )
     args, options = list(case.args), {name: draw(st.sampled_from(values)) for name, values in VALID_OPTIONS.items()}
     cache_dtypes = draw(st.sampled_from(CACHE_DTYPES))
     if cache_dtypes is not None:
@@ -80,8 +95,9 @@ def inputs(draw, first=None):
         args[3:5] = (cache.to(dtype) for cache, dtype in zip(args[3:5], cache_dtypes))
     options |= dict(zip(KV_SCALES, KV_SCALE_ARGS[draw(st.sampled_from(list(KV_SCALE_ARGS)))]()))
     bad_option = st.sampled_from([(name, value) for name, values in BAD_OPTIONS.items() for value in values])
-    for mutation in [first or (lambda *a: a)] + draw(st.lists(st.one_of(st.sampled_from(list(MUTATIONS.values())),
-                                                                         bad_option), max_size=2)):
+    for mutation in [first or (lambda *a: a)] + draw(
+        st.lists(st.one_of(st.sampled_from(list(MUTATIONS.values())), bad_option), max_size=2)
+    ):
         if isinstance(mutation, tuple):
             options = {**options, mutation[0]: mutation[1]}
             continue

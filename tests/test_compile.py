@@ -19,8 +19,19 @@ class Attention(torch.nn.Module):
     """A layer around the op, as a model calls it: a projection before, one after."""
 
     def forward(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode: int):
-        out = torch.ops.hybrid.attn(q * 1.0, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table,
-                                    forward_mode, sliding_window=8, speculative_attention_mode="decode")
+        out = torch.ops.hybrid.attn(
+            q * 1.0,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            cu_seqlens_q,
+            seq_lens,
+            block_table,
+            forward_mode,
+            sliding_window=8,
+            speculative_attention_mode="decode",
+        )
         return out + 0.0
 
 
@@ -44,8 +55,20 @@ class FeatureAttention(torch.nn.Module):
         self.sinks = torch.nn.Parameter(torch.randn(4) * 2)
 
     def forward(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode: int):
-        return torch.ops.hybrid.attn(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode,
-                                     sinks=self.sinks.float(), attention_chunk=5, speculative_attention_mode="decode")
+        return torch.ops.hybrid.attn(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            cu_seqlens_q,
+            seq_lens,
+            block_table,
+            forward_mode,
+            sinks=self.sinks.float(),
+            attention_chunk=5,
+            speculative_attention_mode="decode",
+        )
 
 
 def test_features_all_modes_no_recompiles():
@@ -124,8 +147,9 @@ def test_cache_written_in_place(cache_as):
             self.register_buffer("v_cache", case.v_cache)
 
         def forward(self, q, k, v, cu_seqlens_q, seq_lens, block_table, forward_mode: int):
-            return torch.ops.hybrid.attn(q, k, v, self.k_cache, self.v_cache, cu_seqlens_q, seq_lens, block_table,
-                                         forward_mode)
+            return torch.ops.hybrid.attn(
+                q, k, v, self.k_cache, self.v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode
+            )
 
     if cache_as == "inputs":
         fn, args = torch.compile(Attention(), fullgraph=True, dynamic=True), (*case.args, 1)

@@ -20,17 +20,23 @@ def message(op, mutation) -> str:
 
 class TestContract(expecttest.TestCase):
     def test_schemas(self):
-        schemas = "\n".join(str(getattr(torch.ops.hybrid, name).default._schema)
-                            for name in ("prefill", "decode", "attn", "plan"))
-        self.assertExpectedInline(schemas, """\
+        schemas = "\n".join(
+            str(getattr(torch.ops.hybrid, name).default._schema) for name in ("prefill", "decode", "attn", "plan")
+        )
+        self.assertExpectedInline(
+            schemas,
+            """\
 hybrid::prefill(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, *, float? scale=None, int sliding_window=-1, float logit_cap=0., Tensor? sinks=None, int attention_chunk=-1, Tensor? k_scale=None, Tensor? v_scale=None, str backend="auto") -> Tensor
 hybrid::decode(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, *, float? scale=None, int sliding_window=-1, float logit_cap=0., Tensor? sinks=None, int attention_chunk=-1, Tensor? k_scale=None, Tensor? v_scale=None, str backend="auto") -> Tensor
 hybrid::attn(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, SymInt forward_mode, *, float? scale=None, int sliding_window=-1, float logit_cap=0., Tensor? sinks=None, int attention_chunk=-1, Tensor? k_scale=None, Tensor? v_scale=None, str prefill_backend="auto", str decode_backend="auto", str speculative_attention_mode="prefill") -> Tensor
-hybrid::plan(Tensor k_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, SymInt forward_mode, *, ScalarType q_dtype, int num_q_heads, float? scale=None, int sliding_window=-1, float logit_cap=0., Tensor? sinks=None, int attention_chunk=-1, Tensor? k_scale=None, Tensor? v_scale=None, str prefill_backend="auto", str decode_backend="auto", str speculative_attention_mode="prefill", bool cuda_graph=False) -> ()""")
+hybrid::plan(Tensor k_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, SymInt forward_mode, *, ScalarType q_dtype, int num_q_heads, float? scale=None, int sliding_window=-1, float logit_cap=0., Tensor? sinks=None, int attention_chunk=-1, Tensor? k_scale=None, Tensor? v_scale=None, str prefill_backend="auto", str decode_backend="auto", str speculative_attention_mode="prefill", bool cuda_graph=False) -> ()""",
+        )
 
     def test_bad_input_messages(self):
         messages = "\n".join(f"{name}: {message(op, mutation)}" for name, (op, mutation, _) in BAD_INPUTS.items())
-        self.assertExpectedInline(messages, """\
+        self.assertExpectedInline(
+            messages,
+            """\
 float_block_table: block_table must be int32, got torch.float32
 int64_block_table: block_table must be int32, got torch.int64
 int64_seq_lens: seq_lens must be int32, got torch.int64
@@ -68,13 +74,15 @@ zero_window: sliding_window must be -1 (no window) or a positive int, got 0
 inf_logit_cap: logit_cap must be 0.0 (no soft-cap) or a finite positive float, got inf
 unknown_backend: backend must be 'auto' or one of ['cpu', 'flashinfer', 'torch', 'triton'], got 'cudnn'
 unknown_decode_backend: decode_backend must be 'auto' or one of ['cpu', 'flashinfer', 'torch', 'triton'], got 'x'
-unknown_spec_mode: speculative_attention_mode must be one of ('prefill', 'decode'), got 'draft'""")
+unknown_spec_mode: speculative_attention_mode must be one of ('prefill', 'decode'), got 'draft'""",
+        )
 
     def test_bad_value_messages(self):
         with hybrid_ops.set_validation(True):
-            messages = "\n".join(f"{name}: {message(op, mutation)}"
-                                 for name, (op, mutation, _) in VALUE_INPUTS.items())
-        self.assertExpectedInline(messages, """\
+            messages = "\n".join(f"{name}: {message(op, mutation)}" for name, (op, mutation, _) in VALUE_INPUTS.items())
+        self.assertExpectedInline(
+            messages,
+            """\
 cu_seqlens_not_from_0: cu_seqlens_q must start at 0, got 1
 cu_seqlens_decreasing: cu_seqlens_q must be non-decreasing, got [0, 9, 7]
 cu_seqlens_not_T: cu_seqlens_q must end at the number of tokens T = 7, got 6
@@ -84,4 +92,5 @@ block_id_high: block_table[0, 0] = 10000 is not a page of the cache (0 <= id < 8
 block_id_negative: block_table[1, 0] = -1 is not a page of the cache (0 <= id < 7)
 table_too_short: seq_lens[1] = 400 exceeds block_table's capacity of 4 pages x 4 = 16 tokens
 table_one_short: seq_lens[1] = 17 exceeds block_table's capacity of 4 pages x 4 = 16 tokens
-decode_ragged_lengths: decode needs the same query length for every request, got [1, 0, 2]""")
+decode_ragged_lengths: decode needs the same query length for every request, got [1, 0, 2]""",
+        )

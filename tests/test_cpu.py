@@ -22,33 +22,49 @@ RELATIVE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 5e-3}
 
 CASES = {  # op, make_case arguments
     # Units of every kv head: 5 slices, exactly 2, and a slice boundary at the last key; page 16.
-    "decode": ("decode", dict(q_lens=[1] * 3, prefix_lens=[1100, 511, 1536], num_q_heads=8, num_kv_heads=2,
-                              head_dim=128, page_size=16)),
+    "decode": (
+        "decode",
+        dict(q_lens=[1] * 3, prefix_lens=[1100, 511, 1536], num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16),
+    ),
     # 3 draft tokens x group 4 = 12 rows per kv head: units of every kv head; 3 and 2 slices; page 7; head dim 80.
-    "verify_all_heads": ("decode", dict(q_lens=[3] * 2, prefix_lens=[600, 260], num_q_heads=8, num_kv_heads=2,
-                                        head_dim=80, page_size=7)),
+    "verify_all_heads": (
+        "decode",
+        dict(q_lens=[3] * 2, prefix_lens=[600, 260], num_q_heads=8, num_kv_heads=2, head_dim=80, page_size=7),
+    ),
     # 4 draft tokens x group 8 = 32 rows (the many-rows path); head dim 80 (copied rows); page 5.
-    "verify": ("decode", dict(q_lens=[4] * 2, prefix_lens=[700, 1030], num_q_heads=16, num_kv_heads=2, head_dim=80,
-                              page_size=5)),
+    "verify": (
+        "decode",
+        dict(q_lens=[4] * 2, prefix_lens=[700, 1030], num_q_heads=16, num_kv_heads=2, head_dim=80, page_size=5),
+    ),
     # A short chunk over a long prefix (one query block: sliced keys) beside a chunk of two query blocks (group 4:
     # 128 tokens a block; 600 rows), whose tiles are packed once: from key 0, or (window 77) from the second tile.
-    "chunk_over_prefix": ("prefill", dict(q_lens=[9, 150], prefix_lens=[1200, 400], num_q_heads=8, num_kv_heads=2,
-                                          head_dim=64, page_size=16)),
+    "chunk_over_prefix": (
+        "prefill",
+        dict(q_lens=[9, 150], prefix_lens=[1200, 400], num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16),
+    ),
     # A head dim of no whole vectors (zero-padded in every tile), a prefix that ends mid-page, pages of 3; a chunk of
     # two query blocks (group 2: 256 tokens a block), whose tiles are packed once.
-    "head_dim_20": ("prefill", dict(q_lens=[40, 300], prefix_lens=[37, 0], num_q_heads=4, num_kv_heads=2, head_dim=20,
-                                    page_size=3)),
+    "head_dim_20": (
+        "prefill",
+        dict(q_lens=[40, 300], prefix_lens=[37, 0], num_q_heads=4, num_kv_heads=2, head_dim=20, page_size=3),
+    ),
     # Positions of 32 bytes in 16-bit caches (D 8, 2 kv heads): where a vector holds 8 floats (AVX2, DEFAULT) the rows
     # are read in place and a 4 KiB memory page holds more positions than a tile.
-    "small_positions": ("decode", dict(q_lens=[1] * 2, prefix_lens=[300, 70], num_q_heads=4, num_kv_heads=2,
-                                       head_dim=8, page_size=16)),
+    "small_positions": (
+        "decode",
+        dict(q_lens=[1] * 2, prefix_lens=[300, 70], num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=16),
+    ),
     # Fresh prefills, one of two query blocks (group 1: 512 tokens a block), page 1.
-    "prefill": ("prefill", dict(q_lens=[600, 70], prefix_lens=[0, 0], num_q_heads=2, num_kv_heads=2, head_dim=128,
-                                page_size=1)),
+    "prefill": (
+        "prefill",
+        dict(q_lens=[600, 70], prefix_lens=[0, 0], num_q_heads=2, num_kv_heads=2, head_dim=128, page_size=1),
+    ),
     # Few rows (2 draft tokens x group 2) of a head dim of no whole vectors: units of one kv head over rows copied to
     # fp32; 2 slices and 1; page 3.
-    "verify_head_dim_20": ("decode", dict(q_lens=[2] * 2, prefix_lens=[700, 90], num_q_heads=4, num_kv_heads=2,
-                                          head_dim=20, page_size=3)),
+    "verify_head_dim_20": (
+        "decode",
+        dict(q_lens=[2] * 2, prefix_lens=[700, 90], num_q_heads=4, num_kv_heads=2, head_dim=20, page_size=3),
+    ),
 }
 OPTIONS = {
     "default": dict(),
@@ -62,7 +78,7 @@ def pad_table_with_minus_one(case):
     """Table entries past each request's pages become -1, as transformers' paged cache pads them."""
     page_size = case.k_cache.shape[1]
     for i, length in enumerate(case.seq_lens.tolist()):
-        case.block_table[i, math.ceil(length / page_size):] = -1
+        case.block_table[i, math.ceil(length / page_size) :] = -1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -118,8 +134,7 @@ def test_fp8_long_contexts_against_float64(name, cache_dtype, scales):
     op, kwargs = CASES[name]
     case = make_case(**kwargs, dtype=FP8_DTYPES[name], seed=11)
     pad_table_with_minus_one(case)
-    check_fp8(op, case, FP8[cache_dtype], *fp8_scales(scales, kwargs["num_kv_heads"]),
-              **OPTIONS[FP8_OPTIONS[scales]])
+    check_fp8(op, case, FP8[cache_dtype], *fp8_scales(scales, kwargs["num_kv_heads"]), **OPTIONS[FP8_OPTIONS[scales]])
 
 
 @pytest.mark.parametrize("cache_dtype", FP8)
@@ -128,8 +143,9 @@ def test_fp8_store_saturates(op, cache_dtype):
     """New k, v past the format's range (inf included) are stored as its largest value, as torch's conversion after the
     clamp: e5m2's conversion alone would make them inf. Decode reads them in place, prefill through brgemm."""
     q_lens = [1, 1] if op == "decode" else [20, 9]
-    case = make_case(q_lens, [30, 70], num_q_heads=16, num_kv_heads=2, head_dim=64, page_size=16,
-                     dtype=torch.float32, seed=12)
+    case = make_case(
+        q_lens, [30, 70], num_q_heads=16, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32, seed=12
+    )
     k_scale, v_scale = fp8_scales("per_head", 2)
     limit = torch.finfo(FP8[cache_dtype]).max
     for t, kv_scale in ((case.k, k_scale), (case.v, v_scale)):
@@ -145,8 +161,9 @@ def test_fp8_store_rounds_as_torch(cache_dtype, head_dim):
     the floats beside them, subnormals, saturation, inf, NaN) times per-head scales: torch's quantization, bit for
     bit. The attention over them means nothing; it must only run."""
     k_scale, v_scale = torch.tensor([1.0, 0.37]), torch.tensor([3.1, 1.0])
-    fp8, _, (k_expected, v_expected) = fp8_case(fp8_store_case(FP8[cache_dtype], k_scale, v_scale, head_dim),
-                                                FP8[cache_dtype], k_scale, v_scale)
+    fp8, _, (k_expected, v_expected) = fp8_case(
+        fp8_store_case(FP8[cache_dtype], k_scale, v_scale, head_dim), FP8[cache_dtype], k_scale, v_scale
+    )
     torch.ops.hybrid.prefill(*fp8.args, k_scale=k_scale, v_scale=v_scale, backend="cpu")
     assert torch.equal(fp8.k_cache.view(torch.uint8), k_expected), "k_cache differs from torch's quantization"
     assert torch.equal(fp8.v_cache.view(torch.uint8), v_expected), "v_cache differs from torch's quantization"
@@ -155,8 +172,9 @@ def test_fp8_store_rounds_as_torch(cache_dtype, head_dim):
 def test_fp8_backend_object_takes_per_head_views():
     """The backend object's own call, as the ops' Python implementation makes it: scales as [Hkv] stride-0 views."""
     backend = hybrid_ops.get_backend("cpu", torch.device("cpu"), torch.bfloat16, 64)
-    case = make_case([1] * 3, [300, 5, 1000], num_q_heads=8, num_kv_heads=4, head_dim=64, page_size=16,
-                     dtype=torch.bfloat16, seed=13)
+    case = make_case(
+        [1] * 3, [300, 5, 1000], num_q_heads=8, num_kv_heads=4, head_dim=64, page_size=16, dtype=torch.bfloat16, seed=13
+    )
     k_scale, v_scale = torch.tensor(0.3), torch.tensor([2.5])
     fp8, read, (k_expected, v_expected) = fp8_case(case, torch.float8_e5m2, k_scale, v_scale)
     views = {name: per_head(s, 4, case.q.device) for name, s in (("k_scale", k_scale), ("v_scale", v_scale))}
@@ -232,9 +250,11 @@ def python_calls(monkeypatch):
     hybrid_ops.get_backend("cpu", torch.device("cpu"), torch.float32, 8)  # loads the kernels and their entry points
     calls = []
     for name, impl in list(PYTHON_IMPLEMENTATIONS.items()):
+
         def counted(*args, _name=name, _impl=impl, **kwargs):
             calls.append(_name)
             return _impl(*args, **kwargs)
+
         monkeypatch.setitem(PYTHON_IMPLEMENTATIONS, name, counted)
     return calls
 
@@ -253,8 +273,14 @@ def test_native_calls_skip_python(python_calls, names):
         case = attn_case(mode, spec)
         k_ref, v_ref = expected_cache(case)
         python_calls.clear()
-        out = torch.ops.hybrid.attn(*case.args, int(mode), prefill_backend=prefill_backend,
-                                    decode_backend=decode_backend, speculative_attention_mode=spec, logit_cap=3.0)
+        out = torch.ops.hybrid.attn(
+            *case.args,
+            int(mode),
+            prefill_backend=prefill_backend,
+            decode_backend=decode_backend,
+            speculative_attention_mode=spec,
+            logit_cap=3.0,
+        )
         routed = decode_backend if select_path(mode, spec) == "decode" else prefill_backend
         assert python_calls == ([] if routed != "torch" else ["attn"]), (mode, spec)
         assert torch.allclose(out.double(), reference(case, logit_cap=3.0), atol=2e-5), (mode, spec)
@@ -273,8 +299,12 @@ def test_rejected_calls_reach_python(python_calls):
     before = case.k_cache.clone()
     bad = {
         "gqa ratio": ((case.q[:, :3], *case.args[1:]), 1, {}, "Hq % Hkv"),
-        "strided cache": ((*case.args[:3], case.k_cache.transpose(0, 1).contiguous().transpose(0, 1),
-                           *case.args[4:]), 1, {}, "contiguous"),
+        "strided cache": (
+            (*case.args[:3], case.k_cache.transpose(0, 1).contiguous().transpose(0, 1), *case.args[4:]),
+            1,
+            {},
+            "contiguous",
+        ),
         "window": (case.args, 1, {"sliding_window": 0}, "sliding_window must be -1"),
         "scale": (case.args, 1, {"scale": math.inf}, "scale must be a finite positive"),
         "mode": (case.args, 9, {}, "forward_mode must be one of"),
@@ -294,6 +324,7 @@ def test_rejected_calls_reach_python(python_calls):
 
 def test_auto_follows_a_preferred_backend(python_calls):
     """A backend registered with prefer=True takes "auto" from the entry points, and gives it back when gone."""
+
     class Preferred(TorchBackend):
         name = "preferred"
 
@@ -312,11 +343,15 @@ def test_fp8_calls_skip_python(python_calls, backend):
     """fp8 calls with scales of each accepted shape, or none, run in C++; with sinks, which the kernel does not
     implement, the call goes to Python (and "auto" to the torch backend)."""
     one = torch.tensor(1.0)
-    for scales in ({}, dict(k_scale=torch.tensor(0.5), v_scale=torch.tensor([2.0])),
-                   dict(k_scale=torch.tensor([0.5, 3.0]), v_scale=torch.tensor([2.0, 0.2]))):
+    for scales in (
+        {},
+        dict(k_scale=torch.tensor(0.5), v_scale=torch.tensor([2.0])),
+        dict(k_scale=torch.tensor([0.5, 3.0]), v_scale=torch.tensor([2.0, 0.2])),
+    ):
         case = attn_case(ForwardMode.DECODE, "prefill")
-        fp8, read, (k_expected, v_expected) = fp8_case(case, torch.float8_e4m3fn, scales.get("k_scale", one),
-                                                       scales.get("v_scale", one))
+        fp8, read, (k_expected, v_expected) = fp8_case(
+            case, torch.float8_e4m3fn, scales.get("k_scale", one), scales.get("v_scale", one)
+        )
         python_calls.clear()
         out = torch.ops.hybrid.decode(*fp8.args, **scales, backend=backend)
         assert python_calls == []

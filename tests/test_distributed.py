@@ -59,25 +59,49 @@ def test_each_rank_caches_its_own_kv_heads(ranks, name):
 @pytest.mark.parametrize("name", SHARDED)
 def test_ranks_sample_rank_zeros_tokens(ranks, name):
     """The ranks seed their generators differently; all take rank 0's samples, which one process seeded alike draws."""
-    one_process = hybrid_ops.generate(make_model(name, "sdpa"), PROMPTS, NEW_TOKENS, compile=False, max_batch_size=3,
-                                      max_seq_len=48, page_size=4, prefill_chunk=12, do_sample=True, top_k=20, seed=0)
+    one_process = hybrid_ops.generate(
+        make_model(name, "sdpa"),
+        PROMPTS,
+        NEW_TOKENS,
+        compile=False,
+        max_batch_size=3,
+        max_seq_len=48,
+        page_size=4,
+        prefill_chunk=12,
+        do_sample=True,
+        top_k=20,
+        seed=0,
+    )
     assert [results[f"{name}/sampled"] for results in ranks] == [one_process] * 2
-    assert one_process != hybrid_ops.generate(make_model(name, "sdpa"), PROMPTS, NEW_TOKENS, compile=False,
-                                              max_batch_size=3, max_seq_len=48, page_size=4, prefill_chunk=12,
-                                              do_sample=True, top_k=20, seed=1)
+    assert one_process != hybrid_ops.generate(
+        make_model(name, "sdpa"),
+        PROMPTS,
+        NEW_TOKENS,
+        compile=False,
+        max_batch_size=3,
+        max_seq_len=48,
+        page_size=4,
+        prefill_chunk=12,
+        do_sample=True,
+        top_k=20,
+        seed=1,
+    )
 
 
 @pytest.mark.parametrize("name", SHARDED)
 def test_ranks_given_different_prompts_all_raise(ranks, name):
     for results in ranks:
-        assert results[f"{name}/different_prompts"] == ("prompts, max_new_tokens and the sampling options must be "
-                                                        "the same on every rank of the tensor-parallel group")
+        assert results[f"{name}/different_prompts"] == (
+            "prompts, max_new_tokens and the sampling options must be "
+            "the same on every rank of the tensor-parallel group"
+        )
 
 
 def test_kv_heads_that_do_not_divide_are_refused(ranks):
     for results in ranks:
-        assert results["one_kv_head/error"] == ("num_key_value_heads (1) must divide by the tensor-parallel size (2): "
-                                                "each rank must hold whole KV heads")
+        assert results["one_kv_head/error"] == (
+            "num_key_value_heads (1) must divide by the tensor-parallel size (2): each rank must hold whole KV heads"
+        )
 
 
 def test_tensor_parallel_example():

@@ -36,8 +36,13 @@ def test_generate_demo():
     """The README's first command, with fewer new tokens: compiles once, never recompiles, same tokens as
     transformers' static-cache generate."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, str(EXAMPLES / "generate.py"), "--max-new-tokens", "6"],
-                            capture_output=True, text=True, env=env, timeout=600)
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "generate.py"), "--max-new-tokens", "6"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "recompiles in the measured run: 0" in result.stdout
     assert "identical tokens for 8/8 prompts" in result.stdout
@@ -46,8 +51,12 @@ def test_generate_demo():
 @pytest.mark.slow
 def test_gpu_check_script_smoke(tmp_path):
     """The GPU check script's logic, at tiny sizes on the CPU, so it is ready whenever a GPU is."""
-    result = subprocess.run([sys.executable, str(EXAMPLES.parent / "scripts" / "gpu_check.py"), "--smoke", "--out",
-                             str(tmp_path)], capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES.parent / "scripts" / "gpu_check.py"), "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     for cache in ("torch.bfloat16", "torch.float8_e4m3fn"):
         assert f"correct: triton q torch.bfloat16, cache {cache}, every mode" in result.stdout
@@ -57,8 +66,13 @@ def test_gpu_check_script_smoke(tmp_path):
 @pytest.mark.slow
 def test_bench_runs(tmp_path):
     """The benchmark script runs (its dispatch section, quick); it asserts no timings, it only must not rot."""
-    result = subprocess.run([sys.executable, "-m", "bench", "dispatch", "--quick"], capture_output=True, text=True,
-                            timeout=600, cwd=EXAMPLES.parent)
+    result = subprocess.run(
+        [sys.executable, "-m", "bench", "dispatch", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=EXAMPLES.parent,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| compiled decode (T = 1), cpu backend |" in result.stdout
 

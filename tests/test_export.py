@@ -28,8 +28,19 @@ class Attention(torch.nn.Module):
     def forward(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode):
         if isinstance(forward_mode, torch.Tensor):
             forward_mode = forward_mode.item()
-        out = torch.ops.hybrid.attn(q * 2.0, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table,
-                                    forward_mode, sliding_window=8, speculative_attention_mode="decode")
+        out = torch.ops.hybrid.attn(
+            q * 2.0,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            cu_seqlens_q,
+            seq_lens,
+            block_table,
+            forward_mode,
+            sliding_window=8,
+            speculative_attention_mode="decode",
+        )
         return out + 1.0
 
 
@@ -41,10 +52,20 @@ def export(as_tensor):
     """The exported program: token count, batch size, page count and table width all symbolic, and the mode."""
     case = make_case([3, 2], [4, 1], seed=0)
     tokens, batch, pages, width = Dim("tokens"), Dim("batch"), Dim("pages"), Dim("width")
-    dynamic_shapes = ({0: tokens}, {0: tokens}, {0: tokens}, {0: pages}, {0: pages}, {0: batch + 1}, {0: batch},
-                      {0: batch, 1: width}, None if as_tensor else Dim.DYNAMIC)
-    return torch.export.export(Attention(), (*case.args, mode_input(ForwardMode.EXTEND, as_tensor)),
-                               dynamic_shapes=dynamic_shapes)
+    dynamic_shapes = (
+        {0: tokens},
+        {0: tokens},
+        {0: tokens},
+        {0: pages},
+        {0: pages},
+        {0: batch + 1},
+        {0: batch},
+        {0: batch, 1: width},
+        None if as_tensor else Dim.DYNAMIC,
+    )
+    return torch.export.export(
+        Attention(), (*case.args, mode_input(ForwardMode.EXTEND, as_tensor)), dynamic_shapes=dynamic_shapes
+    )
 
 
 def check_every_mode(fn, as_tensor):
@@ -77,13 +98,16 @@ def test_exported_program_runs_every_mode(as_tensor):
 @pytest.mark.slow
 def test_aoti_package_runs_every_mode(tmp_path):
     exported = export(as_tensor=True)
-    assert_expected_inline(exported.graph_module.code.strip(), """\
+    assert_expected_inline(
+        exported.graph_module.code.strip(),
+        """\
 def forward(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode):
     item = torch.ops.aten.item.default(forward_mode);  forward_mode = None
     mul = torch.ops.aten.mul.Tensor(q, 2.0);  q = None
     attn = torch.ops.hybrid.attn.default(mul, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, item, sliding_window = 8, speculative_attention_mode = 'decode');  mul = k = v = k_cache = v_cache = cu_seqlens_q = seq_lens = block_table = item = None
     add = torch.ops.aten.add.Tensor(attn, 1.0);  attn = None
-    return (add,)""")
+    return (add,)""",
+    )
     package = aoti_load_package(aoti_compile_and_package(exported, package_path=str(tmp_path / "attn.pt2")))
     check_every_mode(package, as_tensor=True)
     case = make_case([2], [3])

@@ -42,13 +42,16 @@ def flashinfer_reference(q_lens, seq_lens, tables, page_size):
     return qo, kv_indptr, kv_indices, last
 
 
-@pytest.mark.parametrize("q_lens, seq_lens, page_size, padding", [
-    ([3, 1, 4], [3, 17, 9], 4, "stale"),  # unused table entries name other pages
-    ([3, 1, 4], [3, 17, 9], 4, -1),  # ... or hold -1
-    ([2, 2], [16, 32], 16, -1),  # exact multiples of the page size
-    ([1, 0, 5], [1, 0, 5], 4, -1),  # a zero-length request
-    ([7], [7], 1, "stale"),
-])
+@pytest.mark.parametrize(
+    "q_lens, seq_lens, page_size, padding",
+    [
+        ([3, 1, 4], [3, 17, 9], 4, "stale"),  # unused table entries name other pages
+        ([3, 1, 4], [3, 17, 9], 4, -1),  # ... or hold -1
+        ([2, 2], [16, 32], 16, -1),  # exact multiples of the page size
+        ([1, 0, 5], [1, 0, 5], 4, -1),  # a zero-length request
+        ([7], [7], 1, "stale"),
+    ],
+)
 def test_metadata_conversion(q_lens, seq_lens, page_size, padding):
     gen = torch.Generator().manual_seed(0)
     max_pages = max(-(-s // page_size) for s in seq_lens) + 2
@@ -64,8 +67,9 @@ def test_metadata_conversion(q_lens, seq_lens, page_size, padding):
     assert kv_indices.shape == (len(seq_lens) * max_pages + 1,)  # static: no host sync to size it
 
 
-def paged_attention(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, last_page_len, out, causal, window_left,
-                    logit_cap, scale):
+def paged_attention(
+    q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, last_page_len, out, causal, window_left, logit_cap, scale
+):
     """FlashInfer's paged attention as its arguments define it, in float64, into `out`.
 
     Request i's queries q[qo_indptr[i]:qo_indptr[i + 1]] attend its kv_len = (pages - 1) * page_size +
@@ -111,28 +115,95 @@ class Kernels:
         self.modules.append((backend, *args))
         return self
 
-    def plan(self, float_workspace, int_workspace, pinned_workspace, qo_indptr, kv_indptr, kv_lens, total_num_rows,
-             batch_size, num_qo_heads, num_kv_heads, page_size, cuda_graph, head_dim_qk, head_dim_vo, causal,
-             window_left, *fa2_options):
+    def plan(
+        self,
+        float_workspace,
+        int_workspace,
+        pinned_workspace,
+        qo_indptr,
+        kv_indptr,
+        kv_lens,
+        total_num_rows,
+        batch_size,
+        num_qo_heads,
+        num_kv_heads,
+        page_size,
+        cuda_graph,
+        head_dim_qk,
+        head_dim_vo,
+        causal,
+        window_left,
+        *fa2_options,
+    ):
         if capturing():
             raise RuntimeError("operation not permitted when stream is capturing")
-        return [total_num_rows, batch_size, num_qo_heads, num_kv_heads, page_size, cuda_graph, head_dim_qk,
-                head_dim_vo, causal, window_left, *fa2_options]
+        return [
+            total_num_rows,
+            batch_size,
+            num_qo_heads,
+            num_kv_heads,
+            page_size,
+            cuda_graph,
+            head_dim_qk,
+            head_dim_vo,
+            causal,
+            window_left,
+            *fa2_options,
+        ]
 
-    def paged_run(self, float_workspace_buffer, int_workspace_buffer, plan_info_vec, q, paged_k_cache, paged_v_cache,
-                  qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, o, maybe_lse, mask_mode,
-                  layout, window_left, enable_pdl, maybe_custom_mask, maybe_mask_indptr, maybe_alibi_slopes,
-                  maybe_prefix_len_ptr, maybe_token_pos_in_items_ptr, maybe_max_item_len_ptr, logits_soft_cap,
-                  sm_scale, scale_q, scale_k, scale_v, rope_scale, rope_theta, token_pos_in_items_len,
-                  workspace_size, *backend_options):
+    def paged_run(
+        self,
+        float_workspace_buffer,
+        int_workspace_buffer,
+        plan_info_vec,
+        q,
+        paged_k_cache,
+        paged_v_cache,
+        qo_indptr,
+        paged_kv_indptr,
+        paged_kv_indices,
+        paged_kv_last_page_len,
+        o,
+        maybe_lse,
+        mask_mode,
+        layout,
+        window_left,
+        enable_pdl,
+        maybe_custom_mask,
+        maybe_mask_indptr,
+        maybe_alibi_slopes,
+        maybe_prefix_len_ptr,
+        maybe_token_pos_in_items_ptr,
+        maybe_max_item_len_ptr,
+        logits_soft_cap,
+        sm_scale,
+        scale_q,
+        scale_k,
+        scale_v,
+        rope_scale,
+        rope_theta,
+        token_pos_in_items_len,
+        workspace_size,
+        *backend_options,
+    ):
         from flashinfer.utils import MaskMode, TensorLayout
 
         assert layout == TensorLayout.NHD.value and maybe_custom_mask is None
         assert q.dtype in HALF, "FlashInfer's fa2 kernels take an fp16 or bf16 q, fp8 caches included"
-        call = dict(q=q, k_cache=paged_k_cache, v_cache=paged_v_cache, qo_indptr=qo_indptr, kv_indptr=paged_kv_indptr,
-                    kv_indices=paged_kv_indices, last_page_len=paged_kv_last_page_len, out=o,
-                    causal=mask_mode == MaskMode.CAUSAL.value, window_left=window_left, logit_cap=logits_soft_cap,
-                    scale=sm_scale)
+        call = dict(
+            q=q,
+            k_cache=paged_k_cache,
+            v_cache=paged_v_cache,
+            qo_indptr=qo_indptr,
+            kv_indptr=paged_kv_indptr,
+            kv_indices=paged_kv_indices,
+            last_page_len=paged_kv_last_page_len,
+            out=o,
+            causal=mask_mode == MaskMode.CAUSAL.value,
+            window_left=window_left,
+            logit_cap=logits_soft_cap,
+            scale=sm_scale,
+        )
         self.runs.append(dict(call, plan_info=list(plan_info_vec)))
         self.computing = True
         try:
@@ -185,19 +256,28 @@ def flashinfer_on_cpu(monkeypatch):
     monkeypatch.setattr(flashinfer.utils, "is_sm90a_supported", lambda device: True)
     for module in (flashinfer.decode, flashinfer.prefill):
         monkeypatch.setattr(module, "get_batch_prefill_module", kernels.module)
-    monkeypatch.setattr(flashinfer.decode.BatchDecodeWithPagedKVCacheWrapper, "_auto_prefers_cudnn",
-                        lambda self, *args, **kwargs: False)
+    monkeypatch.setattr(
+        flashinfer.decode.BatchDecodeWithPagedKVCacheWrapper, "_auto_prefers_cudnn", lambda self, *args, **kwargs: False
+    )
     # Our backend takes CUDA tensors only; CPU tensors stand in for them here.
-    monkeypatch.setattr(FlashInferBackend, "supports",
-                        lambda self, device, dtype, head_dim: dtype in HALF and head_dim in self.head_dims)
+    monkeypatch.setattr(
+        FlashInferBackend,
+        "supports",
+        lambda self, device, dtype, head_dim: dtype in HALF and head_dim in self.head_dims,
+    )
     backend = FlashInferBackend()
     with hybrid_ops.register_backend(backend):
         yield backend, kernels
 
 
 def attn_options(backend="flashinfer", spec="prefill", sliding_window=-1, logit_cap=0.0):
-    return dict(sliding_window=sliding_window, logit_cap=logit_cap, prefill_backend=backend, decode_backend=backend,
-                speculative_attention_mode=spec)
+    return dict(
+        sliding_window=sliding_window,
+        logit_cap=logit_cap,
+        prefill_backend=backend,
+        decode_backend=backend,
+        speculative_attention_mode=spec,
+    )
 
 
 def step_case(mode, spec, dtype=torch.float16, seed=0, prefixes=(9, 0, 6, 13)):
@@ -235,8 +315,9 @@ def test_requests_without_new_tokens(flashinfer_on_cpu, mode, spec):
     backend, kernels = flashinfer_on_cpu
     case = make_case([0, 0], [5, 3], head_dim=D, dtype=torch.float16)
     k_before = case.k_cache.clone()
-    torch.ops.hybrid.plan(case.k_cache, *case.args[5:], int(mode), q_dtype=case.q.dtype, num_q_heads=4,
-                          **attn_options(spec=spec))
+    torch.ops.hybrid.plan(
+        case.k_cache, *case.args[5:], int(mode), q_dtype=case.q.dtype, num_q_heads=4, **attn_options(spec=spec)
+    )
     out = torch.ops.hybrid.attn(*case.args, int(mode), **attn_options(spec=spec))
     assert out.shape == (0, 4, D) and torch.equal(case.k_cache, k_before)
     assert backend.plans_made == 0 and not kernels.runs
@@ -269,8 +350,14 @@ def test_plan_op_before_the_layers(flashinfer_on_cpu):
             for tensor, value in zip(step.args, new.args):
                 tensor.copy_(value)
             for window in windows:
-                torch.ops.hybrid.plan(step.k_cache, *step.args[5:], int(ForwardMode.DECODE), q_dtype=step.q.dtype,
-                                      num_q_heads=4, **attn_options(sliding_window=window))
+                torch.ops.hybrid.plan(
+                    step.k_cache,
+                    *step.args[5:],
+                    int(ForwardMode.DECODE),
+                    q_dtype=step.q.dtype,
+                    num_q_heads=4,
+                    **attn_options(sliding_window=window),
+                )
             for window in windows * 2:
                 out = torch.ops.hybrid.attn(*step.args, int(ForwardMode.DECODE), **attn_options(sliding_window=window))
                 assert_close(out, reference(new, sliding_window=window), torch.float16)
@@ -314,12 +401,27 @@ def test_cuda_graph_replays(flashinfer_on_cpu, monkeypatch, mode, spec, q_lens):
         return case, (case.cu_seqlens_q, case.seq_lens, table)
 
     def plan(metadata, window):
-        torch.ops.hybrid.plan(k_cache, *metadata, int(mode), q_dtype=torch.float16, num_q_heads=4, cuda_graph=True,
-                              **attn_options(spec=spec, sliding_window=window))
+        torch.ops.hybrid.plan(
+            k_cache,
+            *metadata,
+            int(mode),
+            q_dtype=torch.float16,
+            num_q_heads=4,
+            cuda_graph=True,
+            **attn_options(spec=spec, sliding_window=window),
+        )
 
     def attn(case, metadata, window):
-        return torch.ops.hybrid.attn(case.q, case.k, case.v, k_cache, v_cache, *metadata, int(mode),
-                                     **attn_options(spec=spec, sliding_window=window))
+        return torch.ops.hybrid.attn(
+            case.q,
+            case.k,
+            case.v,
+            k_cache,
+            v_cache,
+            *metadata,
+            int(mode),
+            **attn_options(spec=spec, sliding_window=window),
+        )
 
     case, metadata = load(0)
     for window in windows:
@@ -376,15 +478,17 @@ def test_phase_backend_capture_and_replay(flashinfer_on_cpu, monkeypatch):
         k_new, v_new = expected_cache(case)
         for k_layer, v_layer in zip(cache.k_caches, cache.v_caches):
             k_layer[: k_new.shape[0]], v_layer[: v_new.shape[0]] = k_new, v_new
-        real = hybrid_ops.build_metadata([1, 1, 1], case.seq_lens.tolist(), case.pages, max_pages=8,
-                                         forward_mode=ForwardMode.DECODE)
+        real = hybrid_ops.build_metadata(
+            [1, 1, 1], case.seq_lens.tolist(), case.pages, max_pages=8, forward_mode=ForwardMode.DECODE
+        )
         hybrid.init_forward_metadata_replay_cuda_graph(3, real)
         assert backend.plans_made == 2 + 2 * seed
         q.copy_(case.q)
         replay(graph)
         for out, layer in zip(outs, layers):
-            assert_close(out, reference(case, sliding_window=layer.sliding_window, logit_cap=layer.logit_cap),
-                         torch.float16)
+            assert_close(
+                out, reference(case, sliding_window=layer.sliding_window, logit_cap=layer.logit_cap), torch.float16
+            )
 
 
 def test_compiled_plan_then_attn(flashinfer_on_cpu):
@@ -409,16 +513,36 @@ def test_compiled_plan_then_attn(flashinfer_on_cpu):
             return None
 
     def forward(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode: int):
-        torch.ops.hybrid.plan(k_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, q_dtype=q.dtype,
-                              num_q_heads=q.shape[1], cuda_graph=True, **attn_options(logit_cap=2.0))
-        return torch.ops.hybrid.attn(q.sin(), k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table,
-                                     forward_mode, **attn_options(logit_cap=2.0)).cos()
+        torch.ops.hybrid.plan(
+            k_cache,
+            cu_seqlens_q,
+            seq_lens,
+            block_table,
+            forward_mode,
+            q_dtype=q.dtype,
+            num_q_heads=q.shape[1],
+            cuda_graph=True,
+            **attn_options(logit_cap=2.0),
+        )
+        return torch.ops.hybrid.attn(
+            q.sin(),
+            k,
+            v,
+            k_cache,
+            v_cache,
+            cu_seqlens_q,
+            seq_lens,
+            block_table,
+            forward_mode,
+            **attn_options(logit_cap=2.0),
+        ).cos()
 
     case = make_case([3, 2], [4, 0], head_dim=D, dtype=torch.float16)
     want = reference(dataclasses.replace(case, q=case.q.sin()), logit_cap=2.0).cos()
     torch._dynamo.reset()
-    with torch._inductor.config.patch(graph_partition=True, post_grad_custom_post_pass=Capture(),
-                                      force_disable_caches=True):
+    with torch._inductor.config.patch(
+        graph_partition=True, post_grad_custom_post_pass=Capture(), force_disable_caches=True
+    ):
         out = torch.compile(forward, fullgraph=True, dynamic=True)(*case.args, int(ForwardMode.EXTEND))
     assert seen == {"hybrid.plan.default": [True], "hybrid.attn.default": [False]}, seen
     assert_close(out, want, torch.float16)
@@ -433,31 +557,65 @@ def test_multi_token_decode_graphs_stay_on_fa2(flashinfer_on_cpu):
     cu_seqlens_q = torch.arange(17, dtype=torch.int32) * 4
     block_table = torch.arange(16 * 65, dtype=torch.int32).view(16, 65)
     for seq_lens in ([1024] * 16, list(range(1024, 1040))):
-        backend.plan("decode", torch.float16, 32, k_cache, cu_seqlens_q, torch.tensor(seq_lens, dtype=torch.int32),
-                     block_table, 0.1, -1, 0.0, cuda_graph=True)
+        backend.plan(
+            "decode",
+            torch.float16,
+            32,
+            k_cache,
+            cu_seqlens_q,
+            torch.tensor(seq_lens, dtype=torch.int32),
+            block_table,
+            0.1,
+            -1,
+            0.0,
+            cuda_graph=True,
+        )
     assert backend.plans_made == 2
 
 
 def planned_fp8(kernels, q_dtype, cache_dtype):
     """Whether every kernel module FlashInfer asked for is fa2's for this q and fp8 cache, and every run read the
     fp8 cache."""
-    return (bool(kernels.modules) and all(m[:4] == ("fa2", q_dtype, cache_dtype, q_dtype) for m in kernels.modules)
-            and all(run["k_cache"].dtype == run["v_cache"].dtype == cache_dtype for run in kernels.runs))
+    return (
+        bool(kernels.modules)
+        and all(m[:4] == ("fa2", q_dtype, cache_dtype, q_dtype) for m in kernels.modules)
+        and all(run["k_cache"].dtype == run["v_cache"].dtype == cache_dtype for run in kernels.runs)
+    )
 
 
 # At FlashInfer's head dim: chunked prefill over cached prefixes (page boundaries, a request without new tokens), GQA
 # with a window, soft-cap, decode and verify; each with a q dtype and a kind of scale (`test_fp8.scales`).
 FP8_CASES = {
     "prefill": ("prefill", dict(q_lens=[6, 13, 2, 0], prefix_lens=[4, 0, 11, 3]), {}, torch.bfloat16, "per_head"),
-    "long_prefix": ("prefill", dict(q_lens=[40, 3], prefix_lens=[90, 140], page_size=16), {}, torch.float16,
-                    "per_head"),
-    "gqa_window": ("prefill", dict(q_lens=[9, 5], prefix_lens=[7, 12], num_q_heads=8), {"sliding_window": 5},
-                   torch.float16, "one"),
+    "long_prefix": (
+        "prefill",
+        dict(q_lens=[40, 3], prefix_lens=[90, 140], page_size=16),
+        {},
+        torch.float16,
+        "per_head",
+    ),
+    "gqa_window": (
+        "prefill",
+        dict(q_lens=[9, 5], prefix_lens=[7, 12], num_q_heads=8),
+        {"sliding_window": 5},
+        torch.float16,
+        "one",
+    ),
     "softcap": ("prefill", dict(q_lens=[4, 8], prefix_lens=[3, 0]), {"logit_cap": 2.0}, torch.bfloat16, "none"),
-    "decode": ("decode", dict(q_lens=[1] * 4, prefix_lens=[0, 5, 17, 90], num_q_heads=8), {}, torch.bfloat16,
-               "per_head"),
-    "verify": ("decode", dict(q_lens=[3] * 2, prefix_lens=[9, 20]), {"sliding_window": 7, "logit_cap": 3.0},
-               torch.float16, "per_head"),
+    "decode": (
+        "decode",
+        dict(q_lens=[1] * 4, prefix_lens=[0, 5, 17, 90], num_q_heads=8),
+        {},
+        torch.bfloat16,
+        "per_head",
+    ),
+    "verify": (
+        "decode",
+        dict(q_lens=[3] * 2, prefix_lens=[9, 20]),
+        {"sliding_window": 7, "logit_cap": 3.0},
+        torch.float16,
+        "per_head",
+    ),
 }
 
 
@@ -479,9 +637,17 @@ def test_fp8_every_mode(flashinfer_on_cpu, mode, spec):
     backend, kernels = flashinfer_on_cpu
     dtype, cache_dtype = HALF[int(mode) % 2], (E4M3, E5M2)[int(mode) // 2 % 2]
     case = step_case(mode, spec, dtype, seed=int(mode))
-    check_fp8_call(torch.ops.hybrid.attn, case, cache_dtype, "per_head", dict(sliding_window=6, logit_cap=2.0),
-                   forward_mode=int(mode), prefill_backend="flashinfer", decode_backend="flashinfer",
-                   speculative_attention_mode=spec)
+    check_fp8_call(
+        torch.ops.hybrid.attn,
+        case,
+        cache_dtype,
+        "per_head",
+        dict(sliding_window=6, logit_cap=2.0),
+        forward_mode=int(mode),
+        prefill_backend="flashinfer",
+        decode_backend="flashinfer",
+        speculative_attention_mode=spec,
+    )
     planned = mode != ForwardMode.IDLE
     assert backend.plans_made == planned and (planned_fp8(kernels, dtype, cache_dtype) or not planned)
 
@@ -491,10 +657,12 @@ def test_fp8_new_scales_without_replanning(flashinfer_on_cpu, mode):
     """`hybrid::plan` once, then calls with other scales, written into the same tensors (as a CUDA graph's inputs)
     or in new ones: each attends with its own scales, and nothing plans again."""
     backend, kernels = flashinfer_on_cpu
-    case = make_case([1, 1, 1] if mode == ForwardMode.DECODE else [5, 0, 3], [6, 9, 2], head_dim=D,
-                     dtype=torch.bfloat16)
-    torch.ops.hybrid.plan(case.k_cache.to(E4M3), *case.args[5:], int(mode), q_dtype=torch.bfloat16, num_q_heads=4,
-                          **attn_options())
+    case = make_case(
+        [1, 1, 1] if mode == ForwardMode.DECODE else [5, 0, 3], [6, 9, 2], head_dim=D, dtype=torch.bfloat16
+    )
+    torch.ops.hybrid.plan(
+        case.k_cache.to(E4M3), *case.args[5:], int(mode), q_dtype=torch.bfloat16, num_q_heads=4, **attn_options()
+    )
     k_scale, v_scale = torch.empty(2), torch.empty(2)
     for seed in range(3):
         for tensor, value in zip((k_scale, v_scale), scales("per_head", 2, seed)):
@@ -527,12 +695,29 @@ def test_fp8_cuda_graph(flashinfer_on_cpu, monkeypatch, mode, spec, q_lens):
         for i, ids in enumerate(case.pages):
             table[i, : len(ids)] = torch.tensor(ids)
         metadata = (case.cu_seqlens_q, case.seq_lens, table)
-        torch.ops.hybrid.plan(k_cache, *metadata, int(mode), q_dtype=torch.bfloat16, num_q_heads=4, cuda_graph=True,
-                              **attn_options(spec=spec))
+        torch.ops.hybrid.plan(
+            k_cache,
+            *metadata,
+            int(mode),
+            q_dtype=torch.bfloat16,
+            num_q_heads=4,
+            cuda_graph=True,
+            **attn_options(spec=spec),
+        )
 
         def attn(metadata):
-            return torch.ops.hybrid.attn(case.q, case.k, case.v, k_cache, v_cache, *metadata, int(mode),
-                                         k_scale=k_scale, v_scale=v_scale, **attn_options(spec=spec))
+            return torch.ops.hybrid.attn(
+                case.q,
+                case.k,
+                case.v,
+                k_cache,
+                v_cache,
+                *metadata,
+                int(mode),
+                k_scale=k_scale,
+                v_scale=v_scale,
+                **attn_options(spec=spec),
+            )
 
         if seed == 0:  # the warm-up
             assert_close(attn(metadata), reference(read), torch.bfloat16)
@@ -568,8 +753,9 @@ def test_fp8_phase_backend_capture_and_replay(flashinfer_on_cpu, monkeypatch):
         fp8, read, (k_want, v_want) = fp8_case(case, E4M3, k_scale, v_scale)
         pages = fp8.k_cache.shape[0]
         cache.k_caches[0][:pages], cache.v_caches[0][:pages] = fp8.k_cache, fp8.v_cache
-        real = hybrid_ops.build_metadata([1, 1, 1], case.seq_lens.tolist(), case.pages, max_pages=8,
-                                         forward_mode=ForwardMode.DECODE)
+        real = hybrid_ops.build_metadata(
+            [1, 1, 1], case.seq_lens.tolist(), case.pages, max_pages=8, forward_mode=ForwardMode.DECODE
+        )
         hybrid.init_forward_metadata_replay_cuda_graph(3, real)
         for static_input, value in zip((q, k, v), (case.q, case.k, case.v)):
             static_input.copy_(value)
@@ -592,16 +778,23 @@ def test_fp8_fp32_q_goes_to_another_backend(flashinfer_on_cpu):
             check_fp8_call(torch.ops.hybrid.prefill, case, E5M2, "per_head", {}, backend="auto")
             assert len(kernels.runs) == 1  # the bf16 call's
         fp8 = fp8_case(case, E5M2, *scales("per_head", 2))[0]
-        with pytest.raises(hybrid_ops.HybridInputError, match="'flashinfer' does not support q on cpu with dtype "
-                                                              "torch.float32"):
+        with pytest.raises(
+            hybrid_ops.HybridInputError, match="'flashinfer' does not support q on cpu with dtype torch.float32"
+        ):
             torch.ops.hybrid.prefill(*fp8.args, k_scale=torch.ones(2), v_scale=torch.ones(2), backend="flashinfer")
 
 
 def test_clear_errors(flashinfer_on_cpu):
     case = make_case([2, 1], [3, 0], head_dim=D, dtype=torch.float16)
     with pytest.raises(hybrid_ops.HybridInputError, match="same query length for every request"):
-        torch.ops.hybrid.plan(case.k_cache, *case.args[5:], int(ForwardMode.TARGET_VERIFY), q_dtype=case.q.dtype,
-                              num_q_heads=4, **attn_options(spec="decode"))
+        torch.ops.hybrid.plan(
+            case.k_cache,
+            *case.args[5:],
+            int(ForwardMode.TARGET_VERIFY),
+            q_dtype=case.q.dtype,
+            num_q_heads=4,
+            **attn_options(spec="decode"),
+        )
 
 
 def test_needs_cuda():

@@ -32,22 +32,43 @@ def scales(kind, num_kv_heads, seed=0):
 # soft-cap, decode and verify; each with a q dtype and a kind of scale.
 CASES = {
     "prefill": ("prefill", dict(q_lens=[6, 13, 2, 0], prefix_lens=[4, 0, 11, 3]), {}, torch.bfloat16, "per_head"),
-    "long_prefix": ("prefill", dict(q_lens=[70, 3], prefix_lens=[90, 140], head_dim=64, page_size=16), {},
-                    torch.float32, "per_head"),
-    "gqa_window": ("prefill", dict(q_lens=[9, 5], prefix_lens=[7, 12], num_q_heads=8), {"sliding_window": 5},
-                   torch.float16, "one"),
+    "long_prefix": (
+        "prefill",
+        dict(q_lens=[70, 3], prefix_lens=[90, 140], head_dim=64, page_size=16),
+        {},
+        torch.float32,
+        "per_head",
+    ),
+    "gqa_window": (
+        "prefill",
+        dict(q_lens=[9, 5], prefix_lens=[7, 12], num_q_heads=8),
+        {"sliding_window": 5},
+        torch.float16,
+        "one",
+    ),
     "softcap": ("prefill", dict(q_lens=[4, 8], prefix_lens=[3, 0]), {"logit_cap": 2.0}, torch.float32, "none"),
-    "decode": ("decode", dict(q_lens=[1] * 4, prefix_lens=[0, 5, 17, 90], num_q_heads=8, head_dim=32), {},
-               torch.bfloat16, "per_head"),
-    "verify": ("decode", dict(q_lens=[3] * 2, prefix_lens=[9, 20]), {"sliding_window": 7, "logit_cap": 3.0},
-               torch.float32, "per_head"),
+    "decode": (
+        "decode",
+        dict(q_lens=[1] * 4, prefix_lens=[0, 5, 17, 90], num_q_heads=8, head_dim=32),
+        {},
+        torch.bfloat16,
+        "per_head",
+    ),
+    "verify": (
+        "decode",
+        dict(q_lens=[3] * 2, prefix_lens=[9, 20]),
+        {"sliding_window": 7, "logit_cap": 3.0},
+        torch.float32,
+        "per_head",
+    ),
 }
 
 
 def check_fp8_call(op, case, cache_dtype, kind, options, **kwargs):
     k_scale, v_scale = scales(kind, case.k.shape[1])
-    fp8, read, (k_expected, v_expected) = fp8_case(case, cache_dtype, *(s if s is not None else torch.tensor(1.0)
-                                                                        for s in (k_scale, v_scale)))
+    fp8, read, (k_expected, v_expected) = fp8_case(
+        case, cache_dtype, *(s if s is not None else torch.tensor(1.0) for s in (k_scale, v_scale))
+    )
     if k_scale is not None:
         kwargs.update(k_scale=k_scale, v_scale=v_scale)
     out = op(*fp8.args, **options, **kwargs)
@@ -71,9 +92,17 @@ def test_fp8_cache(backend, cache_dtype, name):
 def test_fp8_every_mode(backend, spec, mode):
     q_lens, prefixes = mode_batch(mode, spec)
     case = make_case(q_lens, prefixes, num_q_heads=4, num_kv_heads=2, dtype=torch.bfloat16)
-    check_fp8_call(torch.ops.hybrid.attn, case, torch.float8_e4m3fn, "per_head", {"sliding_window": 6},
-                   forward_mode=int(mode), prefill_backend=backend, decode_backend=backend,
-                   speculative_attention_mode=spec)
+    check_fp8_call(
+        torch.ops.hybrid.attn,
+        case,
+        torch.float8_e4m3fn,
+        "per_head",
+        {"sliding_window": 6},
+        forward_mode=int(mode),
+        prefill_backend=backend,
+        decode_backend=backend,
+        speculative_attention_mode=spec,
+    )
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -87,8 +116,18 @@ def test_scales_reach_the_kernel(backend, op, q_lens, prefix_lens):
     def run(k_scale, v_scale, scale=None):
         k_cache, v_cache = stored.k_cache.clone(), stored.v_cache.clone()
         k, v = case.k * k_scale[:, None], case.v * v_scale[:, None]  # stored as the same fp8 values
-        return fn(case.q, k, v, k_cache, v_cache, *case.args[5:], scale=scale, k_scale=k_scale, v_scale=v_scale,
-                  backend=backend)
+        return fn(
+            case.q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            *case.args[5:],
+            scale=scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            backend=backend,
+        )
 
     one, two = torch.ones(2), torch.tensor([1.0, 2.0])
     base = run(one, one)
@@ -119,8 +158,20 @@ def test_fp8_compiled_new_scales_and_modes_never_recompile():
     counter = CompileCounter()
 
     def layer(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode: int, k_scale, v_scale):
-        return torch.ops.hybrid.attn(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode,
-                                     k_scale=k_scale, v_scale=v_scale, speculative_attention_mode="decode")
+        return torch.ops.hybrid.attn(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            cu_seqlens_q,
+            seq_lens,
+            block_table,
+            forward_mode,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            speculative_attention_mode="decode",
+        )
 
     compiled = torch.compile(layer, backend=counter, fullgraph=True, dynamic=True)
 
@@ -155,6 +206,9 @@ def test_fp8_opcheck(op):
     fp8 = fp8_case(case, torch.float8_e5m2, k_scale, v_scale)[0]
     args = (*fp8.args, int(ForwardMode.DECODE)) if op == "attn" else fp8.args
     # Not "test_schema": its mutation check compares tensors with ops torch does not implement for fp8 on the CPU.
-    torch.library.opcheck(getattr(torch.ops.hybrid, op).default, args,
-                          {"k_scale": k_scale, "v_scale": v_scale, "sliding_window": 4},
-                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(
+        getattr(torch.ops.hybrid, op).default,
+        args,
+        {"k_scale": k_scale, "v_scale": v_scale, "sliding_window": 4},
+        test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
+    )

@@ -35,8 +35,9 @@ def random_prompts(n, lengths=(1, 30)):
 
 def solo(model, prompt, max_new_tokens, **options):
     """A request's tokens run alone, on a generator of its own."""
-    return HybridGenerator(model, **{**SIZES, "max_seq_len": 48}, compile=False).generate([prompt], max_new_tokens,
-                                                                                          **options)[0]
+    return HybridGenerator(model, **{**SIZES, "max_seq_len": 48}, compile=False).generate(
+        [prompt], max_new_tokens, **options
+    )[0]
 
 
 def assert_empty(generator):
@@ -63,12 +64,24 @@ BAD_CALLS = [  # (prompts, max_new_tokens, options) -> the whole message
     ([[1]], True, {}, "max_new_tokens must be a positive int, got True (for prompts[0])"),
     ([[1], list(range(1, 38))], 4, {}, "prompts[1]: 37 prompt tokens + max_new_tokens = 4 exceed max_seq_len = 40"),
     ([[1]], 4, dict(do_sample=1), "do_sample must be a bool, got 1"),
-    ([[1]], 4, dict(do_sample=True, temperature=0.0),
-     "temperature must be a finite number > 0 when do_sample=True, got 0.0"),
-    ([[1]], 4, dict(do_sample=True, temperature=-1.0),
-     "temperature must be a finite number > 0 when do_sample=True, got -1.0"),
-    ([[1]], 4, dict(do_sample=True, temperature=float("nan")),
-     "temperature must be a finite number > 0 when do_sample=True, got nan"),
+    (
+        [[1]],
+        4,
+        dict(do_sample=True, temperature=0.0),
+        "temperature must be a finite number > 0 when do_sample=True, got 0.0",
+    ),
+    (
+        [[1]],
+        4,
+        dict(do_sample=True, temperature=-1.0),
+        "temperature must be a finite number > 0 when do_sample=True, got -1.0",
+    ),
+    (
+        [[1]],
+        4,
+        dict(do_sample=True, temperature=float("nan")),
+        "temperature must be a finite number > 0 when do_sample=True, got nan",
+    ),
     ([[1]], 4, dict(do_sample=True, top_k=-1), "top_k must be a non-negative int (0: no limit), got -1"),
     ([[1]], 4, dict(do_sample=True, top_k=2.0), "top_k must be a non-negative int (0: no limit), got 2.0"),
     ([[1]], 4, dict(do_sample=True, top_p=0.0), "top_p must be in (0, 1], got 0.0"),
@@ -76,8 +89,12 @@ BAD_CALLS = [  # (prompts, max_new_tokens, options) -> the whole message
     ([[1]], 4, dict(do_sample=True, min_p=-0.1), "min_p must be in [0, 1], got -0.1"),
     ([[1]], 4, dict(do_sample=True, min_p=2), "min_p must be in [0, 1], got 2"),
     ([[1]], 4, dict(eos_token_id="2"), "eos_token_id must be None, a non-negative int or a list of them, got '2'"),
-    ([[1]], 4, dict(eos_token_id=[2, -1]),
-     "eos_token_id must be None, a non-negative int or a list of them, got [2, -1]"),
+    (
+        [[1]],
+        4,
+        dict(eos_token_id=[2, -1]),
+        "eos_token_id must be None, a non-negative int or a list of them, got [2, -1]",
+    ),
     ([[1]], 4, dict(seed=-1), "seed must be None or a non-negative int, got -1"),
     ([[1]], 4, dict(seed="7"), "seed must be None or a non-negative int, got '7'"),
 ]
@@ -88,8 +105,10 @@ def test_bad_input_is_refused_before_anything_is_registered(model, prompts, max_
     generator = HybridGenerator(model, **SIZES, compile=False)
     good = random_prompts(2)
     want = [solo(model, p, 5) for p in good]
-    for call in (lambda: generator.generate(prompts, max_new_tokens, **options),
-                 lambda: next(generator.stream(prompts, max_new_tokens, **options))):
+    for call in (
+        lambda: generator.generate(prompts, max_new_tokens, **options),
+        lambda: next(generator.stream(prompts, max_new_tokens, **options)),
+    ):
         with pytest.raises(HybridInputError) as error:
             call()
         assert str(error.value) == message
@@ -102,8 +121,10 @@ def test_bad_input_is_refused_before_anything_is_registered(model, prompts, max_
     assert generator.generate(good, 5) == want
 
 
-@pytest.mark.parametrize("prompts, message", [(5, "prompts must be a list of prompts, got int"),
-                                              ("abc", "prompts must be a list of prompts, got str")])
+@pytest.mark.parametrize(
+    "prompts, message",
+    [(5, "prompts must be a list of prompts, got int"), ("abc", "prompts must be a list of prompts, got str")],
+)
 def test_prompts_must_be_a_list(model, prompts, message):
     generator = HybridGenerator(model, **SIZES, compile=False)
     for call in (lambda: generator.generate(prompts, 4), lambda: next(generator.stream(prompts, 4))):
@@ -116,8 +137,13 @@ def test_prompts_of_every_accepted_type_give_the_same_tokens(model):
     prompt = random_prompts(1)[0]
     want = solo(model, prompt, 6)
     generator = HybridGenerator(model, **SIZES, compile=False)
-    forms = [tuple(prompt), torch.tensor(prompt), torch.tensor(prompt, dtype=torch.int32), np.array(prompt),
-             [np.int64(t) for t in prompt]]
+    forms = [
+        tuple(prompt),
+        torch.tensor(prompt),
+        torch.tensor(prompt, dtype=torch.int32),
+        np.array(prompt),
+        [np.int64(t) for t in prompt],
+    ]
     assert generator.generate(forms, 6) == [want] * len(forms)
     assert generator.generate((forms[0] for _ in range(2)), 6) == [want] * 2  # any iterable of prompts
 
@@ -130,22 +156,34 @@ def test_a_request_larger_than_the_page_budget_is_refused(model):
     assert_empty(generator)
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(page_size=0), "page_size must be a positive int, got 0"),
-    (dict(prefill_chunk=-1), "prefill_chunk must be a positive int, got -1"),
-    (dict(max_batch_size=2.5), "max_batch_size must be a positive int, got 2.5"),
-    (dict(num_pages=0), "num_pages must be a positive int, got 0"),
-    (dict(max_seq_len=True), "max_seq_len must be a positive int, got True"),
-    (dict(prefix_caching=1), "prefix_caching must be a bool, got 1"),
-    (dict(cuda_graphs="yes"), "cuda_graphs must be a bool, got 'yes'"),
-    (dict(compile=None), "compile must be a bool, got None"),
-    (dict(kv_cache_dtype=torch.bfloat16), "kv_cache_dtype must be None (the model's torch.float32), "
-                                          "torch.float8_e4m3fn or torch.float8_e5m2, got torch.bfloat16"),
-    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype must be None (the model's torch.float32), torch.float8_e4m3fn or "
-                                 "torch.float8_e5m2, got 'fp8'"),
-    (dict(max_seq_len=129), "max_seq_len (129) exceeds the model's max_position_embeddings (128); raise "
-                            "model.config.max_position_embeddings to go past it"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(page_size=0), "page_size must be a positive int, got 0"),
+        (dict(prefill_chunk=-1), "prefill_chunk must be a positive int, got -1"),
+        (dict(max_batch_size=2.5), "max_batch_size must be a positive int, got 2.5"),
+        (dict(num_pages=0), "num_pages must be a positive int, got 0"),
+        (dict(max_seq_len=True), "max_seq_len must be a positive int, got True"),
+        (dict(prefix_caching=1), "prefix_caching must be a bool, got 1"),
+        (dict(cuda_graphs="yes"), "cuda_graphs must be a bool, got 'yes'"),
+        (dict(compile=None), "compile must be a bool, got None"),
+        (
+            dict(kv_cache_dtype=torch.bfloat16),
+            "kv_cache_dtype must be None (the model's torch.float32), "
+            "torch.float8_e4m3fn or torch.float8_e5m2, got torch.bfloat16",
+        ),
+        (
+            dict(kv_cache_dtype="fp8"),
+            "kv_cache_dtype must be None (the model's torch.float32), torch.float8_e4m3fn or "
+            "torch.float8_e5m2, got 'fp8'",
+        ),
+        (
+            dict(max_seq_len=129),
+            "max_seq_len (129) exceeds the model's max_position_embeddings (128); raise "
+            "model.config.max_position_embeddings to go past it",
+        ),
+    ],
+)
 def test_bad_constructor_options(model, options, message):
     with pytest.raises(HybridInputError) as error:
         HybridGenerator(model, **{"compile": False, **options})
@@ -155,20 +193,32 @@ def test_bad_constructor_options(model, options, message):
 def test_sizes_default_to_the_worst_case_within_max_position_embeddings(model):
     generator = HybridGenerator(model, max_batch_size=3, page_size=16, compile=False)
     assert generator.max_seq_len == 128 and generator.cache.num_pages == 3 * 8
-    with pytest.raises(HybridInputError, match=r"prompts\[0\]: 2 prompt tokens \+ max_new_tokens = 1000000 exceed "
-                                               r"max_seq_len = 128"):
+    with pytest.raises(
+        HybridInputError,
+        match=r"prompts\[0\]: 2 prompt tokens \+ max_new_tokens = 1000000 exceed "
+        r"max_seq_len = 128",
+    ):
         hybrid_ops.generate(model, [[1, 2]], 10**6, compile=False)
 
 
 # Failure leaves nothing behind.
 
+
 class Injected(Exception):
     pass
 
 
-@pytest.mark.parametrize("where, error, at_step", [
-    ("forward", Injected, 0), ("forward", KeyboardInterrupt, 5), ("sampling", KeyboardInterrupt, 0),
-    ("sampling", Injected, 9), ("consumer", KeyboardInterrupt, 2), ("consumer", Injected, 9)])
+@pytest.mark.parametrize(
+    "where, error, at_step",
+    [
+        ("forward", Injected, 0),
+        ("forward", KeyboardInterrupt, 5),
+        ("sampling", KeyboardInterrupt, 0),
+        ("sampling", Injected, 9),
+        ("consumer", KeyboardInterrupt, 2),
+        ("consumer", Injected, 9),
+    ],
+)
 def test_a_failing_step_frees_every_request_of_the_call(model, monkeypatch, where, error, at_step):
     """An error in the model's forward, in sampling or in the code consuming the stream, at the first step, in the
     prefills or among the decodes: nothing stays registered, and the next call gives a fresh generator's tokens."""
@@ -184,6 +234,7 @@ def test_a_failing_step_frees_every_request_of_the_call(model, monkeypatch, wher
             if steps == at_step + 1:
                 raise error("injected")
             return function(*args)
+
         return wrapper
 
     if where == "forward":
@@ -252,6 +303,7 @@ def test_concurrent_use_from_two_threads_is_refused(model, monkeypatch):
 
 # eos and sampling as transformers does them.
 
+
 def test_eos_lists_and_the_generation_config_default(model):
     prompts = random_prompts(3)
     free = [solo(model, p, 12) for p in prompts]
@@ -264,7 +316,8 @@ def test_eos_lists_and_the_generation_config_default(model):
     generator = HybridGenerator(model, **SIZES, compile=False)
     assert generator.generate(prompts, 12, eos_token_id=eos) == [cut(t) for t in free]
     assert generator.generate(prompts, 12, eos_token_id=eos[0]) == [free[0][: free[0].index(eos[0]) + 1]] + [
-        t[: t.index(eos[0]) + 1] if eos[0] in t else t for t in free[1:]]
+        t[: t.index(eos[0]) + 1] if eos[0] in t else t for t in free[1:]
+    ]
     try:
         model.generation_config.eos_token_id = eos
         with_default = HybridGenerator(model, **SIZES, compile=False)
@@ -315,6 +368,7 @@ def test_greedy_when_top_k_is_one_or_top_p_tiny(model):
 
 # The step API and streaming.
 
+
 def test_step_api_requests_come_and_go(model):
     """Requests with their own max_new_tokens join at different steps; one is aborted mid-way; every finished one
     has its solo tokens, reported one step at a time with `finished` on the last."""
@@ -363,6 +417,7 @@ def test_stream_yields_each_token_as_its_step_makes_it(model):
 
 # The page budget.
 
+
 def test_a_small_page_budget_preempts_and_gives_unconstrained_tokens(model):
     prompts = random_prompts(10, lengths=(5, 30))
     want = [solo(model, p, 10) for p in prompts]
@@ -381,6 +436,7 @@ def test_a_small_page_budget_preempts_and_gives_unconstrained_tokens(model):
 
 # Prefix caching.
 
+
 def shared_prefix_prompts():
     """Prompts sharing a prefix of 14 tokens (3.5 pages of 4) with ragged tails: one an exact prefix of another, one
     inside the shared part, one given twice."""
@@ -392,12 +448,15 @@ def shared_prefix_prompts():
 def reusable_tokens(prompts):
     """Per prompt, the tokens it can take from the cache: its longest common prefix with an earlier prompt, short of
     its last token, in whole pages (SIZES' page_size)."""
+
     def common(a, b):
         return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
     page = SIZES["page_size"]
-    return [min(max((common(p, q) for q in prompts[:i]), default=0), len(p) - 1) // page * page
-            for i, p in enumerate(prompts)]
+    return [
+        min(max((common(p, q) for q in prompts[:i]), default=0), len(p) - 1) // page * page
+        for i, p in enumerate(prompts)
+    ]
 
 
 def test_prefix_caching_prefills_a_shared_prefix_once_and_keeps_every_token(model):
@@ -443,8 +502,9 @@ def test_prefix_caching_changes_no_step_for_prompts_sharing_no_page(model):
     prompts, runs = random_prompts(8), []
     for prefix_caching in (False, True):
         stats = GenerationStats()
-        generator = HybridGenerator(model, **{**SIZES, "prefill_chunk": 64}, compile=False,
-                                    prefix_caching=prefix_caching)
+        generator = HybridGenerator(
+            model, **{**SIZES, "prefill_chunk": 64}, compile=False, prefix_caching=prefix_caching
+        )
         runs.append((generator.generate(prompts, 6, stats=stats), stats.steps, stats.prompt_tokens))
     assert runs[0] == runs[1]
 
@@ -465,6 +525,7 @@ def test_generate_forwards_kv_cache_dtype(model, monkeypatch):
 
 
 # Compiled: one graph set, warmed up on the first step.
+
 
 @pytest.mark.slow
 def test_compiled_generator_warms_up_once_and_never_recompiles(model, tmp_path):
@@ -493,8 +554,10 @@ def test_compiled_generator_warms_up_once_and_never_recompiles(model, tmp_path):
 
 def test_warm_up_fits_any_budget(model):
     """The warm-up's steps (run eagerly here) skip shapes that the sizes rule out, and leave every page free."""
-    for sizes in (dict(max_batch_size=1, max_seq_len=2, page_size=1, num_pages=2, prefill_chunk=1),
-                  dict(SIZES, num_pages=1)):
+    for sizes in (
+        dict(max_batch_size=1, max_seq_len=2, page_size=1, num_pages=2, prefill_chunk=1),
+        dict(SIZES, num_pages=1),
+    ):
         generator = HybridGenerator(model, **sizes, compile=False)
         generator._warm = False
         assert generator.generate([[7]], 1) == [solo(model, [7], 1)]
@@ -503,6 +566,7 @@ def test_warm_up_fits_any_budget(model):
 
 
 # Everything at once.
+
 
 def test_load_ragged_requests_through_a_small_budget(model):
     """200 ragged requests through a third of the worst case's pages: added at different steps, some aborted,
@@ -539,8 +603,9 @@ def test_load_ragged_requests_through_a_small_budget(model):
         if len(queue) <= stream_at:  # a stream in the middle: the step API's requests go on meanwhile
             stream_at = -1
             seeded = [requests[i] for i in streamed]
-            for index, tokens, _done in generator.stream([p for p, _, _ in seeded], 8, stats=stats, do_sample=True,
-                                                        seed=1000):
+            for index, tokens, _done in generator.stream(
+                [p for p, _, _ in seeded], 8, stats=stats, do_sample=True, seed=1000
+            ):
                 got.setdefault(streamed[index], []).extend(tokens)
         collect(generator.step())
     assert stats.preemptions > 0 and len(aborted) > 0
@@ -560,8 +625,12 @@ def test_load_ragged_requests_through_a_small_budget(model):
 def test_serve_example():
     """examples/serve.py, eager: its stream and its step API through a page budget give generate's tokens."""
     examples = Path(__file__).resolve().parent.parent / "examples"
-    result = subprocess.run([sys.executable, str(examples / "serve.py"), "--no-compile", "--max-new-tokens", "6"],
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, str(examples / "serve.py"), "--no-compile", "--max-new-tokens", "6"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step API tokens equal generate's: True" in result.stdout
     assert "aborted request 0 after" in result.stdout

@@ -42,7 +42,7 @@ REFUSED = {
     "doge": "doge cannot be served exactly: the attention of layers [0, 1, 2] adds a bias of its own",
     "bart": "bart cannot be served exactly: its positions do not follow position_ids",
     "phimoe": "phimoe cannot be served exactly: its config sets sliding_window=6 but layers [0, 1, 2] call attention "
-              "without it",
+    "without it",
     "whisper": "whisper cannot be served exactly: it does not take logits_to_keep as a tensor of row indices",
     "jamba": "jamba cannot be served exactly",
     "bamba": "bamba cannot be served exactly",
@@ -66,8 +66,9 @@ def test_refused_before_generating(model_type):
 def test_state_in_decoder_layers_refused_whatever_layer_types_say(monkeypatch):
     """LFM2's short convolutions keep state (their weights are used without calling the Conv1d): refused from the
     module even where layer_types would let conv layers through."""
-    monkeypatch.setattr(transformers_integration, "_ATTENTION_LAYER_TYPES",
-                        (*transformers_integration._ATTENTION_LAYER_TYPES, "conv"))
+    monkeypatch.setattr(
+        transformers_integration, "_ATTENTION_LAYER_TYPES", (*transformers_integration._ATTENTION_LAYER_TYPES, "conv")
+    )
     reason = r"lfm2 cannot be served exactly: model\.layers\.0\.conv\.conv \(Conv1d\) keeps recurrent or convolution"
     with pytest.raises(HybridInputError, match=reason):
         hybrid_tokens(make_model(tiny_config("lfm2")))
@@ -75,8 +76,9 @@ def test_state_in_decoder_layers_refused_whatever_layer_types_say(monkeypatch):
 
 def test_cache_sized_per_layer():
     """MLA: K pages of the q/k head dim (nope 16 + rope 8), V pages of v_head_dim; gpt2: every head is a KV head."""
-    cache = HybridGenerator(make_model(tiny_config("deepseek_v3")), max_batch_size=1, max_seq_len=8,
-                            compile=False).cache
+    cache = HybridGenerator(
+        make_model(tiny_config("deepseek_v3")), max_batch_size=1, max_seq_len=8, compile=False
+    ).cache
     assert [(k.shape[2:], v.shape[2:]) for k, v in zip(cache.k_caches, cache.v_caches)] == [((4, 24), (4, 16))] * 3
     cache = HybridGenerator(make_model(tiny_config("gpt2")), max_batch_size=1, max_seq_len=8, compile=False).cache
     assert [k.shape[2:] for k in cache.k_caches] == [(4, 16)] * 3

@@ -93,8 +93,16 @@ def mode_batch(mode, spec):
 def test_attn_every_mode(backend, spec, mode):
     q_lens, prefixes = mode_batch(mode, spec)
     case = make_case(q_lens, prefixes, num_q_heads=4, num_kv_heads=1)
-    check_call(torch.ops.hybrid.attn, case, {"sliding_window": 6}, torch.float32, forward_mode=int(mode),
-               prefill_backend=backend, decode_backend=backend, speculative_attention_mode=spec)
+    check_call(
+        torch.ops.hybrid.attn,
+        case,
+        {"sliding_window": 6},
+        torch.float32,
+        forward_mode=int(mode),
+        prefill_backend=backend,
+        decode_backend=backend,
+        speculative_attention_mode=spec,
+    )
 
 
 def sinks(num_q_heads, seed=0):
@@ -120,14 +128,18 @@ BACKEND_FEATURES = [(backend, feature) for backend in ("torch", "triton", "auto"
 
 @pytest.mark.parametrize("backend, feature", BACKEND_FEATURES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("op, q_lens, prefix_lens", [
-    ("prefill", [6, 13, 2, 0], [4, 0, 11, 3]),  # prefill, chunked prefill past chunk and page boundaries
-    ("decode", [1] * 4, [0, 5, 17, 33]),
-    ("decode", [3] * 2, [9, 20]),  # verify
-])
+@pytest.mark.parametrize(
+    "op, q_lens, prefix_lens",
+    [
+        ("prefill", [6, 13, 2, 0], [4, 0, 11, 3]),  # prefill, chunked prefill past chunk and page boundaries
+        ("decode", [1] * 4, [0, 5, 17, 33]),
+        ("decode", [3] * 2, [9, 20]),  # verify
+    ],
+)
 def test_features(backend, dtype, feature, op, q_lens, prefix_lens):
-    case = make_case(q_lens, prefix_lens, num_q_heads=8, num_kv_heads=2, dtype=dtype,
-                     v_head_dim=FEATURE_V_HEAD_DIM.get(feature))
+    case = make_case(
+        q_lens, prefix_lens, num_q_heads=8, num_kv_heads=2, dtype=dtype, v_head_dim=FEATURE_V_HEAD_DIM.get(feature)
+    )
     check_call(getattr(torch.ops.hybrid, op), case, FEATURES[feature], dtype, backend=backend)
 
 
@@ -182,18 +194,25 @@ def test_routing_reaches_the_named_backend():
 
     case = make_case([2, 2], [1, 1])
     expected = {  # (mode, speculative_attention_mode) -> backend method
-        (1, "prefill"): ("rec_p", "prefill"), (2, "prefill"): ("rec_d", "decode"),
-        (3, "prefill"): ("rec_p", "prefill"), (4, "prefill"): ("rec_d", "decode"),
-        (5, "prefill"): ("rec_p", "prefill"), (6, "prefill"): ("rec_p", "prefill"),
-        (1, "decode"): ("rec_p", "prefill"), (2, "decode"): ("rec_d", "decode"),
-        (3, "decode"): ("rec_p", "prefill"), (4, "decode"): ("rec_d", "decode"),
-        (5, "decode"): ("rec_d", "decode"), (6, "decode"): ("rec_d", "decode"),
+        (1, "prefill"): ("rec_p", "prefill"),
+        (2, "prefill"): ("rec_d", "decode"),
+        (3, "prefill"): ("rec_p", "prefill"),
+        (4, "prefill"): ("rec_d", "decode"),
+        (5, "prefill"): ("rec_p", "prefill"),
+        (6, "prefill"): ("rec_p", "prefill"),
+        (1, "decode"): ("rec_p", "prefill"),
+        (2, "decode"): ("rec_d", "decode"),
+        (3, "decode"): ("rec_p", "prefill"),
+        (4, "decode"): ("rec_d", "decode"),
+        (5, "decode"): ("rec_d", "decode"),
+        (6, "decode"): ("rec_d", "decode"),
     }
     with hybrid_ops.register_backend(Recorder("rec_p")), hybrid_ops.register_backend(Recorder("rec_d")):
         for (mode, spec), want in expected.items():
             calls.clear()
-            torch.ops.hybrid.attn(*case.args, mode, prefill_backend="rec_p", decode_backend="rec_d",
-                                  speculative_attention_mode=spec)
+            torch.ops.hybrid.attn(
+                *case.args, mode, prefill_backend="rec_p", decode_backend="rec_d", speculative_attention_mode=spec
+            )
             assert calls == [want], (mode, spec)
     assert "rec_p" not in hybrid_ops.backend_names()
 
@@ -217,20 +236,28 @@ def test_opcheck(op, case_kwargs):
 def test_opcheck_features(op):
     case = make_case([2, 2], [3, 6], num_q_heads=4, num_kv_heads=2, v_head_dim=8, seed=0)
     args = (*case.args, int(ForwardMode.DECODE)) if op == "attn" else case.args
-    torch.library.opcheck(getattr(torch.ops.hybrid, op).default, args,
-                          {"sinks": sinks(4), "attention_chunk": 3, "sliding_window": 4})
+    torch.library.opcheck(
+        getattr(torch.ops.hybrid, op).default, args, {"sinks": sinks(4), "attention_chunk": 3, "sliding_window": 4}
+    )
 
 
-@pytest.mark.parametrize("mode, q_lens", [(ForwardMode.EXTEND, [3, 5]), (ForwardMode.DECODE, [1, 1]),
-                                          (ForwardMode.MIXED, [4, 1]), (ForwardMode.IDLE, []),
-                                          (ForwardMode.TARGET_VERIFY, [2, 2]), (ForwardMode.DRAFT_EXTEND, [2, 3])])
+@pytest.mark.parametrize(
+    "mode, q_lens",
+    [
+        (ForwardMode.EXTEND, [3, 5]),
+        (ForwardMode.DECODE, [1, 1]),
+        (ForwardMode.MIXED, [4, 1]),
+        (ForwardMode.IDLE, []),
+        (ForwardMode.TARGET_VERIFY, [2, 2]),
+        (ForwardMode.DRAFT_EXTEND, [2, 3]),
+    ],
+)
 @pytest.mark.parametrize("spec", ["prefill", "decode"])
 def test_opcheck_attn(mode, q_lens, spec):
     if spec == "decode" and mode == ForwardMode.DRAFT_EXTEND:
         q_lens = [2, 2]
     case = make_case(q_lens, [4] * len(q_lens), seed=1)
-    torch.library.opcheck(torch.ops.hybrid.attn.default, (*case.args, int(mode)),
-                          {"speculative_attention_mode": spec})
+    torch.library.opcheck(torch.ops.hybrid.attn.default, (*case.args, int(mode)), {"speculative_attention_mode": spec})
 
 
 @pytest.mark.parametrize("inference", [False, True])

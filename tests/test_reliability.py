@@ -35,28 +35,65 @@ def batches(draw):
         q_lens = draw(st.lists(st.integers(0, 9), min_size=num_requests, max_size=num_requests))
     kv_heads = draw(st.sampled_from([1, 2]))
     return dict(
-        mode=mode, spec=spec, backend=draw(st.sampled_from(CPU_BACKENDS)),
-        case=dict(q_lens=q_lens, prefix_lens=draw(st.lists(st.integers(0, 20), min_size=num_requests,
-                                                           max_size=num_requests)),
-                  page_size=draw(st.sampled_from([1, 3, 4, 16])), num_kv_heads=kv_heads,
-                  num_q_heads=kv_heads * draw(st.sampled_from([1, 2, 3, 4])),
-                  head_dim=draw(st.sampled_from([8, 16, 24, 64])),
-                  dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])),
-                  strided=draw(st.booleans()), seed=draw(st.integers(0, 2**16))),
-        options=dict(sliding_window=draw(st.sampled_from([-1, 1, 4, 16])),
-                     logit_cap=draw(st.sampled_from([0.0, 1.0, 30.0]))),
+        mode=mode,
+        spec=spec,
+        backend=draw(st.sampled_from(CPU_BACKENDS)),
+        case=dict(
+            q_lens=q_lens,
+            prefix_lens=draw(st.lists(st.integers(0, 20), min_size=num_requests, max_size=num_requests)),
+            page_size=draw(st.sampled_from([1, 3, 4, 16])),
+            num_kv_heads=kv_heads,
+            num_q_heads=kv_heads * draw(st.sampled_from([1, 2, 3, 4])),
+            head_dim=draw(st.sampled_from([8, 16, 24, 64])),
+            dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])),
+            strided=draw(st.booleans()),
+            seed=draw(st.integers(0, 2**16)),
+        ),
+        options=dict(
+            sliding_window=draw(st.sampled_from([-1, 1, 4, 16])), logit_cap=draw(st.sampled_from([0.0, 1.0, 30.0]))
+        ),
     )
 
 
 # Draws that once failed, or that sit on an edge, kept as regular regression cases.
-@example(dict(mode=ForwardMode.EXTEND, spec="prefill", backend="triton",
-              case=dict(q_lens=[0, 5], prefix_lens=[0, 0], page_size=1, num_kv_heads=1, num_q_heads=3, head_dim=24,
-                        dtype=torch.bfloat16, strided=True, seed=0),
-              options=dict(sliding_window=1, logit_cap=1.0)))
-@example(dict(mode=ForwardMode.TARGET_VERIFY, spec="decode", backend="triton",
-              case=dict(q_lens=[4, 4], prefix_lens=[0, 20], page_size=16, num_kv_heads=2, num_q_heads=8,
-                        head_dim=64, dtype=torch.float16, strided=False, seed=1),
-              options=dict(sliding_window=16, logit_cap=0.0)))
+@example(
+    dict(
+        mode=ForwardMode.EXTEND,
+        spec="prefill",
+        backend="triton",
+        case=dict(
+            q_lens=[0, 5],
+            prefix_lens=[0, 0],
+            page_size=1,
+            num_kv_heads=1,
+            num_q_heads=3,
+            head_dim=24,
+            dtype=torch.bfloat16,
+            strided=True,
+            seed=0,
+        ),
+        options=dict(sliding_window=1, logit_cap=1.0),
+    )
+)
+@example(
+    dict(
+        mode=ForwardMode.TARGET_VERIFY,
+        spec="decode",
+        backend="triton",
+        case=dict(
+            q_lens=[4, 4],
+            prefix_lens=[0, 20],
+            page_size=16,
+            num_kv_heads=2,
+            num_q_heads=8,
+            head_dim=64,
+            dtype=torch.float16,
+            strided=False,
+            seed=1,
+        ),
+        options=dict(sliding_window=16, logit_cap=0.0),
+    )
+)
 @given(draw=batches())
 @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @pytest.mark.slow
@@ -64,8 +101,14 @@ def test_conformance(draw):
     case = make_case(**draw["case"])
     k_ref, v_ref = expected_cache(case)
     backend = draw["backend"]
-    out = torch.ops.hybrid.attn(*case.args, int(draw["mode"]), **draw["options"], prefill_backend=backend,
-                                decode_backend=backend, speculative_attention_mode=draw["spec"])
+    out = torch.ops.hybrid.attn(
+        *case.args,
+        int(draw["mode"]),
+        **draw["options"],
+        prefill_backend=backend,
+        decode_backend=backend,
+        speculative_attention_mode=draw["spec"],
+    )
     assert_close(out, reference(case, **draw["options"]), case.q.dtype)
     assert torch.equal(case.k_cache, k_ref) and torch.equal(case.v_cache, v_ref)
 
@@ -175,9 +218,19 @@ def test_soak(backend, num_steps):
             continue
         T = sum(new)
         q, k, v = torch.randn(T, 4, 8), torch.randn(T, 2, 8), torch.randn(T, 2, 8)
-        out = torch.ops.hybrid.attn(q, k, v, k_cache, v_cache, *batch.metadata, int(mode), sliding_window=9,
-                                    prefill_backend=backend, decode_backend=backend,
-                                    speculative_attention_mode="decode")
+        out = torch.ops.hybrid.attn(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            *batch.metadata,
+            int(mode),
+            sliding_window=9,
+            prefill_backend=backend,
+            decode_backend=backend,
+            speculative_attention_mode="decode",
+        )
         start = 0
         for rid, n in zip(live, new):
             keys, values = history[rid]

@@ -17,8 +17,9 @@ from hybrid_ops.generator import _sample, _Sampling
 
 DRAWS = 40_000  # per row: a frequency's standard deviation is at most 0.0025
 # Two rows with distinct values (no ties at the k-th largest), in different orders.
-LOGITS = torch.tensor([[0.3, -1.2, 2.0, 0.9, -0.4, 1.5, 0.0, -2.5, 1.1, 0.6],
-                       [1.0, 0.2, -0.7, 2.4, -1.9, 0.5, 1.7, -0.1, 0.8, -3.0]])
+LOGITS = torch.tensor(
+    [[0.3, -1.2, 2.0, 0.9, -0.4, 1.5, 0.0, -2.5, 1.1, 0.6], [1.0, 0.2, -0.7, 2.4, -1.9, 0.5, 1.7, -0.1, 0.8, -3.0]]
+)
 
 
 def expected_probs(logits, sampling):
@@ -33,12 +34,23 @@ def expected_probs(logits, sampling):
     return warpers(None, logits.double()).softmax(-1)
 
 
-@pytest.mark.parametrize("sampling", [_Sampling(1.0, 0, 1.0, 0.0), _Sampling(0.5, 0, 1.0, 0.0),
-                                      _Sampling(2.0, 0, 1.0, 0.0), _Sampling(1.0, 3, 1.0, 0.0),
-                                      _Sampling(0.7, 5, 1.0, 0.0), _Sampling(1.3, 1, 1.0, 0.0),
-                                      _Sampling(1.0, 0, 0.8, 0.0), _Sampling(1.5, 0, 0.5, 0.0),
-                                      _Sampling(1.0, 0, 1.0, 0.2), _Sampling(2.0, 0, 1.0, 0.4),
-                                      _Sampling(1.2, 6, 0.9, 0.1)], ids=str)
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        _Sampling(1.0, 0, 1.0, 0.0),
+        _Sampling(0.5, 0, 1.0, 0.0),
+        _Sampling(2.0, 0, 1.0, 0.0),
+        _Sampling(1.0, 3, 1.0, 0.0),
+        _Sampling(0.7, 5, 1.0, 0.0),
+        _Sampling(1.3, 1, 1.0, 0.0),
+        _Sampling(1.0, 0, 0.8, 0.0),
+        _Sampling(1.5, 0, 0.5, 0.0),
+        _Sampling(1.0, 0, 1.0, 0.2),
+        _Sampling(2.0, 0, 1.0, 0.4),
+        _Sampling(1.2, 6, 0.9, 0.1),
+    ],
+    ids=str,
+)
 def test_frequencies_follow_the_distribution(sampling):
     rows, vocab = LOGITS.shape
     generator = torch.Generator().manual_seed(1234)
@@ -58,6 +70,8 @@ def test_generate_passes_top_k_and_seed_through():
     model = make_model("llama", "sdpa")
     greedy = hybrid_ops.generate(model, PROMPTS, 6, compile=False)
     assert hybrid_ops.generate(model, PROMPTS, 6, compile=False, do_sample=True, top_k=1, seed=3) == greedy
-    runs = [hybrid_ops.generate(model, PROMPTS, 6, compile=False, do_sample=True, temperature=2.0, seed=s)
-            for s in (5, 5, 6)]
+    runs = [
+        hybrid_ops.generate(model, PROMPTS, 6, compile=False, do_sample=True, temperature=2.0, seed=s)
+        for s in (5, 5, 6)
+    ]
     assert runs[0] == runs[1] != runs[2]

@@ -11,17 +11,25 @@ P, D = "prefill", "decode"
 # (forward mode, speculative_attention_mode) -> which backend init_forward_metadata / forward_extend /
 # get_indexer_metadata / capture / replay reach.
 ROUTES = {
-    (ForwardMode.EXTEND, "prefill"): P, (ForwardMode.EXTEND, "decode"): P,
-    (ForwardMode.DECODE, "prefill"): D, (ForwardMode.DECODE, "decode"): D,
-    (ForwardMode.MIXED, "prefill"): P, (ForwardMode.MIXED, "decode"): P,
-    (ForwardMode.IDLE, "prefill"): D, (ForwardMode.IDLE, "decode"): D,
-    (ForwardMode.TARGET_VERIFY, "prefill"): P, (ForwardMode.TARGET_VERIFY, "decode"): D,
-    (ForwardMode.DRAFT_EXTEND, "prefill"): P, (ForwardMode.DRAFT_EXTEND, "decode"): D,
+    (ForwardMode.EXTEND, "prefill"): P,
+    (ForwardMode.EXTEND, "decode"): P,
+    (ForwardMode.DECODE, "prefill"): D,
+    (ForwardMode.DECODE, "decode"): D,
+    (ForwardMode.MIXED, "prefill"): P,
+    (ForwardMode.MIXED, "decode"): P,
+    (ForwardMode.IDLE, "prefill"): D,
+    (ForwardMode.IDLE, "decode"): D,
+    (ForwardMode.TARGET_VERIFY, "prefill"): P,
+    (ForwardMode.TARGET_VERIFY, "decode"): D,
+    (ForwardMode.DRAFT_EXTEND, "prefill"): P,
+    (ForwardMode.DRAFT_EXTEND, "decode"): D,
 }
 # (speculative, speculative_attention_mode) -> backends whose CUDA-graph state is set up.
 GRAPH_STATE = {
-    (False, "prefill"): {D}, (False, "decode"): {D},
-    (True, "prefill"): {P, D}, (True, "decode"): {D},
+    (False, "prefill"): {D},
+    (False, "decode"): {D},
+    (True, "prefill"): {P, D},
+    (True, "decode"): {D},
 }
 
 
@@ -33,6 +41,7 @@ class Recorder:
         def record(*args, **kwargs):
             self.log.append((self.name, method))
             return f"{self.name}:{method}"
+
         return record
 
 
@@ -77,8 +86,13 @@ def test_phase_backends_run_the_ops():
     assert hybrid.get_indexer_metadata(0, batch) is None
 
     decode = make_case([1, 1], [4, 9], seed=6, page_size=4)
-    cache = PagedKVCache(num_pages=decode.k_cache.shape[0], page_size=4, num_kv_heads=2, head_dim=16,
-                         max_pages_per_request=decode.block_table.shape[1])
+    cache = PagedKVCache(
+        num_pages=decode.k_cache.shape[0],
+        page_size=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_pages_per_request=decode.block_table.shape[1],
+    )
     cache.k_caches[0].copy_(decode.k_cache)
     cache.v_caches[0].copy_(decode.v_cache)
     hybrid = HybridAttnBackend(PhaseBackend(cache, "torch"), PhaseBackend(cache, "torch"))
@@ -94,8 +108,14 @@ def test_phase_backends_run_the_ops():
 def test_phase_backend_passes_an_fp8_caches_scales(backend):
     case = make_case([2, 3], [3, 7], seed=7, page_size=4)
     fp8, read, (k_expected, _) = fp8_case(case, torch.float8_e4m3fn, torch.tensor(0.5), torch.tensor(0.5))
-    cache = PagedKVCache(num_pages=case.k_cache.shape[0], page_size=4, num_kv_heads=2, head_dim=16,
-                         dtype=torch.float8_e4m3fn, kv_scale=0.5)
+    cache = PagedKVCache(
+        num_pages=case.k_cache.shape[0],
+        page_size=4,
+        num_kv_heads=2,
+        head_dim=16,
+        dtype=torch.float8_e4m3fn,
+        kv_scale=0.5,
+    )
     cache.k_caches[0].copy_(fp8.k_cache)
     cache.v_caches[0].copy_(fp8.v_cache)
     hybrid = HybridAttnBackend(PhaseBackend(cache, backend), PhaseBackend(cache, backend))
@@ -108,8 +128,11 @@ def test_phase_backend_passes_an_fp8_caches_scales(backend):
 
 # (forward mode, speculative_attention_mode, tokens per request) for the CUDA-graph tests: verify has 3 per
 # request, so a batch of 2 has 6 tokens and any swap of the two sizes shows.
-GRAPH_CASES = [(ForwardMode.DECODE, "prefill", 1), (ForwardMode.TARGET_VERIFY, "prefill", 3),
-               (ForwardMode.TARGET_VERIFY, "decode", 3)]
+GRAPH_CASES = [
+    (ForwardMode.DECODE, "prefill", 1),
+    (ForwardMode.TARGET_VERIFY, "prefill", 3),
+    (ForwardMode.TARGET_VERIFY, "decode", 3),
+]
 
 
 def graph_ready(cache, spec):
@@ -137,8 +160,9 @@ def test_capture_metadata(mode, spec, per_request):
     # Each request holds at least its own tokens, so the captured metadata passes validation.
     assert batch.seq_lens.tolist() == [max(hybrid.get_cuda_graph_seq_len_fill_value(), per_request)] * 2
     assert batch.block_table.shape == (2, 5)
-    hybrid_ops.validation.check_metadata_values(*batch.metadata, 2 * per_request, cache.num_pages, cache.page_size,
-                                                phase is hybrid.decode_backend)
+    hybrid_ops.validation.check_metadata_values(
+        *batch.metadata, 2 * per_request, cache.num_pages, cache.page_size, phase is hybrid.decode_backend
+    )
     for tensor, buffer in zip(batch.metadata, phase.graph_buffers):
         assert tensor.data_ptr() == buffer.data_ptr()  # views of the static buffers a graph would read
     other = hybrid.prefill_backend if phase is hybrid.decode_backend else hybrid.decode_backend
@@ -151,8 +175,9 @@ def test_replay_metadata_and_output(mode, spec, per_request):
     over them matches the reference."""
     case = make_case([per_request] * 2, [7, 2], page_size=4, seed=per_request)
     width = case.block_table.shape[1]
-    cache = PagedKVCache(num_pages=case.k_cache.shape[0], page_size=4, num_kv_heads=2, head_dim=16,
-                         max_pages_per_request=width + 2)
+    cache = PagedKVCache(
+        num_pages=case.k_cache.shape[0], page_size=4, num_kv_heads=2, head_dim=16, max_pages_per_request=width + 2
+    )
     cache.k_caches[0].copy_(case.k_cache)
     cache.v_caches[0].copy_(case.v_cache)
     hybrid = graph_ready(cache, spec)
@@ -168,5 +193,4 @@ def test_replay_metadata_and_output(mode, spec, per_request):
         assert tensor.data_ptr() == buffer.data_ptr()
     layer = AttentionLayer(0, scale=0.2, logit_cap=2.0)
     forward = hybrid.forward_decode if mode == ForwardMode.DECODE else hybrid.forward_extend
-    assert_close(forward(case.q, case.k, case.v, layer, real), reference(case, scale=0.2, logit_cap=2.0),
-                 torch.float32)
+    assert_close(forward(case.q, case.k, case.v, layer, real), reference(case, scale=0.2, logit_cap=2.0), torch.float32)

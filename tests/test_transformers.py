@@ -19,17 +19,35 @@ import hybrid_ops
 from hybrid_ops import ForwardMode, HybridGenerator, HybridInputError
 from hybrid_ops.integrations.transformers import HybridStep
 
-SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None, bos_token_id=None, pad_token_id=0)
+SMALL = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=0,
+)
 # name -> (config, attention transformers' reference runs with)
 MODELS = {
     "llama": (lambda: LlamaConfig(**SMALL), "sdpa"),
     "qwen2": (lambda: Qwen2Config(**SMALL), "sdpa"),
     "mistral_window": (lambda: MistralConfig(**SMALL, sliding_window=6), "sdpa"),
     # Soft-capping and alternating sliding/global layers; transformers' SDPA path ignores soft-capping.
-    "gemma2": (lambda: Gemma2Config(**{**SMALL, "num_hidden_layers": 3}, head_dim=16, sliding_window=5,
-                                    attn_logit_softcapping=1.5, final_logit_softcapping=None,
-                                    query_pre_attn_scalar=16), "eager"),
+    "gemma2": (
+        lambda: Gemma2Config(
+            **{**SMALL, "num_hidden_layers": 3},
+            head_dim=16,
+            sliding_window=5,
+            attn_logit_softcapping=1.5,
+            final_logit_softcapping=None,
+            query_pre_attn_scalar=16,
+        ),
+        "eager",
+    ),
 }
 PROMPTS = [[(7 * i + 3 * j) % 90 + 1 for j in range(n)] for i, n in enumerate([5, 17, 2, 23, 9])]
 NEW_TOKENS = 10
@@ -68,24 +86,36 @@ def reference_tokens(name, attn=None):
     out = []
     with torch.no_grad():
         for p in PROMPTS:
-            ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=NEW_TOKENS, do_sample=False)
-            out.append(ids[0, len(p):].tolist())
+            ids = model.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+            )
+            out.append(ids[0, len(p) :].tolist())
     return out
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_eager_generate_matches_transformers(name):
-    tokens = hybrid_ops.generate(make_model(name, MODELS[name][1]), PROMPTS, NEW_TOKENS, compile=False,
-                                 max_batch_size=3, page_size=4, prefill_chunk=12)
+    tokens = hybrid_ops.generate(
+        make_model(name, MODELS[name][1]),
+        PROMPTS,
+        NEW_TOKENS,
+        compile=False,
+        max_batch_size=3,
+        page_size=4,
+        prefill_chunk=12,
+    )
     assert tokens == reference_tokens(name)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_compiled_generate_matches_and_never_recompiles(name, fresh_dynamo):
-    generator = HybridGenerator(make_model(name, MODELS[name][1]), max_batch_size=3, max_seq_len=48, page_size=4,
-                                prefill_chunk=12)
+    generator = HybridGenerator(
+        make_model(name, MODELS[name][1]), max_batch_size=3, max_seq_len=48, page_size=4, prefill_chunk=12
+    )
     stats = hybrid_ops.GenerationStats()
     assert generator.generate(PROMPTS, NEW_TOKENS, stats=stats) == reference_tokens(name)  # warm-up
     assert set(stats.steps) == {"EXTEND", "MIXED", "DECODE"}
@@ -98,8 +128,15 @@ def test_fp8_cache_generates_transformers_tokens_over_fp8_kv(name, fp8):
     """kv_cache_dtype: the tokens of transformers' generate whose attention reads K/V rounded through fp8, and
     (e5m2, 2 mantissa bits) tokens that differ from the unrounded model's, so the rounding is what is compared."""
     kv_cache_dtype, scale = FP8[fp8]
-    generator = HybridGenerator(make_model(name, "sdpa"), max_batch_size=3, max_seq_len=48, page_size=4,
-                                prefill_chunk=12, compile=False, kv_cache_dtype=kv_cache_dtype)
+    generator = HybridGenerator(
+        make_model(name, "sdpa"),
+        max_batch_size=3,
+        max_seq_len=48,
+        page_size=4,
+        prefill_chunk=12,
+        compile=False,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     for t in generator.cache.k_scales + generator.cache.v_scales:
         t.fill_(scale)
     tokens = generator.generate(PROMPTS, NEW_TOKENS)
@@ -110,8 +147,14 @@ def test_fp8_cache_generates_transformers_tokens_over_fp8_kv(name, fp8):
 
 @pytest.mark.slow
 def test_compiled_fp8_cache_generates_the_same_tokens_and_never_recompiles(fresh_dynamo):
-    generator = HybridGenerator(make_model("llama", "sdpa"), max_batch_size=3, max_seq_len=48, page_size=4,
-                                prefill_chunk=12, kv_cache_dtype=torch.float8_e5m2)
+    generator = HybridGenerator(
+        make_model("llama", "sdpa"),
+        max_batch_size=3,
+        max_seq_len=48,
+        page_size=4,
+        prefill_chunk=12,
+        kv_cache_dtype=torch.float8_e5m2,
+    )
     want = reference_tokens("llama", "sdpa_e5m2")
     assert generator.generate(PROMPTS, NEW_TOKENS) == want  # warm-up
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -120,8 +163,10 @@ def test_compiled_fp8_cache_generates_the_same_tokens_and_never_recompiles(fresh
 
 def test_seeded_sampling_is_reproducible():
     model = make_model("llama", "sdpa")
-    runs = [hybrid_ops.generate(model, PROMPTS, 8, compile=False, do_sample=True, temperature=0.8, top_k=20, seed=s)
-            for s in (1, 1, 2)]
+    runs = [
+        hybrid_ops.generate(model, PROMPTS, 8, compile=False, do_sample=True, temperature=0.8, top_k=20, seed=s)
+        for s in (1, 1, 2)
+    ]
     assert runs[0] == runs[1] and runs[0] != runs[2]
     assert all(0 < t < 96 for tokens in runs[0] for t in tokens)
 
@@ -166,8 +211,14 @@ def gemma2_with_large_logits(attn, softcap=3.0):
     """Gemma2 whose scaling (query_pre_attn_scalar**-0.5 = 1/8) is half of 1/sqrt(head_dim), and whose q/k
     projections are scaled up: scaled attention logits reach about 6 in every layer, past the soft-cap of 3 (a
     random model's stay near 0.1)."""
-    config = Gemma2Config(**{**SMALL, "num_hidden_layers": 3}, head_dim=16, sliding_window=5,
-                          attn_logit_softcapping=softcap, final_logit_softcapping=None, query_pre_attn_scalar=64)
+    config = Gemma2Config(
+        **{**SMALL, "num_hidden_layers": 3},
+        head_dim=16,
+        sliding_window=5,
+        attn_logit_softcapping=softcap,
+        final_logit_softcapping=None,
+        query_pre_attn_scalar=64,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
     with torch.no_grad():
@@ -189,25 +240,29 @@ def test_logits_match_eager_attention_with_scale_window_and_soft_cap():
     # The soft-cap matters here: without it the logits move 500 times the tolerance below (a dropped cap or
     # scale in any one layer moved them about 200 times).
     assert (uncapped - want[0]).abs().max() > 0.1
-    generator = HybridGenerator(gemma2_with_large_logits("eager"), max_batch_size=2, max_seq_len=24, page_size=4,
-                                compile=False)
+    generator = HybridGenerator(
+        gemma2_with_large_logits("eager"), max_batch_size=2, max_seq_len=24, page_size=4, compile=False
+    )
     cache = generator.cache
     cache.add(0)
     cache.add(1)
     # Step 1 (EXTEND): 8 tokens of request 0, all 9 of request 1. Step 2 (MIXED): the rest of request 0, and
     # request 1 decodes one token over its 9 cached ones.
-    steps = [(ForwardMode.EXTEND, [prompts[0][:8], prompts[1]], [0, 0]),
-             (ForwardMode.MIXED, [prompts[0][8:], [follow]], [8, 9])]
+    steps = [
+        (ForwardMode.EXTEND, [prompts[0][:8], prompts[1]], [0, 0]),
+        (ForwardMode.MIXED, [prompts[0][8:], [follow]], [8, 9]),
+    ]
     got = [[], []]
     for mode, chunks, starts in steps:
         batch = cache.step([0, 1], [len(c) for c in chunks], mode)
         tokens = [t for c in chunks for t in c]
         positions = [s + j for c, s in zip(chunks, starts) for j in range(len(c))]
         with torch.inference_mode():
-            logits = generator.forward(torch.tensor([tokens]), torch.tensor([positions]),
-                                       torch.arange(len(tokens)), int(mode), *batch.metadata)
+            logits = generator.forward(
+                torch.tensor([tokens]), torch.tensor([positions]), torch.arange(len(tokens)), int(mode), *batch.metadata
+            )
         got[0].append(logits[: len(chunks[0])])
-        got[1].append(logits[len(chunks[0]):])
+        got[1].append(logits[len(chunks[0]) :])
     got = [torch.cat(rows) for rows in got]
     assert got[1].shape[0] == 10  # request 1's prompt from step 1 and its decoded token from step 2
     for mine, ref in zip(got, want):

@@ -42,8 +42,18 @@ def test_decode_splits(num_splits, window):
     case = make_case([1, 1, 1], [0, 6, 40], num_q_heads=8, num_kv_heads=2, page_size=4, seed=num_splits)
     torch.ops.hybrid.decode(*case.args, backend="torch")  # stores the new tokens
     scale = case.q.shape[-1] ** -0.5
-    out = decode_kernels.decode(case.q, case.k_cache, case.v_cache, case.seq_lens, case.block_table, scale, window,
-                                0.0, INTERPRETER, num_splits=num_splits)
+    out = decode_kernels.decode(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.seq_lens,
+        case.block_table,
+        scale,
+        window,
+        0.0,
+        INTERPRETER,
+        num_splits=num_splits,
+    )
     assert_close(out, reference(case, sliding_window=window), torch.float32)
 
 
@@ -59,8 +69,16 @@ V_HEAD_DIMS = {
 def v_head_dim_case(name, q_lens, prefixes, num_q_heads):
     head_dim, v_head_dim, dtype, options = V_HEAD_DIMS[name]
     options = dict(options, sinks=options["sinks"].repeat(num_q_heads // 4)) if "sinks" in options else options
-    case = make_case(q_lens, prefixes, num_q_heads=num_q_heads, num_kv_heads=2, head_dim=head_dim, page_size=16,
-                     dtype=dtype, v_head_dim=v_head_dim)
+    case = make_case(
+        q_lens,
+        prefixes,
+        num_q_heads=num_q_heads,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        page_size=16,
+        dtype=dtype,
+        v_head_dim=v_head_dim,
+    )
     kv_store.store_kv(case.k, case.v, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seq_lens, case.block_table)
     k_ref, v_ref = expected_cache(case)
     assert torch.equal(case.k_cache, k_ref) and torch.equal(case.v_cache, v_ref)
@@ -78,10 +96,20 @@ def test_v_head_dim_decode(name, q_len):
     visible = min(290 + q_len, options.get("sliding_window", 1000))
     chunk = math.ceil(math.ceil(visible / splits) / tiles.block_n) * tiles.block_n  # as the kernel splits
     assert chunk >= 2 * tiles.block_n and visible > 2 * chunk, "splits of one KV block, or fewer than 3 non-empty"
-    out = decode_kernels.decode(case.q, case.k_cache, case.v_cache, case.seq_lens, case.block_table,
-                                options["scale"], options.get("sliding_window", -1), options.get("logit_cap", 0.0),
-                                GPU_TILES, num_splits=splits, sinks=options.get("sinks"),
-                                attention_chunk=options.get("attention_chunk", -1))
+    out = decode_kernels.decode(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.seq_lens,
+        case.block_table,
+        options["scale"],
+        options.get("sliding_window", -1),
+        options.get("logit_cap", 0.0),
+        GPU_TILES,
+        num_splits=splits,
+        sinks=options.get("sinks"),
+        attention_chunk=options.get("attention_chunk", -1),
+    )
     assert out.shape == (case.q.shape[0], 16, v_head_dim)
     assert_close(out, reference(case, **options), dtype)
 
@@ -94,10 +122,20 @@ def test_v_head_dim_prefill(name):
     head_dim, v_head_dim, dtype, _ = V_HEAD_DIMS[name]
     tiles = prefill_tiles(dtype, max(head_dim, v_head_dim), 4, GPU_TILES)
     assert q_lens[0] > tiles.block_rows and prefixes[0] > tiles.block_n
-    out = prefill_kernels.prefill(case.q, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seq_lens,
-                                  case.block_table, options["scale"], options.get("sliding_window", -1),
-                                  options.get("logit_cap", 0.0), GPU_TILES, sinks=options.get("sinks"),
-                                  attention_chunk=options.get("attention_chunk", -1))
+    out = prefill_kernels.prefill(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.cu_seqlens_q,
+        case.seq_lens,
+        case.block_table,
+        options["scale"],
+        options.get("sliding_window", -1),
+        options.get("logit_cap", 0.0),
+        GPU_TILES,
+        sinks=options.get("sinks"),
+        attention_chunk=options.get("attention_chunk", -1),
+    )
     assert out.shape == (sum(q_lens), 8, v_head_dim)
     assert_close(out, reference(case, **options), dtype)
 
@@ -131,8 +169,19 @@ def test_matches_torch_backend():
 def test_compiled_with_triton_backends(fresh_dynamo):
 
     def step(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode: int):
-        return torch.ops.hybrid.attn(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode,
-                                     prefill_backend="triton", decode_backend="triton")
+        return torch.ops.hybrid.attn(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            cu_seqlens_q,
+            seq_lens,
+            block_table,
+            forward_mode,
+            prefill_backend="triton",
+            decode_backend="triton",
+        )
 
     compiled = torch.compile(step, fullgraph=True, dynamic=True)
     for mode, q_lens in [(1, [3, 5]), (2, [1, 1]), (5, [2, 2]), (3, [4, 1])]:
@@ -181,8 +230,9 @@ def run_fp8(case, cache_dtype, per_head, attend, **options):
     v_scale)`; checks the output against float64 over the dequantized cache and the cache bytes exactly."""
     k_scale, v_scale = fp8_scales(case.k.shape[1], per_head)
     fp8, read, (k_expected, v_expected) = fp8_case(case, cache_dtype, k_scale, v_scale)
-    kv_store.store_kv(fp8.k, fp8.v, fp8.k_cache, fp8.v_cache, fp8.cu_seqlens_q, fp8.seq_lens, fp8.block_table,
-                      k_scale, v_scale)
+    kv_store.store_kv(
+        fp8.k, fp8.v, fp8.k_cache, fp8.v_cache, fp8.cu_seqlens_q, fp8.seq_lens, fp8.block_table, k_scale, v_scale
+    )
     assert torch.equal(fp8.k_cache.view(torch.uint8), k_expected), "k_cache differs from the quantized values"
     assert torch.equal(fp8.v_cache.view(torch.uint8), v_expected), "v_cache differs from the quantized values"
     out = attend(fp8, k_scale, v_scale)
@@ -202,18 +252,35 @@ FP8_DECODE = {
 @pytest.mark.parametrize("name", FP8_DECODE)
 def test_fp8_decode(name, cache_dtype):
     dtype, head_dim, page_size, q_len, (num_q_heads, num_kv_heads), splits, options = FP8_DECODE[name]
-    case = make_case([q_len] * 2, [290, 130], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                     head_dim=head_dim, page_size=page_size, dtype=dtype)
+    case = make_case(
+        [q_len] * 2,
+        [290, 130],
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        dtype=dtype,
+    )
     block_n = decode_tiles(dtype, head_dim, q_len * num_q_heads // num_kv_heads, GPU_TILES).block_n
     visible = min(290 + q_len, options.get("sliding_window", 1000))  # the longest request's keys
     chunk = math.ceil(math.ceil(visible / splits) / block_n) * block_n  # as the kernel splits
     assert chunk >= 2 * block_n and visible > 2 * chunk, "splits of one KV block, or fewer than 3 non-empty"
 
     def attend(fp8, k_scale, v_scale):
-        return decode_kernels.decode(fp8.q, fp8.k_cache, fp8.v_cache, fp8.seq_lens, fp8.block_table,
-                                     options["scale"], options.get("sliding_window", -1),
-                                     options.get("logit_cap", 0.0), GPU_TILES, num_splits=splits, k_scale=k_scale,
-                                     v_scale=v_scale)
+        return decode_kernels.decode(
+            fp8.q,
+            fp8.k_cache,
+            fp8.v_cache,
+            fp8.seq_lens,
+            fp8.block_table,
+            options["scale"],
+            options.get("sliding_window", -1),
+            options.get("logit_cap", 0.0),
+            GPU_TILES,
+            num_splits=splits,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
 
     run_fp8(case, cache_dtype, cache_dtype == torch.float8_e4m3fn, attend, **options)
 
@@ -231,34 +298,87 @@ FP8_PREFILL = {
 def test_fp8_prefill(name, cache_dtype):
     dtype, head_dim, page_size, (num_q_heads, num_kv_heads), options = FP8_PREFILL[name]
     q_lens, prefixes = [40, 3, 17], [70, 0, 33]
-    case = make_case(q_lens, prefixes, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                     page_size=page_size, dtype=dtype)
+    case = make_case(
+        q_lens,
+        prefixes,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        dtype=dtype,
+    )
     tiles = prefill_tiles(dtype, head_dim, num_q_heads // num_kv_heads, GPU_TILES)
     assert q_lens[0] > tiles.block_rows and prefixes[0] > tiles.block_n
 
     def attend(fp8, k_scale, v_scale):
-        return prefill_kernels.prefill(fp8.q, fp8.k_cache, fp8.v_cache, fp8.cu_seqlens_q, fp8.seq_lens,
-                                       fp8.block_table, options["scale"], options.get("sliding_window", -1),
-                                       options.get("logit_cap", 0.0), GPU_TILES, k_scale=k_scale, v_scale=v_scale)
+        return prefill_kernels.prefill(
+            fp8.q,
+            fp8.k_cache,
+            fp8.v_cache,
+            fp8.cu_seqlens_q,
+            fp8.seq_lens,
+            fp8.block_table,
+            options["scale"],
+            options.get("sliding_window", -1),
+            options.get("logit_cap", 0.0),
+            GPU_TILES,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
 
     run_fp8(case, cache_dtype, cache_dtype == torch.float8_e4m3fn, attend, **options)
 
 
 @pytest.mark.parametrize("op", ["decode", "prefill"])
-@pytest.mark.parametrize("head_dim, v_head_dim, dtype", [(192, 128, torch.bfloat16), (64, 24, torch.float16)],
-                         ids=["d192_dv128_bf16", "d64_dv24_fp16"])
+@pytest.mark.parametrize(
+    "head_dim, v_head_dim, dtype",
+    [(192, 128, torch.bfloat16), (64, 24, torch.float16)],
+    ids=["d192_dv128_bf16", "d64_dv24_fp16"],
+)
 def test_fp8_v_head_dim(head_dim, v_head_dim, dtype, op):
     """e4m3 caches with per-head scales and a value head dim of its own, over 3 KV splits or several query tiles."""
     q_lens, prefixes = ([1, 1], [290, 130]) if op == "decode" else ([40, 3, 17], [70, 0, 33])
-    case = make_case(q_lens, prefixes, num_q_heads=8, num_kv_heads=2, head_dim=head_dim, page_size=16, dtype=dtype,
-                     v_head_dim=v_head_dim)
+    case = make_case(
+        q_lens,
+        prefixes,
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        page_size=16,
+        dtype=dtype,
+        v_head_dim=v_head_dim,
+    )
 
     def attend(fp8, k_scale, v_scale):
         if op == "decode":
-            return decode_kernels.decode(fp8.q, fp8.k_cache, fp8.v_cache, fp8.seq_lens, fp8.block_table, 0.15, -1,
-                                         0.0, GPU_TILES, num_splits=3, k_scale=k_scale, v_scale=v_scale)
-        return prefill_kernels.prefill(fp8.q, fp8.k_cache, fp8.v_cache, fp8.cu_seqlens_q, fp8.seq_lens,
-                                       fp8.block_table, 0.15, -1, 0.0, GPU_TILES, k_scale=k_scale, v_scale=v_scale)
+            return decode_kernels.decode(
+                fp8.q,
+                fp8.k_cache,
+                fp8.v_cache,
+                fp8.seq_lens,
+                fp8.block_table,
+                0.15,
+                -1,
+                0.0,
+                GPU_TILES,
+                num_splits=3,
+                k_scale=k_scale,
+                v_scale=v_scale,
+            )
+        return prefill_kernels.prefill(
+            fp8.q,
+            fp8.k_cache,
+            fp8.v_cache,
+            fp8.cu_seqlens_q,
+            fp8.seq_lens,
+            fp8.block_table,
+            0.15,
+            -1,
+            0.0,
+            GPU_TILES,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
 
     run_fp8(case, torch.float8_e4m3fn, True, attend, scale=0.15)
 
@@ -280,8 +400,9 @@ def test_fp8_conversions_match_torch(cache_dtype):
     any_codes = (torch.arange(x.numel()) % 256).to(torch.uint8)
     codes, values = torch.empty(x.shape, dtype=torch.uint8), torch.empty(x.shape)
     block = 1 << 16
-    _convert_kernel[(triton.cdiv(x.numel(), block),)](x, codes, any_codes, values, x.numel(),
-                                                      FP8=FP8_FORMATS[cache_dtype], BLOCK=block)
+    _convert_kernel[(triton.cdiv(x.numel(), block),)](
+        x, codes, any_codes, values, x.numel(), FP8=FP8_FORMATS[cache_dtype], BLOCK=block
+    )
     limit = torch.finfo(cache_dtype).max
     expected = x.clamp(-limit, limit).to(cache_dtype).view(torch.uint8)
     wrong = codes != expected
@@ -295,9 +416,12 @@ def test_fp8_conversions_match_torch(cache_dtype):
 def test_fp8_store_at_ties(cache_dtype):
     """The store divides (correctly rounded) before it converts: quotients at and next to ties, per-head scales."""
     k_scale, v_scale = torch.tensor([1.0, 0.37]), torch.tensor([3.1, 1.0])
-    fp8, _, (k_expected, v_expected) = fp8_case(fp8_store_case(cache_dtype, k_scale, v_scale), cache_dtype, k_scale,
-                                                v_scale)
-    kv_store.store_kv(fp8.k, fp8.v, fp8.k_cache, fp8.v_cache, fp8.cu_seqlens_q, fp8.seq_lens, fp8.block_table,
-                      k_scale, v_scale)
-    assert torch.equal(fp8.k_cache.view(torch.uint8), k_expected) and torch.equal(fp8.v_cache.view(torch.uint8),
-                                                                                 v_expected)
+    fp8, _, (k_expected, v_expected) = fp8_case(
+        fp8_store_case(cache_dtype, k_scale, v_scale), cache_dtype, k_scale, v_scale
+    )
+    kv_store.store_kv(
+        fp8.k, fp8.v, fp8.k_cache, fp8.v_cache, fp8.cu_seqlens_q, fp8.seq_lens, fp8.block_table, k_scale, v_scale
+    )
+    assert torch.equal(fp8.k_cache.view(torch.uint8), k_expected) and torch.equal(
+        fp8.v_cache.view(torch.uint8), v_expected
+    )

@@ -21,8 +21,14 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_kernels_compile_and_fit(tmp_path):
     table = tmp_path / "triton_resources.md"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "triton_resources.py"), "--write", str(table)],
-                            capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "triton_resources.py"), "--write", str(table)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
     assert ", 0 failing" in result.stdout
     # The committed table lists the launches this code makes, with their shared memory; register counts may move

@@ -57,16 +57,27 @@ def check(op, case, options, target, backend="triton"):
 
 
 # q_len 1: DECODE, 2 requests, GQA 8; q_len 4: TARGET_VERIFY, 4 drafts x GQA 16 = 64 rows, in 2 or 4 row tiles.
-DECODE_CASES = [("4_splits", q_len, dtype) for q_len in (1, 4) for dtype in DTYPES] + [
-    ("132_sms", 1, dtype) for dtype in DTYPES] + [("132_sms", 4, torch.float32)]
+DECODE_CASES = (
+    [("4_splits", q_len, dtype) for q_len in (1, 4) for dtype in DTYPES]
+    + [("132_sms", 1, dtype) for dtype in DTYPES]
+    + [("132_sms", 4, torch.float32)]
+)
 
 
 @pytest.mark.parametrize("sms, q_len, dtype", DECODE_CASES, ids=lambda x: str(x).replace("torch.", ""))
 def test_decode(sms, q_len, dtype):
     """4 splits of several KV blocks each, or an H200's 132 SMs: as many splits as the table has blocks."""
     prefixes, num_q_heads = ([290, 200], 8) if q_len == 1 else ([290], 16)
-    case = make_case([q_len] * len(prefixes), prefixes, num_q_heads=num_q_heads, num_kv_heads=1, head_dim=64,
-                     page_size=16, dtype=dtype, seed=q_len)
+    case = make_case(
+        [q_len] * len(prefixes),
+        prefixes,
+        num_q_heads=num_q_heads,
+        num_kv_heads=1,
+        head_dim=64,
+        page_size=16,
+        dtype=dtype,
+        seed=q_len,
+    )
     rows = q_len * num_q_heads
     tiles = decode_tiles(dtype, 64, rows, MANY_SMS)
     row_tiles = -(-rows // tiles.block_rows)
@@ -88,8 +99,7 @@ PREFILL_BATCH = [20, 3, 12], [150, 0, 35]
 def test_prefill(dtype):
     """Ragged requests over cached prefixes, each spanning several query tiles and KV blocks."""
     q_lens, prefixes = PREFILL_BATCH
-    case = make_case(q_lens, prefixes, num_q_heads=8, num_kv_heads=1, head_dim=64, page_size=16, dtype=dtype,
-                     seed=3)
+    case = make_case(q_lens, prefixes, num_q_heads=8, num_kv_heads=1, head_dim=64, page_size=16, dtype=dtype, seed=3)
     tiles = prefill_tiles(dtype, 64, 8, MANY_SMS)
     assert q_lens[0] > tiles.block_rows and prefixes[0] > 2 * tiles.block_n
     for options in OPTIONS.values():
@@ -99,9 +109,20 @@ def test_prefill(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
 def test_torch_backend_same_cases(dtype):
     """The reference backend on the same batches, at the same tolerances."""
-    for q_lens, prefixes, op in (([1, 1], [290, 200], torch.ops.hybrid.decode),
-                                 ([4], [290], torch.ops.hybrid.decode), (*PREFILL_BATCH, torch.ops.hybrid.prefill)):
-        case = make_case(q_lens, prefixes, num_q_heads=16 if q_lens == [4] else 8,
-                         num_kv_heads=1, head_dim=64, page_size=16, dtype=dtype, seed=3)
+    for q_lens, prefixes, op in (
+        ([1, 1], [290, 200], torch.ops.hybrid.decode),
+        ([4], [290], torch.ops.hybrid.decode),
+        (*PREFILL_BATCH, torch.ops.hybrid.prefill),
+    ):
+        case = make_case(
+            q_lens,
+            prefixes,
+            num_q_heads=16 if q_lens == [4] else 8,
+            num_kv_heads=1,
+            head_dim=64,
+            page_size=16,
+            dtype=dtype,
+            seed=3,
+        )
         for options in OPTIONS.values():
             check(op, case, options, None, backend="torch")

@@ -28,8 +28,9 @@ def run(model, prompts, new_tokens, rank):
         generator = HybridGenerator(model, **SIZES, compile=mode == "compiled")
         results[mode] = generator.generate(prompts, new_tokens)
     results["kv_heads"] = generator.cache.k_caches[0].shape[2]
-    results["sampled"] = HybridGenerator(model, **SIZES, compile=False).generate(prompts, new_tokens, do_sample=True,
-                                                                                top_k=20, seed=rank)
+    results["sampled"] = HybridGenerator(model, **SIZES, compile=False).generate(
+        prompts, new_tokens, do_sample=True, top_k=20, seed=rank
+    )
     try:
         HybridGenerator(model, **SIZES, compile=False).generate([[1 + rank]], 2)
     except HybridInputError as e:

@@ -23,6 +23,18 @@ get_backend = registry.get
 for _backend in (TorchBackend(), TritonBackend(), FlashInferBackend(), CpuBackend()):
     register_backend(_backend)
 
-__all__ = ["Backend", "backend_names", "check_backend_name", "CpuBackend", "FlashInferBackend", "get_backend",
-           "register_backend", "Registration", "Registry", "registry", "TorchBackend", "TritonBackend",
-           "unregister_backend"]
+__all__ = [
+    "Backend",
+    "backend_names",
+    "check_backend_name",
+    "CpuBackend",
+    "FlashInferBackend",
+    "get_backend",
+    "register_backend",
+    "Registration",
+    "Registry",
+    "registry",
+    "TorchBackend",
+    "TritonBackend",
+    "unregister_backend",
+]

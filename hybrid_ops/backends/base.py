@@ -38,19 +38,30 @@ class Backend:
         """Whether it runs q of this dtype and head dim on this device; "auto" takes the first that does."""
         raise NotImplementedError
 
-    def prefill(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                logit_cap):
+    def prefill(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap):
         """Any ragged batch: request i's queries are q[cu_seqlens_q[i] : cu_seqlens_q[i + 1]]."""
         raise NotImplementedError
 
-    def decode(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-               logit_cap):
+    def decode(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap):
         """Every request has the same query length, T // B (checked by the ops)."""
-        return self.prefill(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                            logit_cap)
+        return self.prefill(
+            q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap
+        )
 
-    def plan(self, path, q_dtype, num_q_heads, k_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-             logit_cap, cuda_graph=False) -> None:
+    def plan(
+        self,
+        path,
+        q_dtype,
+        num_q_heads,
+        k_cache,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        scale,
+        sliding_window,
+        logit_cap,
+        cuda_graph=False,
+    ) -> None:
         """Host-side planning of a step before its layers run (`torch.ops.hybrid.plan`); path: "prefill" or
         "decode". Backends that need none keep this no-op."""
 

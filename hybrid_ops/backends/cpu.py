@@ -36,18 +36,40 @@ from .registry import registry
 # CPU_CAPABILITY_* macro.
 _CAPABILITY_FLAGS = {
     "DEFAULT": [],
-    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mlzcnt", "-DCPU_CAPABILITY=AVX2",
-             "-DCPU_CAPABILITY_AVX2"],
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-mbmi", "-mbmi2",
-               "-mlzcnt", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
+    "AVX2": [
+        "-mavx2",
+        "-mfma",
+        "-mf16c",
+        "-mbmi",
+        "-mbmi2",
+        "-mlzcnt",
+        "-DCPU_CAPABILITY=AVX2",
+        "-DCPU_CAPABILITY_AVX2",
+    ],
+    "AVX512": [
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mfma",
+        "-mf16c",
+        "-mbmi",
+        "-mbmi2",
+        "-mlzcnt",
+        "-DCPU_CAPABILITY=AVX512",
+        "-DCPU_CAPABILITY_AVX512",
+    ],
 }
 
 
 _SOURCES = ("paged_attention.cpp", "dispatch.cpp")
 _HEADERS = ("paged_attention.h",)
 # modes.ROUTING for the C++ entry points: (forward_mode, speculative_attention_mode, routed to decode?).
-_ROUTES = [(int(mode), spec, paths[i] == "decode") for mode, paths in ROUTING.items()
-           for i, spec in enumerate(SPECULATIVE_ATTENTION_MODES)]
+_ROUTES = [
+    (int(mode), spec, paths[i] == "decode")
+    for mode, paths in ROUTING.items()
+    for i, spec in enumerate(SPECULATIVE_ATTENTION_MODES)
+]
 _extension = None  # the loaded kernels: their dispatcher entry points stay registered for the process
 
 
@@ -85,11 +107,15 @@ def build():
     os.makedirs(build_dir, exist_ok=True)
     fresh = not os.path.exists(os.path.join(build_dir, f"{name}.so"))
     if fresh:
-        print(f"hybrid_ops: building the native CPU kernels ({capability}) into {build_dir}, once...",
-              file=sys.stderr, flush=True)
+        print(
+            f"hybrid_ops: building the native CPU kernels ({capability}) into {build_dir}, once...",
+            file=sys.stderr,
+            flush=True,
+        )
     start = time.perf_counter()
-    module = cpp_extension.load(name, sources, extra_cflags=["-O3", "-fopenmp", *flags],
-                                extra_ldflags=["-fopenmp"], build_directory=build_dir)
+    module = cpp_extension.load(
+        name, sources, extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"], build_directory=build_dir
+    )
     if fresh:
         print(f"hybrid_ops: built in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     return module
@@ -116,8 +142,11 @@ class CpuBackend(Backend):
             except Exception as e:  # no compiler, no ninja, a failed build: any of them means the torch backend
                 self._error = e
                 last_line = (str(e).strip().splitlines() or [""])[-1]
-                warnings.warn(f"hybrid_ops: the cpu backend's kernels could not be built ({type(e).__name__}: "
-                              f"{last_line}); 'auto' uses the torch backend on the CPU", stacklevel=2)
+                warnings.warn(
+                    f"hybrid_ops: the cpu backend's kernels could not be built ({type(e).__name__}: "
+                    f"{last_line}); 'auto' uses the torch backend on the CPU",
+                    stacklevel=2,
+                )
             else:
                 global _extension
                 _extension = self._module
@@ -127,14 +156,44 @@ class CpuBackend(Backend):
     def supports(self, device, dtype, head_dim) -> bool:
         return device.type == "cpu" and dtype in FLOAT_DTYPES
 
-    def prefill(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                logit_cap, decode=False, k_scale=None, v_scale=None):
+    def prefill(
+        self,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        scale,
+        sliding_window,
+        logit_cap,
+        decode=False,
+        k_scale=None,
+        v_scale=None,
+    ):
         """k_scale, v_scale: [Hkv] float32 with fp8 caches (`fp8.per_head`), else None."""
-        out = self._module.forward(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale,
-                                   sliding_window, logit_cap, decode, k_scale, v_scale)
+        out = self._module.forward(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            cu_seqlens_q,
+            seq_lens,
+            block_table,
+            scale,
+            sliding_window,
+            logit_cap,
+            decode,
+            k_scale,
+            v_scale,
+        )
         if out is None:
-            check_metadata_values(cu_seqlens_q, seq_lens, block_table, q.shape[0], k_cache.shape[0],
-                                  k_cache.shape[1], decode)
+            check_metadata_values(
+                cu_seqlens_q, seq_lens, block_table, q.shape[0], k_cache.shape[0], k_cache.shape[1], decode
+            )
             raise HybridInputError("the metadata's values are inconsistent (cu_seqlens_q, seq_lens, block_table)")
         return out
 

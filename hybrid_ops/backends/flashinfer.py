@@ -81,8 +81,19 @@ class _Variant:
     @classmethod
     def of(cls, path, q_dtype, num_q_heads, k_cache, scale, sliding_window, logit_cap):
         _, page_size, num_kv_heads, head_dim = k_cache.shape
-        return cls(path, k_cache.device, q_dtype, k_cache.dtype, num_q_heads, num_kv_heads, head_dim, page_size,
-                   scale, sliding_window, logit_cap)
+        return cls(
+            path,
+            k_cache.device,
+            q_dtype,
+            k_cache.dtype,
+            num_q_heads,
+            num_kv_heads,
+            head_dim,
+            page_size,
+            scale,
+            sliding_window,
+            logit_cap,
+        )
 
 
 @dataclass
@@ -124,8 +135,20 @@ class FlashInferBackend(Backend):
     def supports(self, device, dtype, head_dim) -> bool:
         return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim in self.head_dims
 
-    def plan(self, path, q_dtype, num_q_heads, k_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-             logit_cap, cuda_graph=False):
+    def plan(
+        self,
+        path,
+        q_dtype,
+        num_q_heads,
+        k_cache,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        scale,
+        sliding_window,
+        logit_cap,
+        cuda_graph=False,
+    ):
         """Plan one variant of this step; with `cuda_graph`, this batch shape takes CUDA-graph wrappers from now on.
 
         k_cache: [num_pages, page_size, Hkv, D] (its dtype, fp8 included, is the plan's kv_data_type); cu_seqlens_q:
@@ -158,8 +181,10 @@ class FlashInferBackend(Backend):
         if batch == 0 or num_tokens == 0:
             return None  # FlashInfer cannot plan an empty batch; the layers return empty outputs
         if variant.path == "decode" and num_tokens % batch:
-            raise HybridInputError(f"decode needs the same query length for every request: cu_seqlens_q[-1] = "
-                                   f"{num_tokens} tokens for {batch} requests")
+            raise HybridInputError(
+                f"decode needs the same query length for every request: cu_seqlens_q[-1] = "
+                f"{num_tokens} tokens for {batch} requests"
+            )
         graph = (variant.path, variant.device, batch, num_tokens) in self._graph_shapes
         plans, key = (self._graph_plans, (variant, batch, num_tokens)) if graph else (self._plans, variant)
         plan = plans.get(key)
@@ -167,12 +192,17 @@ class FlashInferBackend(Backend):
             wrapper = plan.wrapper
         else:
             wrapper = self._new_wrapper(variant, (batch, num_tokens, block_table.shape[1]) if graph else None)
-        qo_indptr, kv_indptr, kv_indices, last_page_len = to_flashinfer_metadata(cu_seqlens_q, seq_lens, block_table,
-                                                                                 variant.page_size)
+        qo_indptr, kv_indptr, kv_indices, last_page_len = to_flashinfer_metadata(
+            cu_seqlens_q, seq_lens, block_table, variant.page_size
+        )
         sizes = (variant.num_q_heads, variant.num_kv_heads, variant.head_dim, variant.page_size)
-        options = dict(window_left=variant.sliding_window - 1 if variant.sliding_window > 0 else -1,
-                       logits_soft_cap=variant.logit_cap or None, sm_scale=variant.scale,
-                       q_data_type=variant.q_dtype, kv_data_type=variant.kv_dtype)
+        options = dict(
+            window_left=variant.sliding_window - 1 if variant.sliding_window > 0 else -1,
+            logits_soft_cap=variant.logit_cap or None,
+            sm_scale=variant.scale,
+            q_data_type=variant.q_dtype,
+            kv_data_type=variant.kv_dtype,
+        )
         if variant.path == "decode":
             wrapper.plan(kv_indptr, kv_indices, last_page_len, *sizes, q_len_per_req=num_tokens // batch, **options)
         else:
@@ -205,14 +235,42 @@ class FlashInferBackend(Backend):
         indptr, indices, last_page_len = buffer(batch + 1), buffer(batch * max_pages + 1), buffer(batch)
         if variant.path == "decode":
             return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                workspace, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
-                paged_kv_last_page_len_buffer=last_page_len, **decode)
+                workspace,
+                "NHD",
+                use_cuda_graph=True,
+                paged_kv_indptr_buffer=indptr,
+                paged_kv_indices_buffer=indices,
+                paged_kv_last_page_len_buffer=last_page_len,
+                **decode,
+            )
         return flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=buffer(batch + 1), paged_kv_indptr_buf=indptr,
-            paged_kv_indices_buf=indices, paged_kv_last_page_len_buf=last_page_len, max_total_num_rows=num_tokens)
+            workspace,
+            "NHD",
+            use_cuda_graph=True,
+            qo_indptr_buf=buffer(batch + 1),
+            paged_kv_indptr_buf=indptr,
+            paged_kv_indices_buf=indices,
+            paged_kv_last_page_len_buf=last_page_len,
+            max_total_num_rows=num_tokens,
+        )
 
-    def _run(self, path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-             logit_cap, k_scale=None, v_scale=None):
+    def _run(
+        self,
+        path,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        scale,
+        sliding_window,
+        logit_cap,
+        k_scale=None,
+        v_scale=None,
+    ):
         """k_scale, v_scale: [Hkv] float32 with fp8 caches (`fp8.per_head`), else None. Returns [T, Hq, D] in q's
         dtype."""
         from ..kernels.kv_store import store_kv  # masked and sync-free
@@ -231,7 +289,8 @@ class FlashInferBackend(Backend):
                 raise HybridInputError(
                     f"flashinfer: no CUDA-graph plan for this {path} batch ({seq_lens.shape[0]} requests, "
                     f"{num_tokens} tokens) and layer variant; plan it before the capture: "
-                    "torch.ops.hybrid.plan(..., cuda_graph=True), or an eager run after the capture hook")
+                    "torch.ops.hybrid.plan(..., cuda_graph=True), or an eager run after the capture hook"
+                )
             wrapper = graph.wrapper
         else:
             plan = next((p for p in (graph, self._plans.get(variant)) if p is not None and p.matches(metadata)), None)

@@ -86,8 +86,15 @@ class Registry:
         if name != "auto" and name not in self._backends:
             raise HybridInputError(f"{arg} must be 'auto' or one of {self.names()}, got {name!r}")
 
-    def get(self, name: str, device: torch.device, dtype: torch.dtype, head_dim: int, arg: str = "backend",
-            features: frozenset = frozenset()):
+    def get(
+        self,
+        name: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        head_dim: int,
+        arg: str = "backend",
+        features: frozenset = frozenset(),
+    ):
         """The backend that serves `name` for q on `device` of `dtype` and `head_dim`, with the `features` in use
         (`Backend.options`); raises `HybridInputError` naming `arg` when that backend is not registered, not
         installed or does not serve them."""
@@ -95,12 +102,22 @@ class Registry:
             key = (device.type, dtype, head_dim, features)
             backend = self._auto.get(key)
             if backend is None:
-                backend = next((b for b in map(self._backends.get, self.auto_order(device.type))
-                                if b is not None and b.is_available() and b.supports(device, dtype, head_dim)
-                                and features <= b.options), None)
+                backend = next(
+                    (
+                        b
+                        for b in map(self._backends.get, self.auto_order(device.type))
+                        if b is not None
+                        and b.is_available()
+                        and b.supports(device, dtype, head_dim)
+                        and features <= b.options
+                    ),
+                    None,
+                )
                 if backend is None:
-                    raise HybridInputError(f"{arg}='auto' found no backend for q on {device} with dtype {dtype}, "
-                                           f"head dim {head_dim} and {sorted(features)} (registered: {self.names()})")
+                    raise HybridInputError(
+                        f"{arg}='auto' found no backend for q on {device} with dtype {dtype}, "
+                        f"head dim {head_dim} and {sorted(features)} (registered: {self.names()})"
+                    )
                 self._auto[key] = backend
             return backend
         self.check_name(name, arg)
@@ -109,10 +126,13 @@ class Registry:
             raise HybridInputError(f"{arg}={name!r} needs {backend.requirement}, which is not installed")
         if not backend.supports(device, dtype, head_dim):
             raise HybridInputError(
-                f"{arg}={name!r} does not support q on {device} with dtype {dtype} and head dim {head_dim}")
+                f"{arg}={name!r} does not support q on {device} with dtype {dtype} and head dim {head_dim}"
+            )
         if not features <= backend.options:
-            raise HybridInputError(f"{arg}={name!r} does not support {', '.join(sorted(features - backend.options))}: "
-                                   "use the torch backend or 'auto'")
+            raise HybridInputError(
+                f"{arg}={name!r} does not support {', '.join(sorted(features - backend.options))}: "
+                "use the torch backend or 'auto'"
+            )
         return backend
 
 

@@ -33,8 +33,12 @@ MATMUL_QUERY_ROWS = 32
 def _matmul_branch(batch, query_rows, logit_cap, sinks, head_dims):
     """Whether `attend` takes the matmul branch: SDPA has no soft-cap and no sinks, and is not used when the value
     head dim differs (head_dims: (D, Dv))."""
-    return (logit_cap > 0 or sinks is not None or head_dims[0] != head_dims[1]
-            or (batch == 1 and query_rows <= MATMUL_QUERY_ROWS))
+    return (
+        logit_cap > 0
+        or sinks is not None
+        or head_dims[0] != head_dims[1]
+        or (batch == 1 and query_rows <= MATMUL_QUERY_ROWS)
+    )
 
 
 class StepPlan:
@@ -47,8 +51,9 @@ class StepPlan:
         num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
         self.key = key
         self.metadata = (cu_seqlens_q.clone(), seq_lens.clone(), block_table.clone())
-        self.cu, self.lens = check_metadata_values(cu_seqlens_q, seq_lens, block_table, num_tokens, num_pages,
-                                                   page_size, decode)
+        self.cu, self.lens = check_metadata_values(
+            cu_seqlens_q, seq_lens, block_table, num_tokens, num_pages, page_size, decode
+        )
         self.slots = new_token_slots(cu_seqlens_q, seq_lens, block_table, num_tokens, page_size)  # [T] int64
         self.page_size = page_size
         self.max_pages = -(-max(self.lens, default=0) // page_size)
@@ -61,7 +66,8 @@ class StepPlan:
 
     def matches(self, key, cu_seqlens_q, seq_lens, block_table) -> bool:
         return key == self.key and all(
-            torch.equal(a, b) for a, b in zip((cu_seqlens_q, seq_lens, block_table), self.metadata))
+            torch.equal(a, b) for a, b in zip((cu_seqlens_q, seq_lens, block_table), self.metadata)
+        )
 
     def gather_index(self):
         """[B * max_pages] page ids: every request's pages, padded to the longest (batched decode) with page 0.
@@ -71,8 +77,10 @@ class StepPlan:
         """
         if self._gather_index is None:
             table, seq_lens = self.metadata[2][:, : self.max_pages], self.metadata[1]
-            unused = torch.arange(self.max_pages, device=self.device) >= (seq_lens[:, None] + self.page_size - 1
-                                                                          ) // self.page_size
+            unused = (
+                torch.arange(self.max_pages, device=self.device)
+                >= (seq_lens[:, None] + self.page_size - 1) // self.page_size
+            )
             self._gather_index = table.masked_fill(unused, 0).flatten()
         return self._gather_index
 
@@ -163,13 +171,16 @@ def attend(q, k, v, bias, is_causal, scale, logit_cap, sinks=None, k_scale=None,
     num_kv_heads, v_head_dim = v.shape[2:]
     group = num_q_heads // num_kv_heads
     out_dtype, compute_dtype = q.dtype, torch.promote_types(q.dtype, torch.float32)
-    k, v = (x.to(compute_dtype) if kv_scale is None else x.to(compute_dtype).mul_(kv_scale[:, None])
-            for x, kv_scale in ((k, k_scale), (v, v_scale)))
+    k, v = (
+        x.to(compute_dtype) if kv_scale is None else x.to(compute_dtype).mul_(kv_scale[:, None])
+        for x, kv_scale in ((k, k_scale), (v, v_scale))
+    )
     q, k_t, v_t = q.to(compute_dtype), k.transpose(1, 2), v.transpose(1, 2)
     if _matmul_branch(batch, n * group, logit_cap, sinks, (head_dim, v_head_dim)):
         # Each kv head serves its `group` query heads as extra rows: [B, Hkv, n * group, D], no K/V repeat.
-        q_rows = q.view(batch, n, num_kv_heads, group, head_dim).transpose(1, 2).reshape(batch, num_kv_heads, -1,
-                                                                                         head_dim)
+        q_rows = (
+            q.view(batch, n, num_kv_heads, group, head_dim).transpose(1, 2).reshape(batch, num_kv_heads, -1, head_dim)
+        )
         scores = torch.matmul(q_rows, k_t.transpose(2, 3)).mul_(scale)
         if logit_cap > 0:
             scores = logit_cap * torch.tanh(scores / logit_cap)
@@ -183,8 +194,9 @@ def attend(q, k, v, bias, is_causal, scale, logit_cap, sinks=None, k_scale=None,
         out = torch.matmul(probs, v_t).view(batch, num_kv_heads, n, group, v_head_dim)
         out = out.transpose(1, 2).reshape(batch, n, num_q_heads, v_head_dim)
     else:
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k_t, v_t, attn_mask=bias, is_causal=is_causal,
-                                             scale=scale, enable_gqa=True).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k_t, v_t, attn_mask=bias, is_causal=is_causal, scale=scale, enable_gqa=True
+        ).transpose(1, 2)
     return out.to(out_dtype)
 
 
@@ -205,8 +217,15 @@ class TorchBackend(Backend):
     def step_plan(self, cu_seqlens_q, seq_lens, block_table, num_tokens, k_cache, v_cache, decode) -> StepPlan:
         """The plan for this metadata: the kept one when its values are the same, else a new one (which checks
         them, raising `HybridInputError` before anything is written)."""
-        key = (num_tokens, k_cache.shape, v_cache.shape[3], k_cache.dtype, k_cache.device, decode,
-               deterministic_enabled())
+        key = (
+            num_tokens,
+            k_cache.shape,
+            v_cache.shape[3],
+            k_cache.dtype,
+            k_cache.device,
+            decode,
+            deterministic_enabled(),
+        )
         plan = self._plan
         if plan is None or not plan.matches(key, cu_seqlens_q, seq_lens, block_table):
             plan = StepPlan(key, cu_seqlens_q, seq_lens, block_table, num_tokens, k_cache, v_cache, decode)
@@ -214,8 +233,25 @@ class TorchBackend(Backend):
             self.plans_made += 1
         return plan
 
-    def prefill(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                logit_cap, sinks=None, attention_chunk=-1, k_scale=None, v_scale=None, decode=False):
+    def prefill(
+        self,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        scale,
+        sliding_window,
+        logit_cap,
+        sinks=None,
+        attention_chunk=-1,
+        k_scale=None,
+        v_scale=None,
+        decode=False,
+    ):
         _, page_size, num_kv_heads, head_dim = k_cache.shape
         head_dims = (head_dim, v_cache.shape[3])
         plan = self.step_plan(cu_seqlens_q, seq_lens, block_table, q.shape[0], k_cache, v_cache, decode)
@@ -232,14 +268,19 @@ class TorchBackend(Backend):
         if plan.batched:
             n = q.shape[0] // len(lens)
             index, longest = plan.gather_index(), max(lens)
-            k_padded, v_padded = (self.workspace.gather(role, raw(cache), index).view(-1, num_kv_heads, cache.shape[3])
-                                  .index_fill_(0, plan.padding_rows(), 0).view(cache.dtype)
-                                  .view(len(lens), plan.max_pages * page_size, num_kv_heads, -1)[:, :longest]
-                                  for role, cache in (("k", k_cache), ("v", v_cache)))
+            k_padded, v_padded = (
+                self.workspace.gather(role, raw(cache), index)
+                .view(-1, num_kv_heads, cache.shape[3])
+                .index_fill_(0, plan.padding_rows(), 0)
+                .view(cache.dtype)
+                .view(len(lens), plan.max_pages * page_size, num_kv_heads, -1)[:, :longest]
+                for role, cache in (("k", k_cache), ("v", v_cache))
+            )
             matmul = _matmul_branch(len(lens), n * group, logit_cap, sinks, head_dims)
             bias, is_causal = plan.mask(None, n, sliding_window, attention_chunk, matmul)
-            return attend(q.view(len(lens), n, *q.shape[1:]), k_padded, v_padded, bias, is_causal,
-                          *options).flatten(0, 1)
+            return attend(q.view(len(lens), n, *q.shape[1:]), k_padded, v_padded, bias, is_causal, *options).flatten(
+                0, 1
+            )
         out = q.new_empty(out_shape)
         for i, length in enumerate(lens):
             start, end = plan.cu[i], plan.cu[i + 1]
@@ -249,8 +290,7 @@ class TorchBackend(Backend):
             kv = []
             for role, cache in (("k", k_cache), ("v", v_cache)):
                 if first is not None:  # consecutive pages: a view of the cache
-                    rows = cache.view(-1, num_kv_heads, cache.shape[3])[first * page_size : first * page_size
-                                                                         + length]
+                    rows = cache.view(-1, num_kv_heads, cache.shape[3])[first * page_size : first * page_size + length]
                 else:
                     rows = self.workspace.gather(role, raw(cache), index).view(cache.dtype).flatten(0, 1)[:length]
                 kv.append(rows[None])

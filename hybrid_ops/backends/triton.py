@@ -59,22 +59,80 @@ class TritonBackend(Backend):
         in the interpreter), else q's device."""
         return self.target if self.target is not None else _device_target(q.device)
 
-    def prefill(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                logit_cap, sinks=None, attention_chunk=-1, k_scale=None, v_scale=None):
+    def prefill(
+        self,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        scale,
+        sliding_window,
+        logit_cap,
+        sinks=None,
+        attention_chunk=-1,
+        k_scale=None,
+        v_scale=None,
+    ):
         from ..kernels import kv_store, prefill
 
         _check_v_head_dim(v_cache)
         kv_store.store_kv(k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, k_scale, v_scale)
-        return prefill.prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                               logit_cap, self.launch_target(q), sinks=sinks, attention_chunk=attention_chunk,
-                               k_scale=k_scale, v_scale=v_scale)
+        return prefill.prefill(
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q,
+            seq_lens,
+            block_table,
+            scale,
+            sliding_window,
+            logit_cap,
+            self.launch_target(q),
+            sinks=sinks,
+            attention_chunk=attention_chunk,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
 
-    def decode(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-               logit_cap, sinks=None, attention_chunk=-1, k_scale=None, v_scale=None):
+    def decode(
+        self,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        scale,
+        sliding_window,
+        logit_cap,
+        sinks=None,
+        attention_chunk=-1,
+        k_scale=None,
+        v_scale=None,
+    ):
         from ..kernels import decode, kv_store
 
         _check_v_head_dim(v_cache)
         kv_store.store_kv(k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, k_scale, v_scale)
-        return decode.decode(q, k_cache, v_cache, seq_lens, block_table, scale, sliding_window, logit_cap,
-                             self.launch_target(q), batch_invariant=deterministic_enabled(), sinks=sinks,
-                             attention_chunk=attention_chunk, k_scale=k_scale, v_scale=v_scale)
+        return decode.decode(
+            q,
+            k_cache,
+            v_cache,
+            seq_lens,
+            block_table,
+            scale,
+            sliding_window,
+            logit_cap,
+            self.launch_target(q),
+            batch_invariant=deterministic_enabled(),
+            sinks=sinks,
+            attention_chunk=attention_chunk,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )

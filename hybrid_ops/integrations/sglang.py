@@ -46,10 +46,11 @@ class PhaseBackend:
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         device, max_pages = self.kv_cache.device, self.kv_cache.max_pages_per_request
-        self.graph_buffers = (torch.zeros(max_bs + 1, dtype=torch.int32, device=device),
-                              torch.full((max_bs,), self.get_cuda_graph_seq_len_fill_value(), dtype=torch.int32,
-                                         device=device),
-                              torch.zeros(max_bs, max_pages, dtype=torch.int32, device=device))
+        self.graph_buffers = (
+            torch.zeros(max_bs + 1, dtype=torch.int32, device=device),
+            torch.full((max_bs,), self.get_cuda_graph_seq_len_fill_value(), dtype=torch.int32, device=device),
+            torch.zeros(max_bs, max_pages, dtype=torch.int32, device=device),
+        )
         for t in self.graph_buffers:
             torch._dynamo.mark_static_address(t)
 
@@ -80,14 +81,22 @@ class PhaseBackend:
         """
         padding = bs - forward_batch.batch_size
         if padding < 0:
-            raise HybridInputError(f"forward_batch has {forward_batch.batch_size} requests, more than the graph's "
-                                   f"bs = {bs}")
+            raise HybridInputError(
+                f"forward_batch has {forward_batch.batch_size} requests, more than the graph's bs = {bs}"
+            )
         if padding and (self.kv_cache.scratch_page is None or bs not in self.captured_num_tokens):
-            raise HybridInputError(f"forward_batch has {forward_batch.batch_size} requests and the graph bs = {bs}: "
-                                   "padding it needs PagedKVCache(reserve_scratch=True) and a capture of that bs")
+            raise HybridInputError(
+                f"forward_batch has {forward_batch.batch_size} requests and the graph bs = {bs}: "
+                "padding it needs PagedKVCache(reserve_scratch=True) and a capture of that bs"
+            )
         q_len = self.captured_num_tokens.get(bs, 0) // max(bs, 1)
-        padded = pad_batch(forward_batch, [q_len] * padding, self.kv_cache.scratch_page, self.kv_cache.page_size,
-                           self.get_cuda_graph_seq_len_fill_value())
+        padded = pad_batch(
+            forward_batch,
+            [q_len] * padding,
+            self.kv_cache.scratch_page,
+            self.kv_cache.page_size,
+            self.get_cuda_graph_seq_len_fill_value(),
+        )
         batch = self._graph_batch(bs, forward_batch.forward_mode)
         batch.cu_seqlens_q.copy_(padded.cu_seqlens_q)
         batch.seq_lens.copy_(padded.seq_lens)
@@ -102,8 +111,13 @@ class PhaseBackend:
         fp8 = k_cache.dtype in FP8_DTYPES
         # The backend the layers' ops take. An fp8 cache does not tell q's dtype: bf16 stands for it (fp16 is
         # served alike, and the backend that plans, FlashInfer, has no fp32-q kernel).
-        impl = get_backend(self.backend, k_cache.device, torch.bfloat16 if fp8 else k_cache.dtype, k_cache.shape[-1],
-                           features=frozenset({"fp8_kv"} if fp8 else ()))
+        impl = get_backend(
+            self.backend,
+            k_cache.device,
+            torch.bfloat16 if fp8 else k_cache.dtype,
+            k_cache.shape[-1],
+            features=frozenset({"fp8_kv"} if fp8 else ()),
+        )
         # The path of the op the layers call: forward_decode for DECODE (and IDLE), forward_extend otherwise.
         path = "decode" if batch.forward_mode.is_decode_or_idle() else "prefill"
         impl.plan_cuda_graph(path, k_cache, *batch.metadata)
@@ -117,9 +131,19 @@ class PhaseBackend:
 
     def _forward(self, op, q, k, v, layer):
         k_cache, v_cache = self.kv_cache.layer(layer.layer_id)
-        return op(q, k, v, k_cache, v_cache, *self.forward_batch.metadata, scale=layer.scale,
-                  sliding_window=layer.sliding_window, logit_cap=layer.logit_cap, backend=self.backend,
-                  **self.kv_cache.scales(layer.layer_id))
+        return op(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            *self.forward_batch.metadata,
+            scale=layer.scale,
+            sliding_window=layer.sliding_window,
+            logit_cap=layer.logit_cap,
+            backend=self.backend,
+            **self.kv_cache.scales(layer.layer_id),
+        )
 
     def forward_extend(self, q, k, v, layer, forward_batch=None):
         return self._forward(torch.ops.hybrid.prefill, q, k, v, layer)
@@ -136,8 +160,9 @@ class HybridAttnBackend:
     speculative decoding runs its verify/draft-extend steps there (`speculative_attention_mode == "prefill"`).
     """
 
-    def __init__(self, prefill_backend, decode_backend, speculative_attention_mode: str = "prefill",
-                 speculative: bool = False):
+    def __init__(
+        self, prefill_backend, decode_backend, speculative_attention_mode: str = "prefill", speculative: bool = False
+    ):
         check_speculative_attention_mode(speculative_attention_mode)
         self.prefill_backend = prefill_backend
         self.decode_backend = decode_backend

@@ -76,8 +76,20 @@ def attention_chunk(config, layer: int) -> int:
     return -1
 
 
-def hybrid_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
-                     softcap=None, hybrid_step: HybridStep | None = None, s_aux=None, **kwargs):
+def hybrid_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling=None,
+    dropout=0.0,
+    sliding_window=None,
+    softcap=None,
+    hybrid_step: HybridStep | None = None,
+    s_aux=None,
+    **kwargs,
+):
     """query: [1, Hq, T, D], key: [1, Hkv, T, D], value: [1, Hkv, T, Dv] -> ([1, T, Hq, Dv], None).
 
     s_aux: [Hq] attention sinks (gpt-oss), passed to the op as float32 `sinks`."""
@@ -89,16 +101,28 @@ def hybrid_attention(module, query, key, value, attention_mask, scaling=None, dr
     if hybrid_step is None or hybrid_step.k_caches is None:
         return dense_attention(query, key, value, attention_mask, scaling, sliding_window, softcap, sinks), None
     if query.shape[0] != 1:
-        raise HybridInputError(f"a hybrid_step call packs the batch into one sequence: input_ids must be [1, T], "
-                               f"got batch size {query.shape[0]}")
+        raise HybridInputError(
+            f"a hybrid_step call packs the batch into one sequence: input_ids must be [1, T], "
+            f"got batch size {query.shape[0]}"
+        )
     layer = module.layer_idx
     out = torch.ops.hybrid.attn(
-        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-        hybrid_step.k_caches[layer], hybrid_step.v_caches[layer],
-        hybrid_step.cu_seqlens_q, hybrid_step.seq_lens, hybrid_step.block_table, hybrid_step.forward_mode,
-        scale=scaling, sliding_window=sliding_window or -1, logit_cap=softcap or 0.0, sinks=sinks,
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        hybrid_step.k_caches[layer],
+        hybrid_step.v_caches[layer],
+        hybrid_step.cu_seqlens_q,
+        hybrid_step.seq_lens,
+        hybrid_step.block_table,
+        hybrid_step.forward_mode,
+        scale=scaling,
+        sliding_window=sliding_window or -1,
+        logit_cap=softcap or 0.0,
+        sinks=sinks,
         attention_chunk=attention_chunk(getattr(module, "config", None), layer),
-        prefill_backend=hybrid_step.prefill_backend, decode_backend=hybrid_step.decode_backend,
+        prefill_backend=hybrid_step.prefill_backend,
+        decode_backend=hybrid_step.decode_backend,
         speculative_attention_mode=hybrid_step.speculative_attention_mode,
         k_scale=None if hybrid_step.k_scales is None else hybrid_step.k_scales[layer],
         v_scale=None if hybrid_step.v_scales is None else hybrid_step.v_scales[layer],
@@ -188,17 +212,21 @@ def check_servable(model) -> list:
 
     other_types = sorted(set(getattr(config, "layer_types", None) or ()) - set(_ATTENTION_LAYER_TYPES))
     if other_types:
-        refuse(f"its layer_types include {other_types}, layers with state or attention other than the op's "
-               f"(full, sliding, chunked)")
+        refuse(
+            f"its layer_types include {other_types}, layers with state or attention other than the op's "
+            f"(full, sliding, chunked)"
+        )
     for name in _BLOCK_TYPE_FIELDS:
         if getattr(config, name, None):
             refuse(f"its config's {name} mixes attention with other blocks that keep state outside attention")
     if getattr(config, "attention_chunk_size", None) and "chunked_attention" not in (config.layer_types or ()):
         refuse("it sets attention_chunk_size without naming its chunked layers in layer_types")
-    stateful = {name: module for name, module in model.named_modules()
-                if any(hasattr(module, p) for p in _RECURRENT_PARAMETERS) or (
-                    isinstance(module, torch.nn.Conv1d) and module.groups == module.in_channels > 1
-                    and module.padding[0] > 0)}
+    stateful = {
+        name: module
+        for name, module in model.named_modules()
+        if any(hasattr(module, p) for p in _RECURRENT_PARAMETERS)
+        or (isinstance(module, torch.nn.Conv1d) and module.groups == module.in_channels > 1 and module.padding[0] > 0)
+    }
     return probe_attention(model, refuse, stateful)
 
 
@@ -216,8 +244,13 @@ def probe_attention(model, refuse, stateful=None) -> list:
     global _probe
     num_layers = getattr(model.config.get_text_config(), "num_hidden_layers", 0)  # none: BLT (stacks of its own)
     device = next(model.parameters()).device
-    step = HybridStep(1, *(torch.zeros(n, dtype=torch.int32, device=device) for n in (2, 1)),
-                      torch.zeros(1, 1, dtype=torch.int32, device=device), None, None)
+    step = HybridStep(
+        1,
+        *(torch.zeros(n, dtype=torch.int32, device=device) for n in (2, 1)),
+        torch.zeros(1, 1, dtype=torch.int32, device=device),
+        None,
+        None,
+    )
     # The stateful modules that ran, or whose owner did (a mixer may use its convolution's weight without calling
     # it), and whether each element "list.i" of each ModuleList ran.
     stateful, ran, listed, hooks = stateful or {}, set(), {}, []
@@ -232,10 +265,16 @@ def probe_attention(model, refuse, stateful=None) -> list:
     try:
         with torch.inference_mode():
             # The generator asks for the logits of given rows: logits_to_keep as a tensor of row indices.
-            logits = [model(input_ids=torch.tensor([[1, 2]], device=device),
-                            position_ids=torch.tensor([[0, second]], device=device), use_cache=False,
-                            logits_to_keep=keep, hybrid_step=step).logits
-                      for second, keep in ((1, torch.tensor([0], device=device)), (3, 0), (1, 0))]
+            logits = [
+                model(
+                    input_ids=torch.tensor([[1, 2]], device=device),
+                    position_ids=torch.tensor([[0, second]], device=device),
+                    use_cache=False,
+                    logits_to_keep=keep,
+                    hybrid_step=step,
+                ).logits
+                for second, keep in ((1, torch.tensor([0], device=device)), (3, 0), (1, 0))
+            ]
         probe = _probe
     except Exception:
         if not stateful:
@@ -249,22 +288,32 @@ def probe_attention(model, refuse, stateful=None) -> list:
     # stateful module in them, or one that ran, keeps state; one elsewhere that never ran (an audio tower's
     # convolution) never sees the tokens.
     names = {module: name for name, module in model.named_modules()}
-    decoders = {key.rsplit(".", 1)[0] for key in listed for module in (probe.modules if probe else ())
-                if names[module].startswith(key + ".")}
-    kept = [name for name in stateful
-            if probe is None or name in ran or any(name.startswith(d + ".") for d in decoders)]
+    decoders = {
+        key.rsplit(".", 1)[0]
+        for key in listed
+        for module in (probe.modules if probe else ())
+        if names[module].startswith(key + ".")
+    }
+    kept = [
+        name for name in stateful if probe is None or name in ran or any(name.startswith(d + ".") for d in decoders)
+    ]
     if kept:
-        refuse(f"{kept[0]} ({type(stateful[kept[0]]).__name__}) keeps recurrent or convolution state outside "
-               f"attention, which transformers carries only in its own cache")
+        refuse(
+            f"{kept[0]} ({type(stateful[kept[0]]).__name__}) keeps recurrent or convolution state outside "
+            f"attention, which transformers carries only in its own cache"
+        )
     if not probe.calls and not probe.dense:
         refuse("its attention does not run through transformers' AttentionInterface")
     if logits[0].shape[1] != 1 or not torch.allclose(logits[0][:, 0], logits[2][:, 0], rtol=1e-3, atol=1e-4):
         refuse("it does not take logits_to_keep as a tensor of row indices")
     if torch.equal(logits[1][:, -1], logits[2][:, -1]):
-        refuse("its positions do not follow position_ids (it counts them from the input's length), which a packed "
-               "batch of requests needs")
-    layers = {name: sorted(getattr(probe, name), key=str) for name in ("dense", "not_causal", "biased",
-                                                                       "unpassed_sinks")}
+        refuse(
+            "its positions do not follow position_ids (it counts them from the input's length), which a packed "
+            "batch of requests needs"
+        )
+    layers = {
+        name: sorted(getattr(probe, name), key=str) for name in ("dense", "not_causal", "biased", "unpassed_sinks")
+    }
     if probe.dense:
         refuse(f"the decoder layers {layers['dense']} do not pass hybrid_step (their **kwargs) on to attention")
     repeated = {layer: len(calls) // 3 for layer, calls in probe.calls.items() if len(calls) > 3}  # 3 forwards
@@ -277,26 +326,40 @@ def probe_attention(model, refuse, stateful=None) -> list:
     skipped = [layer for layer in range(num_layers) if any(listed.get(f"{d}.{layer}") is False for d in decoders)]
     missing = [layer for layer in range(num_layers) if layer not in probe.calls and layer not in skipped]
     if missing:
-        refuse(f"its layers {missing} do not call attention through AttentionInterface (no attention, or state of "
-               f"their own)")
+        refuse(
+            f"its layers {missing} do not call attention through AttentionInterface (no attention, or state of "
+            f"their own)"
+        )
     if probe.not_causal:
-        refuse(f"the attention of layers {layers['not_causal']} is not causal self-attention (bidirectional or "
-               f"cross-attention)")
+        refuse(
+            f"the attention of layers {layers['not_causal']} is not causal self-attention (bidirectional or "
+            f"cross-attention)"
+        )
     if probe.biased:
         refuse(f"the attention of layers {layers['biased']} adds a bias of its own to the scores (through its mask)")
     if probe.unpassed_sinks:
-        refuse(f"the attention of layers {layers['unpassed_sinks']} holds sinks that it does not pass to the "
-               f"attention function as s_aux")
+        refuse(
+            f"the attention of layers {layers['unpassed_sinks']} holds sinks that it does not pass to the "
+            f"attention function as s_aux"
+        )
     # A window in the config that a layer's call does not carry lives in the model's mask or cache only, where the
     # op cannot see it (unless layer_types says that layer attends fully).
     config = model.config.get_text_config()
     layer_types = getattr(config, "layer_types", None) or ()
-    windowless = [layer for layer in sorted(probe.windowless, key=str)
-                  if not (isinstance(layer, int) and layer < len(layer_types)
-                          and layer_types[layer] in ("full_attention", "chunked_attention"))]
+    windowless = [
+        layer
+        for layer in sorted(probe.windowless, key=str)
+        if not (
+            isinstance(layer, int)
+            and layer < len(layer_types)
+            and layer_types[layer] in ("full_attention", "chunked_attention")
+        )
+    ]
     if getattr(config, "sliding_window", None) and windowless:
-        refuse(f"its config sets sliding_window={config.sliding_window} but layers {windowless} call attention "
-               f"without it (the window lives in its mask or cache only)")
+        refuse(
+            f"its config sets sliding_window={config.sliding_window} but layers {windowless} call attention "
+            f"without it (the window lives in its mask or cache only)"
+        )
     # A skipped layer gets pages it never reads or writes, shaped as the first layer's, so indices stay the layers'.
     return [probe.calls.get(layer, probe.calls[min(probe.calls)])[0] for layer in range(num_layers)]
 
@@ -323,11 +386,19 @@ def kv_heads_per_rank(model, head_dim: int) -> int:
     if tp_size == 1:
         return total
     if total % tp_size:
-        raise HybridInputError(f"num_key_value_heads ({total}) must divide by the tensor-parallel size ({tp_size}): "
-                               f"each rank must hold whole KV heads")
+        raise HybridInputError(
+            f"num_key_value_heads ({total}) must divide by the tensor-parallel size ({tp_size}): "
+            f"each rank must hold whole KV heads"
+        )
     # The decoder's attention layers: those with a layer_idx (a vision tower's have none).
-    k_proj = next((m.k_proj for m in model.modules()
-                   if hasattr(m, "layer_idx") and isinstance(getattr(m, "k_proj", None), torch.nn.Linear)), None)
+    k_proj = next(
+        (
+            m.k_proj
+            for m in model.modules()
+            if hasattr(m, "layer_idx") and isinstance(getattr(m, "k_proj", None), torch.nn.Linear)
+        ),
+        None,
+    )
     if k_proj is None:
         raise HybridInputError("a tensor-parallel model needs attention layers with a k_proj to size the cache from")
     weight = k_proj.weight.to_local() if isinstance(k_proj.weight, DTensor) else k_proj.weight
