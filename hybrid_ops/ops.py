@@ -57,62 +57,17 @@ for _name, _schema in SCHEMAS.items():
     lib.define(_schema, tags=(torch.Tag.cudagraph_unsafe,) if _name == "plan" else ())
 # plan returns nothing; its effect is the backend's plan state, so the compiler must keep it.
 torch.fx.node.has_side_effect(torch.ops.hybrid.plan.default)
+# The dispatcher passes a keyword argument only where it differs from its default: the defaults of the options scale
+# through v_scale, for the implementations that take them as `**options`.
+_OPTION_DEFAULTS = {a.name: a.default_value for a in torch._C.parse_schema(f"f(*, {_OPTIONS}) -> ()").arguments}
 
 
-def _run(
-    path,
-    q,
-    k,
-    v,
-    k_cache,
-    v_cache,
-    cu_seqlens_q,
-    seq_lens,
-    block_table,
-    scale,
-    sliding_window,
-    logit_cap,
-    sinks,
-    attention_chunk,
-    k_scale,
-    v_scale,
-    backend,
-    arg="backend",
-):
-    if not args_ok(
-        q,
-        k,
-        v,
-        k_cache,
-        v_cache,
-        cu_seqlens_q,
-        seq_lens,
-        block_table,
-        scale,
-        sliding_window,
-        logit_cap,
-        sinks,
-        attention_chunk,
-        k_scale,
-        v_scale,
-    ):
-        check_args(
-            q,
-            k,
-            v,
-            k_cache,
-            v_cache,
-            cu_seqlens_q,
-            seq_lens,
-            block_table,
-            scale,
-            sliding_window,
-            logit_cap,
-            sinks,
-            attention_chunk,
-            k_scale,
-            v_scale,
-        )
+def _run(path, tensors, backend, arg, *, scale, sliding_window, logit_cap, sinks, attention_chunk, k_scale, v_scale):
+    """`path` ("prefill" or "decode") on the backend named `backend` (the op's argument `arg`); tensors: the op's
+    q through block_table."""
+    if not args_ok(*tensors, scale, sliding_window, logit_cap, sinks, attention_chunk, k_scale, v_scale):
+        check_args(*tensors, scale, sliding_window, logit_cap, sinks, attention_chunk, k_scale, v_scale)
+    q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table = tensors
     if path == "decode" and not decode_shape_ok(q.shape[0], seq_lens.shape[0]):
         check_decode_shape(q, seq_lens)
     options = _extra_options(sinks, attention_chunk, k_cache, k_scale, v_scale)
@@ -121,20 +76,7 @@ def _run(
         check_metadata_values(
             cu_seqlens_q, seq_lens, block_table, q.shape[0], k_cache.shape[0], k_cache.shape[1], path == "decode"
         )
-    return getattr(impl, path)(
-        q,
-        k,
-        v,
-        k_cache,
-        v_cache,
-        cu_seqlens_q,
-        seq_lens,
-        block_table,
-        _scale(scale, q.shape[-1]),
-        sliding_window,
-        logit_cap,
-        **options,
-    )
+    return getattr(impl, path)(*tensors, _scale(scale, q.shape[-1]), sliding_window, logit_cap, **options)
 
 
 def _extra_options(sinks, attention_chunk, k_cache, k_scale, v_scale):
@@ -171,223 +113,49 @@ def _route(forward_mode, speculative_attention_mode, prefill_backend, decode_bac
     return "prefill", prefill_backend, "prefill_backend"
 
 
-def _attn(
-    q,
-    k,
-    v,
-    k_cache,
-    v_cache,
-    cu_seqlens_q,
-    seq_lens,
-    block_table,
-    forward_mode,
-    *,
-    scale=None,
-    sliding_window=-1,
-    logit_cap=0.0,
-    sinks=None,
-    attention_chunk=-1,
-    k_scale=None,
-    v_scale=None,
-    prefill_backend="auto",
-    decode_backend="auto",
-    speculative_attention_mode="prefill",
-):
+def _attn(*args, prefill_backend="auto", decode_backend="auto", speculative_attention_mode="prefill", **options):
+    """args: the op's q through block_table, then forward_mode."""
+    *tensors, forward_mode = args
     path, backend, arg = _route(forward_mode, speculative_attention_mode, prefill_backend, decode_backend)
-    return _run(
-        path,
-        q,
-        k,
-        v,
-        k_cache,
-        v_cache,
-        cu_seqlens_q,
-        seq_lens,
-        block_table,
-        scale,
-        sliding_window,
-        logit_cap,
-        sinks,
-        attention_chunk,
-        k_scale,
-        v_scale,
-        backend,
-        arg,
-    )
+    return _run(path, tensors, backend, arg, **_OPTION_DEFAULTS | options)
 
 
-def _fake(
-    path,
-    q,
-    k,
-    v,
-    k_cache,
-    v_cache,
-    cu_seqlens_q,
-    seq_lens,
-    block_table,
-    scale,
-    sliding_window,
-    logit_cap,
-    sinks,
-    attention_chunk,
-    k_scale,
-    v_scale,
-):
-    check_args(
-        q,
-        k,
-        v,
-        k_cache,
-        v_cache,
-        cu_seqlens_q,
-        seq_lens,
-        block_table,
-        scale,
-        sliding_window,
-        logit_cap,
-        sinks,
-        attention_chunk,
-        k_scale,
-        v_scale,
-    )
+def _fake(path, tensors, options):
+    check_args(*tensors, **_OPTION_DEFAULTS | options)
+    q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table = tensors
     if path == "decode":
         check_decode_shape(q, seq_lens)
     return q.new_empty((*q.shape[:2], v.shape[2]))
 
 
 def _path_op(path):
-    """The real and fake implementations of `hybrid::prefill` or `hybrid::decode`."""
+    """The real and fake implementations of `hybrid::prefill` or `hybrid::decode`; tensors: q through block_table."""
 
-    def impl(
-        q,
-        k,
-        v,
-        k_cache,
-        v_cache,
-        cu_seqlens_q,
-        seq_lens,
-        block_table,
-        *,
-        scale=None,
-        sliding_window=-1,
-        logit_cap=0.0,
-        sinks=None,
-        attention_chunk=-1,
-        k_scale=None,
-        v_scale=None,
-        backend="auto",
-    ):
-        return _run(
-            path,
-            q,
-            k,
-            v,
-            k_cache,
-            v_cache,
-            cu_seqlens_q,
-            seq_lens,
-            block_table,
-            scale,
-            sliding_window,
-            logit_cap,
-            sinks,
-            attention_chunk,
-            k_scale,
-            v_scale,
-            backend,
-        )
+    def impl(*tensors, backend="auto", **options):
+        return _run(path, tensors, backend, "backend", **_OPTION_DEFAULTS | options)
 
-    def fake(
-        q,
-        k,
-        v,
-        k_cache,
-        v_cache,
-        cu_seqlens_q,
-        seq_lens,
-        block_table,
-        *,
-        scale=None,
-        sliding_window=-1,
-        logit_cap=0.0,
-        sinks=None,
-        attention_chunk=-1,
-        k_scale=None,
-        v_scale=None,
-        backend="auto",
-    ):
+    def fake(*tensors, backend="auto", **options):
         check_backend_name(backend)
-        return _fake(
-            path,
-            q,
-            k,
-            v,
-            k_cache,
-            v_cache,
-            cu_seqlens_q,
-            seq_lens,
-            block_table,
-            scale,
-            sliding_window,
-            logit_cap,
-            sinks,
-            attention_chunk,
-            k_scale,
-            v_scale,
-        )
+        return _fake(path, tensors, options)
 
     return impl, fake
 
 
-@torch.library.register_fake("hybrid::attn")
-def _attn_fake(
-    q,
-    k,
-    v,
-    k_cache,
-    v_cache,
-    cu_seqlens_q,
-    seq_lens,
-    block_table,
-    forward_mode,
-    *,
-    scale=None,
-    sliding_window=-1,
-    logit_cap=0.0,
-    sinks=None,
-    attention_chunk=-1,
-    k_scale=None,
-    v_scale=None,
-    prefill_backend="auto",
-    decode_backend="auto",
-    speculative_attention_mode="prefill",
-):
+def _check_route_names(prefill_backend, decode_backend, speculative_attention_mode):
     check_backend_name(prefill_backend, "prefill_backend")
     check_backend_name(decode_backend, "decode_backend")
     check_speculative_attention_mode(speculative_attention_mode)
+
+
+@torch.library.register_fake("hybrid::attn")
+def _attn_fake(*args, prefill_backend="auto", decode_backend="auto", speculative_attention_mode="prefill", **options):
+    _check_route_names(prefill_backend, decode_backend, speculative_attention_mode)
+    *tensors, forward_mode = args
     # A symbolic forward_mode is only known at run time, where the real implementation checks it.
     path = "prefill"
     if isinstance(forward_mode, int):
         path = select_path(forward_mode, speculative_attention_mode)
-    return _fake(
-        path,
-        q,
-        k,
-        v,
-        k_cache,
-        v_cache,
-        cu_seqlens_q,
-        seq_lens,
-        block_table,
-        scale,
-        sliding_window,
-        logit_cap,
-        sinks,
-        attention_chunk,
-        k_scale,
-        v_scale,
-    )
+    return _fake(path, tensors, options)
 
 
 def _plan(
@@ -420,46 +188,13 @@ def _plan(
     # The same backend as the call it plans for: a backend without the options in use is never chosen.
     features = _features(_extra_options(sinks, attention_chunk, k_cache, k_scale, v_scale), head_dim, head_dim)
     impl = get_backend(backend, k_cache.device, q_dtype, head_dim, arg, features)
-    impl.plan(
-        path,
-        q_dtype,
-        num_q_heads,
-        k_cache,
-        cu_seqlens_q,
-        seq_lens,
-        block_table,
-        _scale(scale, head_dim),
-        sliding_window,
-        logit_cap,
-        cuda_graph=cuda_graph,
-    )
+    metadata, scalars = (cu_seqlens_q, seq_lens, block_table), (_scale(scale, head_dim), sliding_window, logit_cap)
+    impl.plan(path, q_dtype, num_q_heads, k_cache, *metadata, *scalars, cuda_graph=cuda_graph)
 
 
 @torch.library.register_fake("hybrid::plan")
-def _plan_fake(
-    k_cache,
-    cu_seqlens_q,
-    seq_lens,
-    block_table,
-    forward_mode,
-    *,
-    q_dtype,
-    num_q_heads,
-    scale=None,
-    sliding_window=-1,
-    logit_cap=0.0,
-    sinks=None,
-    attention_chunk=-1,
-    k_scale=None,
-    v_scale=None,
-    prefill_backend="auto",
-    decode_backend="auto",
-    speculative_attention_mode="prefill",
-    cuda_graph=False,
-):
-    check_backend_name(prefill_backend, "prefill_backend")
-    check_backend_name(decode_backend, "decode_backend")
-    check_speculative_attention_mode(speculative_attention_mode)
+def _plan_fake(*args, prefill_backend="auto", decode_backend="auto", speculative_attention_mode="prefill", **options):
+    _check_route_names(prefill_backend, decode_backend, speculative_attention_mode)
 
 
 # One implementation for every device: the backends choose their kernels by device.
