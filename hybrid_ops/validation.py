@@ -21,23 +21,9 @@ def _check(cond, message) -> None:
     torch._check_with(HybridInputError, cond, message)
 
 
-def args_ok(
-    q,
-    k,
-    v,
-    k_cache,
-    v_cache,
-    cu_seqlens_q,
-    seq_lens,
-    block_table,
-    scale,
-    sliding_window,
-    logit_cap,
-    sinks=None,
-    attention_chunk=-1,
-    k_scale=None,
-    v_scale=None,
-):
+# The ops' arguments in their schemas' order: two lines here and in check_args (fmt: skip), not the same fifteen.
+def args_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
+            sinks=None, attention_chunk=-1, k_scale=None, v_scale=None):  # fmt: skip
     """True when `check_args` would pass, in about a microsecond: the per-call path of the real ops.
 
     It compares sizes with `==`, which on symbolic sizes would add guards, so the fake implementations call
@@ -103,23 +89,8 @@ def _kv_scale_ok(kv_scale, num_kv_heads, device):
     )
 
 
-def check_args(
-    q,
-    k,
-    v,
-    k_cache,
-    v_cache,
-    cu_seqlens_q,
-    seq_lens,
-    block_table,
-    scale,
-    sliding_window,
-    logit_cap,
-    sinks=None,
-    attention_chunk=-1,
-    k_scale=None,
-    v_scale=None,
-):
+def check_args(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
+               sinks=None, attention_chunk=-1, k_scale=None, v_scale=None):  # fmt: skip
     """Shape, dtype and device checks that need no data; raises `HybridInputError` naming the argument. Shapes:
 
     q: [T, Hq, D]; k: [T, Hkv, D]; v: [T, Hkv, Dv]; k_cache: [num_pages, page_size, Hkv, D], v_cache:

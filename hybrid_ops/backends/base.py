@@ -18,6 +18,9 @@ Subclass it, then `hybrid_ops.register_backend(MyBackend())`.
 
 import torch
 
+# Every option a backend may serve beyond plain paged attention (`Backend.options`).
+ALL_OPTIONS = frozenset({"sinks", "attention_chunk", "v_head_dim", "fp8_kv"})
+
 
 class Backend:
     name: str = ""
@@ -26,8 +29,8 @@ class Backend:
     # True if the backend reads the metadata to the host and checks its values itself on every call; otherwise the
     # ops run `validation.check_metadata_values` for it when validation is switched on.
     checks_values: bool = False
-    # What it serves beyond plain paged attention: any of "sinks", "attention_chunk", "v_head_dim" (Dv != D),
-    # "fp8_kv" (fp8 caches with their scales).
+    # What it serves of ALL_OPTIONS: "sinks", "attention_chunk", "v_head_dim" (Dv != D), "fp8_kv" (fp8 caches with
+    # their scales).
     options: frozenset = frozenset()
 
     def is_available(self) -> bool:
@@ -48,20 +51,9 @@ class Backend:
             q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap
         )
 
-    def plan(
-        self,
-        path,
-        q_dtype,
-        num_q_heads,
-        k_cache,
-        cu_seqlens_q,
-        seq_lens,
-        block_table,
-        scale,
-        sliding_window,
-        logit_cap,
-        cuda_graph=False,
-    ) -> None:
+    # Two lines, as compact as prefill's and decode's (fmt: skip), not one a parameter.
+    def plan(self, path, q_dtype, num_q_heads, k_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
+             logit_cap, cuda_graph=False) -> None:  # fmt: skip
         """Host-side planning of a step before its layers run (`torch.ops.hybrid.plan`); path: "prefill" or
         "decode". Backends that need none keep this no-op."""
 

@@ -156,44 +156,13 @@ class CpuBackend(Backend):
     def supports(self, device, dtype, head_dim) -> bool:
         return device.type == "cpu" and dtype in FLOAT_DTYPES
 
-    def prefill(
-        self,
-        q,
-        k,
-        v,
-        k_cache,
-        v_cache,
-        cu_seqlens_q,
-        seq_lens,
-        block_table,
-        scale,
-        sliding_window,
-        logit_cap,
-        decode=False,
-        k_scale=None,
-        v_scale=None,
-    ):
-        """k_scale, v_scale: [Hkv] float32 with fp8 caches (`fp8.per_head`), else None."""
-        out = self._module.forward(
-            q,
-            k,
-            v,
-            k_cache,
-            v_cache,
-            cu_seqlens_q,
-            seq_lens,
-            block_table,
-            scale,
-            sliding_window,
-            logit_cap,
-            decode,
-            k_scale,
-            v_scale,
-        )
+    def prefill(self, *args, decode=False, k_scale=None, v_scale=None):
+        """args: those of `Backend.prefill`; k_scale, v_scale: [Hkv] float32 with fp8 caches (`fp8.per_head`), else
+        None."""
+        out = self._module.forward(*args, decode, k_scale, v_scale)
         if out is None:
-            check_metadata_values(
-                cu_seqlens_q, seq_lens, block_table, q.shape[0], k_cache.shape[0], k_cache.shape[1], decode
-            )
+            q, k_cache, metadata = args[0], args[3], args[5:8]
+            check_metadata_values(*metadata, q.shape[0], k_cache.shape[0], k_cache.shape[1], decode)
             raise HybridInputError("the metadata's values are inconsistent (cu_seqlens_q, seq_lens, block_table)")
         return out
 

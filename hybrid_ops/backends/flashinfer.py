@@ -118,7 +118,6 @@ def _capturing() -> bool:
 class FlashInferBackend(Backend):
     name = "flashinfer"
     requirement = "flashinfer (pip install 'hybrid_ops[flashinfer]')"
-    checks_values = False
     options = frozenset({"fp8_kv"})
     head_dims = (64, 128, 256)
 
@@ -136,18 +135,7 @@ class FlashInferBackend(Backend):
         return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim in self.head_dims
 
     def plan(
-        self,
-        path,
-        q_dtype,
-        num_q_heads,
-        k_cache,
-        cu_seqlens_q,
-        seq_lens,
-        block_table,
-        scale,
-        sliding_window,
-        logit_cap,
-        cuda_graph=False,
+        self, path, q_dtype, num_q_heads, k_cache, cu_seqlens_q, seq_lens, block_table, *scalars, cuda_graph=False
     ):
         """Plan one variant of this step; with `cuda_graph`, this batch shape takes CUDA-graph wrappers from now on.
 
@@ -155,7 +143,7 @@ class FlashInferBackend(Backend):
         [B + 1], seq_lens: [B], block_table: [B, max_pages], int32 (our metadata). Reads T = cu_seqlens_q[-1] to the
         host, as FlashInfer's plan reads the metadata.
         """
-        variant = _Variant.of(path, q_dtype, num_q_heads, k_cache, scale, sliding_window, logit_cap)
+        variant = _Variant.of(path, q_dtype, num_q_heads, k_cache, *scalars)
         num_tokens = int(cu_seqlens_q[-1])  # planning reads the metadata to the host anyway
         if cuda_graph:
             self._graph_shapes.add((path, variant.device, seq_lens.shape[0], num_tokens))
@@ -255,24 +243,10 @@ class FlashInferBackend(Backend):
         )
 
     def _run(
-        self,
-        path,
-        q,
-        k,
-        v,
-        k_cache,
-        v_cache,
-        cu_seqlens_q,
-        seq_lens,
-        block_table,
-        scale,
-        sliding_window,
-        logit_cap,
-        k_scale=None,
-        v_scale=None,
+        self, path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *scalars, k_scale=None, v_scale=None
     ):
-        """k_scale, v_scale: [Hkv] float32 with fp8 caches (`fp8.per_head`), else None. Returns [T, Hq, D] in q's
-        dtype."""
+        """scalars: scale, sliding_window, logit_cap; k_scale, v_scale: [Hkv] float32 with fp8 caches
+        (`fp8.per_head`), else None. Returns [T, Hq, D] in q's dtype."""
         from ..kernels.kv_store import store_kv  # masked and sync-free
 
         if k_scale is not None:  # quantized here, then copied as bytes (Triton's fp8 types depend on the GPU)
@@ -281,7 +255,7 @@ class FlashInferBackend(Backend):
         num_tokens = q.shape[0]
         if num_tokens == 0:  # B = 0 or no new tokens: nothing to attend, nothing to plan
             return q.new_empty(q.shape)
-        variant = _Variant.of(path, q.dtype, q.shape[1], k_cache, scale, sliding_window, logit_cap)
+        variant = _Variant.of(path, q.dtype, q.shape[1], k_cache, *scalars)
         metadata = (cu_seqlens_q, seq_lens, block_table)
         graph = self._graph_plans.get((variant, seq_lens.shape[0], num_tokens))
         if _capturing():

@@ -21,7 +21,7 @@ from ..fp8 import quantize, raw
 from ..metadata import new_token_slots
 from ..settings import deterministic_enabled
 from ..validation import FLOAT_DTYPES, check_metadata_values
-from .base import Backend
+from .base import ALL_OPTIONS, Backend
 
 # Decode batches whose padded K + V gather stays under this many bytes run as one batched call.
 BATCHED_DECODE_BYTES = 8 << 20
@@ -204,7 +204,7 @@ class TorchBackend(Backend):
     name = "torch"
     requirement = "torch"
     checks_values = True
-    options = frozenset({"sinks", "attention_chunk", "v_head_dim", "fp8_kv"})
+    options = ALL_OPTIONS
 
     def __init__(self):
         self.workspace = Workspace()

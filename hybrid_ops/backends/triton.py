@@ -13,7 +13,7 @@ import torch
 from ..errors import HybridInputError
 from ..settings import deterministic_enabled
 from ..validation import FLOAT_DTYPES
-from .base import Backend
+from .base import ALL_OPTIONS, Backend
 from .deps import importable
 
 
@@ -31,17 +31,20 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _check_v_head_dim(v_cache):
-    """`supports` sees D only; the tile tables stop at 256 for Dv as for D."""
+def _store(k, v, k_cache, v_cache, metadata, options):
+    """The new k, v into the caches, after the check of Dv: `supports` sees D only, and the tile tables stop at 256
+    for Dv as for D. metadata: (cu_seqlens_q, seq_lens, block_table)."""
+    from ..kernels import kv_store
+
     if v_cache.shape[3] > 256:
         raise HybridInputError(f"backend='triton' supports a value head dim Dv <= 256, got {v_cache.shape[3]}")
+    kv_store.store_kv(k, v, k_cache, v_cache, *metadata, options.get("k_scale"), options.get("v_scale"))
 
 
 class TritonBackend(Backend):
     name = "triton"
     requirement = "triton (pip install 'hybrid_ops[triton]')"
-    checks_values = False
-    options = frozenset({"sinks", "attention_chunk", "v_head_dim", "fp8_kv"})
+    options = ALL_OPTIONS
 
     def __init__(self):
         self.target = None  # a kernels.config.Target that overrides the device's
@@ -59,80 +62,20 @@ class TritonBackend(Backend):
         in the interpreter), else q's device."""
         return self.target if self.target is not None else _device_target(q.device)
 
-    def prefill(
-        self,
-        q,
-        k,
-        v,
-        k_cache,
-        v_cache,
-        cu_seqlens_q,
-        seq_lens,
-        block_table,
-        scale,
-        sliding_window,
-        logit_cap,
-        sinks=None,
-        attention_chunk=-1,
-        k_scale=None,
-        v_scale=None,
-    ):
-        from ..kernels import kv_store, prefill
+    def prefill(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *scalars, **options):
+        """scalars: scale, sliding_window, logit_cap; options: those of sinks, attention_chunk, k_scale, v_scale in use
+        (`Backend`), which the kernels take as keywords."""
+        from ..kernels import prefill
 
-        _check_v_head_dim(v_cache)
-        kv_store.store_kv(k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, k_scale, v_scale)
-        return prefill.prefill(
-            q,
-            k_cache,
-            v_cache,
-            cu_seqlens_q,
-            seq_lens,
-            block_table,
-            scale,
-            sliding_window,
-            logit_cap,
-            self.launch_target(q),
-            sinks=sinks,
-            attention_chunk=attention_chunk,
-            k_scale=k_scale,
-            v_scale=v_scale,
-        )
+        metadata = (cu_seqlens_q, seq_lens, block_table)
+        _store(k, v, k_cache, v_cache, metadata, options)
+        return prefill.prefill(q, k_cache, v_cache, *metadata, *scalars, self.launch_target(q), **options)
 
-    def decode(
-        self,
-        q,
-        k,
-        v,
-        k_cache,
-        v_cache,
-        cu_seqlens_q,
-        seq_lens,
-        block_table,
-        scale,
-        sliding_window,
-        logit_cap,
-        sinks=None,
-        attention_chunk=-1,
-        k_scale=None,
-        v_scale=None,
-    ):
-        from ..kernels import decode, kv_store
+    def decode(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *scalars, **options):
+        from ..kernels import decode
 
-        _check_v_head_dim(v_cache)
-        kv_store.store_kv(k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, k_scale, v_scale)
+        _store(k, v, k_cache, v_cache, (cu_seqlens_q, seq_lens, block_table), options)
+        target, invariant = self.launch_target(q), deterministic_enabled()
         return decode.decode(
-            q,
-            k_cache,
-            v_cache,
-            seq_lens,
-            block_table,
-            scale,
-            sliding_window,
-            logit_cap,
-            self.launch_target(q),
-            batch_invariant=deterministic_enabled(),
-            sinks=sinks,
-            attention_chunk=attention_chunk,
-            k_scale=k_scale,
-            v_scale=v_scale,
+            q, k_cache, v_cache, seq_lens, block_table, *scalars, target, batch_invariant=invariant, **options
         )
