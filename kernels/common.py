@@ -87,44 +87,20 @@ def float_to_fp8(x, FP8: tl.constexpr):
     return (tl.where(is_nan, 0x7F, code) | sign).to(tl.uint8)
 
 
+# The signatures of attend_pages, of the kernels that pass its arguments on and of their launchers, the launches and the
+# calls of attend_pages keep a line per kind of argument (`fmt: skip`, `fmt: off`): one argument a line would repeat
+# the same thirty lines in each kernel and hide which launch argument meets which parameter.
 @triton.jit
 def attend_pages(
-    q,
-    q_pos,
-    acc,
-    l_i,
-    m_i,  # q: [R, BLOCK_D]; q_pos: [R] position of each row's token; acc: [R, BLOCK_DV]
-    KCache,
-    VCache,
-    block_table_row,
-    kv_head,  # block_table_row: pointer to this request's block_table row
-    kv_lo,
-    kv_hi,
-    seq_len,
-    num_pages,
-    num_table_pages,
-    scale,
-    logit_cap,
-    sliding_window,
-    attention_chunk,
-    stride_kp,
-    stride_kr,
-    stride_kh,
-    stride_vp,
-    stride_vr,
-    stride_vh,  # caches: page, row, head (head dim contiguous)
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    SOFT_CAP: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    HAS_CHUNK: tl.constexpr,
-    UPCAST: tl.constexpr,
+    q, q_pos, acc, l_i, m_i,  # q: [R, BLOCK_D]; q_pos: [R] position of each row's token; acc: [R, BLOCK_DV]
+    KCache, VCache, block_table_row, kv_head,  # block_table_row: pointer to this request's block_table row
+    kv_lo, kv_hi, seq_len, num_pages, num_table_pages, scale, logit_cap, sliding_window, attention_chunk,
+    stride_kp, stride_kr, stride_kh, stride_vp, stride_vr, stride_vh,  # caches: page, row, head (head dim contiguous)
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, UPCAST: tl.constexpr,
     KV_FP8: tl.constexpr,
-):
+):  # fmt: skip
     """Online softmax of q's rows over KV positions [kv_lo, kv_hi) of one request, read in place from its pages.
 
     K rows have HEAD_DIM elements (padded to BLOCK_D), V rows HEAD_DIM_V (padded to BLOCK_DV). Keys past

@@ -22,53 +22,20 @@ from .common import attend_pages, kernel_kv
 from .config import Target, block_d, decode_tiles
 
 
+# A line per kind of argument, here, in the launch and in the call of attend_pages (see common.attend_pages).
 @triton.jit
 def _decode_split_kernel(
-    Q,
-    KCache,
-    VCache,
-    PartialOut,
-    PartialLse,
-    SeqLens,
-    BlockTable,
-    KScale,
-    VScale,  # pointers (scales: [Hkv] fp32)
-    q_len,
-    group,
-    row_tiles,
-    num_splits,
-    num_q_heads,
-    num_pages,
-    num_table_pages,  # sizes
-    scale,
-    logit_cap,
-    sliding_window,
-    attention_chunk,  # options
-    stride_qt,
-    stride_qh,
-    stride_qd,  # q [T, Hq, D], any strides
-    stride_kp,
-    stride_kr,
-    stride_kh,
-    stride_vp,
-    stride_vr,
-    stride_vh,  # caches [num_pages, page_size, Hkv, D or Dv]
-    stride_bt,
-    stride_ks,
-    stride_vs,  # block_table rows; scales (0 when expanded from one value)
-    BLOCK_R: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    SOFT_CAP: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    HAS_CHUNK: tl.constexpr,
-    UPCAST: tl.constexpr,
+    Q, KCache, VCache, PartialOut, PartialLse, SeqLens, BlockTable, KScale, VScale,  # pointers (scales: [Hkv] fp32)
+    q_len, group, row_tiles, num_splits, num_q_heads, num_pages, num_table_pages,  # sizes
+    scale, logit_cap, sliding_window, attention_chunk,  # options
+    stride_qt, stride_qh, stride_qd,  # q [T, Hq, D], any strides
+    stride_kp, stride_kr, stride_kh, stride_vp, stride_vr, stride_vh,  # caches [num_pages, page_size, Hkv, D or Dv]
+    stride_bt, stride_ks, stride_vs,  # block_table rows; scales (0 when expanded from one value)
+    BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, UPCAST: tl.constexpr,
     KV_FP8: tl.constexpr,
-):
+):  # fmt: skip
     request = tl.program_id(0)
     kv_head = tl.program_id(1) // row_tiles
     row_tile = tl.program_id(1) % row_tiles
@@ -102,43 +69,14 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
     m_i = tl.full([BLOCK_R], -1e30, dtype=tl.float32)
+    # fmt: off
     acc, l_i, m_i = attend_pages(
-        q,
-        q_pos,
-        acc,
-        l_i,
-        m_i,
-        KCache,
-        VCache,
-        BlockTable + request * stride_bt,
-        kv_head,
-        kv_lo,
-        kv_hi,
-        seq_len,
-        num_pages,
-        num_table_pages,
-        scale,
-        logit_cap,
-        sliding_window,
-        attention_chunk,
-        stride_kp,
-        stride_kr,
-        stride_kh,
-        stride_vp,
-        stride_vr,
-        stride_vh,
-        HEAD_DIM,
-        BLOCK_D,
-        HEAD_DIM_V,
-        BLOCK_DV,
-        BLOCK_N,
-        PAGE_SIZE,
-        SOFT_CAP,
-        HAS_WINDOW,
-        HAS_CHUNK,
-        UPCAST,
-        KV_FP8,
+        q, q_pos, acc, l_i, m_i, KCache, VCache, BlockTable + request * stride_bt, kv_head,
+        kv_lo, kv_hi, seq_len, num_pages, num_table_pages, scale, logit_cap, sliding_window, attention_chunk,
+        stride_kp, stride_kr, stride_kh, stride_vp, stride_vr, stride_vh,
+        HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, PAGE_SIZE, SOFT_CAP, HAS_WINDOW, HAS_CHUNK, UPCAST, KV_FP8,
     )
+    # fmt: on
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     if KV_FP8 != "":
@@ -196,23 +134,9 @@ def num_kv_splits(programs_per_split: int, max_kv_len: int, block_n: int, num_sm
     return max(1, min(wanted, triton.cdiv(max_kv_len, block_n), 64))
 
 
-def decode(
-    q,
-    k_cache,
-    v_cache,
-    seq_lens,
-    block_table,
-    scale,
-    sliding_window,
-    logit_cap,
-    target: Target,
-    num_splits=None,
-    batch_invariant=False,
-    sinks=None,
-    attention_chunk=-1,
-    k_scale=None,
-    v_scale=None,
-):
+def decode(q, k_cache, v_cache, seq_lens, block_table, scale, sliding_window, logit_cap, target: Target,
+           num_splits=None, batch_invariant=False, sinks=None, attention_chunk=-1, k_scale=None,
+           v_scale=None):  # fmt: skip
     """Attention of q: [T, Hq, D], T = B * q_len, over the paged caches k_cache: [num_pages, page_size, Hkv, D],
     v_cache: [..., Hkv, Dv] (new tokens already stored); returns [T, Hq, Dv] in q's dtype.
     sinks: [Hq] float32 or None; k_scale, v_scale: [Hkv] float32 (any stride) for fp8 caches, read as
@@ -238,47 +162,17 @@ def decode(
     partial_out = torch.empty(num_tokens, num_q_heads, num_splits, padded_dv, dtype=torch.float32, device=q.device)
     partial_lse = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_requests, num_kv_heads * row_tiles, num_splits)](
-        q,
-        k_cache,
-        v_cache,
-        partial_out,
-        partial_lse,
-        seq_lens,
-        block_table,
-        k_scale,
-        v_scale,
-        q_len,
-        group,
-        row_tiles,
-        num_splits,
-        num_q_heads,
-        k_cache.shape[0],
-        block_table.shape[1],
-        scale,
-        logit_cap,
-        sliding_window,
-        attention_chunk,
+        q, k_cache, v_cache, partial_out, partial_lse, seq_lens, block_table, k_scale, v_scale,
+        q_len, group, row_tiles, num_splits, num_q_heads, k_cache.shape[0], block_table.shape[1],
+        scale, logit_cap, sliding_window, attention_chunk,
         *q.stride(),
-        *k_cache.stride()[:3],
-        *v_cache.stride()[:3],
-        block_table.stride(0),
-        k_scale.stride(0),
-        v_scale.stride(0),
-        BLOCK_R=tiles.block_rows,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d(head_dim),
-        HEAD_DIM_V=v_head_dim,
-        BLOCK_DV=padded_dv,
-        BLOCK_N=tiles.block_n,
-        PAGE_SIZE=page_size,
-        SOFT_CAP=logit_cap > 0,
-        HAS_WINDOW=sliding_window > 0,
-        HAS_CHUNK=attention_chunk > 0,
-        UPCAST=target.interpret and q.dtype == torch.bfloat16,
-        KV_FP8=kv_fp8,
-        num_warps=tiles.num_warps,
+        *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0), k_scale.stride(0), v_scale.stride(0),
+        BLOCK_R=tiles.block_rows, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), HEAD_DIM_V=v_head_dim,
+        BLOCK_DV=padded_dv, BLOCK_N=tiles.block_n, PAGE_SIZE=page_size,
+        SOFT_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0, HAS_CHUNK=attention_chunk > 0,
+        UPCAST=target.interpret and q.dtype == torch.bfloat16, KV_FP8=kv_fp8, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
-    )
+    )  # fmt: skip
     _decode_reduce_kernel[(num_tokens, num_q_heads)](
         partial_out,
         partial_lse,

@@ -15,6 +15,7 @@ from .common import find_segment, float_to_fp8, kernel_kv
 
 @triton.jit
 def _store_kv_kernel(
+    # pointers (scales: [Hkv] fp32)
     K,
     V,
     KCache,
@@ -23,25 +24,29 @@ def _store_kv_kernel(
     SeqLens,
     BlockTable,
     KScale,
-    VScale,  # pointers (scales: [Hkv] fp32)
+    VScale,
+    # sizes
     num_requests,
     num_pages,
-    num_table_pages,  # sizes
+    num_table_pages,
+    # new k: [T, Hkv, D], v: [T, Hkv, Dv]
     stride_kt,
     stride_kh,
     stride_kd,
     stride_vt,
     stride_vh,
-    stride_vd,  # new k: [T, Hkv, D], v: [T, Hkv, Dv]
+    stride_vd,
+    # caches: page, row, head
     stride_kcp,
     stride_kcr,
     stride_kch,
     stride_vcp,
     stride_vcr,
-    stride_vch,  # caches: page, row, head
+    stride_vch,
+    # block_table rows; scales (0 when expanded from one value)
     stride_bt,
     stride_ks,
-    stride_vs,  # block_table rows; scales (0 when expanded from one value)
+    stride_vs,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,

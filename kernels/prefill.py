@@ -19,58 +19,21 @@ from .config import Target, block_d, prefill_tiles
 from .kv_store import log2_ceil
 
 
+# A line per kind of argument, here, in the launch and in the call of attend_pages (see common.attend_pages).
 @triton.jit
 def _prefill_kernel(
-    Q,
-    KCache,
-    VCache,
-    Out,
-    CuSeqlensQ,
-    SeqLens,
-    BlockTable,
-    TileCu,
-    Sinks,  # pointers (Sinks: [Hq] fp32)
-    KScale,
-    VScale,  # [Hkv] fp32, fp8 caches only
-    num_tokens,
-    num_requests,
-    group,
-    num_pages,
-    num_table_pages,  # sizes
-    scale,
-    logit_cap,
-    sliding_window,
-    attention_chunk,  # options
-    stride_qt,
-    stride_qh,
-    stride_qd,
-    stride_ot,
-    stride_oh,  # q [T, Hq, D] any strides; out [T, Hq, Dv]
-    stride_kp,
-    stride_kr,
-    stride_kh,
-    stride_vp,
-    stride_vr,
-    stride_vh,  # caches [num_pages, page_size, Hkv, D or Dv]
-    stride_bt,
-    stride_ks,
-    stride_vs,  # block_table rows; scales (0 when expanded from one value)
-    BLOCK_G: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    LOG_B: tl.constexpr,
-    SOFT_CAP: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    HAS_CHUNK: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-    UPCAST: tl.constexpr,
-    KV_FP8: tl.constexpr,
-):
+    Q, KCache, VCache, Out, CuSeqlensQ, SeqLens, BlockTable, TileCu, Sinks,  # pointers (Sinks: [Hq] fp32)
+    KScale, VScale,  # [Hkv] fp32, fp8 caches only
+    num_tokens, num_requests, group, num_pages, num_table_pages,  # sizes
+    scale, logit_cap, sliding_window, attention_chunk,  # options
+    stride_qt, stride_qh, stride_qd, stride_ot, stride_oh,  # q [T, Hq, D] any strides; out [T, Hq, Dv]
+    stride_kp, stride_kr, stride_kh, stride_vp, stride_vr, stride_vh,  # caches [num_pages, page_size, Hkv, D or Dv]
+    stride_bt, stride_ks, stride_vs,  # block_table rows; scales (0 when expanded from one value)
+    BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, LOG_B: tl.constexpr,
+    SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr,
+    UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
+):  # fmt: skip
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     if tile_id >= tl.load(TileCu + num_requests):
@@ -112,43 +75,14 @@ def _prefill_kernel(
     else:
         l_i = tl.zeros([BLOCK_M * BLOCK_G], dtype=tl.float32)
         m_i = tl.full([BLOCK_M * BLOCK_G], -1e30, dtype=tl.float32)
+    # fmt: off
     acc, l_i, m_i = attend_pages(
-        q,
-        q_pos,
-        acc,
-        l_i,
-        m_i,
-        KCache,
-        VCache,
-        BlockTable + request * stride_bt,
-        kv_head,
-        kv_lo,
-        kv_hi,
-        seq_len,
-        num_pages,
-        num_table_pages,
-        scale,
-        logit_cap,
-        sliding_window,
-        attention_chunk,
-        stride_kp,
-        stride_kr,
-        stride_kh,
-        stride_vp,
-        stride_vr,
-        stride_vh,
-        HEAD_DIM,
-        BLOCK_D,
-        HEAD_DIM_V,
-        BLOCK_DV,
-        BLOCK_N,
-        PAGE_SIZE,
-        SOFT_CAP,
-        HAS_WINDOW,
-        HAS_CHUNK,
-        UPCAST,
-        KV_FP8,
+        q, q_pos, acc, l_i, m_i, KCache, VCache, BlockTable + request * stride_bt, kv_head,
+        kv_lo, kv_hi, seq_len, num_pages, num_table_pages, scale, logit_cap, sliding_window, attention_chunk,
+        stride_kp, stride_kr, stride_kh, stride_vp, stride_vr, stride_vh,
+        HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, PAGE_SIZE, SOFT_CAP, HAS_WINDOW, HAS_CHUNK, UPCAST, KV_FP8,
     )
+    # fmt: on
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if KV_FP8 != "":
         out *= tl.load(VScale + kv_head * stride_vs)
@@ -160,22 +94,8 @@ def _prefill_kernel(
     )
 
 
-def prefill(
-    q,
-    k_cache,
-    v_cache,
-    cu_seqlens_q,
-    seq_lens,
-    block_table,
-    scale,
-    sliding_window,
-    logit_cap,
-    target: Target,
-    sinks=None,
-    attention_chunk=-1,
-    k_scale=None,
-    v_scale=None,
-):
+def prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
+            target: Target, sinks=None, attention_chunk=-1, k_scale=None, v_scale=None):  # fmt: skip
     """Attention of q: [T, Hq, D] over the paged caches k_cache: [num_pages, page_size, Hkv, D], v_cache: [...,
     Hkv, Dv] (new tokens already stored); returns [T, Hq, Dv] in q's dtype.
     sinks: [Hq] float32 or None; k_scale, v_scale: [Hkv] float32 (any stride) for fp8 caches, read as
@@ -194,50 +114,17 @@ def prefill(
     torch.cumsum((q_lens + block_m - 1) // block_m, 0, out=tile_cu[1:])
     grid = (triton.cdiv(num_tokens, block_m) + num_requests, num_kv_heads)
     _prefill_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        cu_seqlens_q,
-        seq_lens,
-        block_table,
-        tile_cu,
-        q if sinks is None else sinks,
-        k_scale,
-        v_scale,
-        num_tokens,
-        num_requests,
-        group,
-        k_cache.shape[0],
-        block_table.shape[1],
-        scale,
-        logit_cap,
-        sliding_window,
-        attention_chunk,
-        *q.stride(),
-        out.stride(0),
-        out.stride(1),
-        *k_cache.stride()[:3],
-        *v_cache.stride()[:3],
-        block_table.stride(0),
-        k_scale.stride(0),
-        v_scale.stride(0),
-        BLOCK_G=triton.next_power_of_2(group),
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d(head_dim),
-        HEAD_DIM_V=v_head_dim,
-        BLOCK_DV=block_d(v_head_dim),
-        BLOCK_M=block_m,
-        BLOCK_N=tiles.block_n,
-        PAGE_SIZE=k_cache.shape[1],
-        LOG_B=log2_ceil(num_requests),
-        SOFT_CAP=logit_cap > 0,
-        HAS_WINDOW=sliding_window > 0,
-        HAS_CHUNK=attention_chunk > 0,
-        HAS_SINKS=sinks is not None,
-        UPCAST=target.interpret and q.dtype == torch.bfloat16,
-        KV_FP8=kv_fp8,
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
-    )
+        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, tile_cu, q if sinks is None else sinks,
+        k_scale, v_scale,
+        num_tokens, num_requests, group, k_cache.shape[0], block_table.shape[1],
+        scale, logit_cap, sliding_window, attention_chunk,
+        *q.stride(), out.stride(0), out.stride(1),
+        *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0), k_scale.stride(0), v_scale.stride(0),
+        BLOCK_G=triton.next_power_of_2(group), HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
+        HEAD_DIM_V=v_head_dim, BLOCK_DV=block_d(v_head_dim),
+        BLOCK_M=block_m, BLOCK_N=tiles.block_n, PAGE_SIZE=k_cache.shape[1], LOG_B=log2_ceil(num_requests),
+        SOFT_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0, HAS_CHUNK=attention_chunk > 0,
+        HAS_SINKS=sinks is not None, UPCAST=target.interpret and q.dtype == torch.bfloat16, KV_FP8=kv_fp8,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
     return out
