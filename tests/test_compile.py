@@ -16,23 +16,11 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class Attention(torch.nn.Module):
-    """A layer around the op, as a model calls it: a projection before, one after."""
+    """A layer around the op, as a model calls it: a projection before, one after. args: the op's k through
+    forward_mode (an int)."""
 
-    def forward(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode: int):
-        out = torch.ops.hybrid.attn(
-            q * 1.0,
-            k,
-            v,
-            k_cache,
-            v_cache,
-            cu_seqlens_q,
-            seq_lens,
-            block_table,
-            forward_mode,
-            sliding_window=8,
-            speculative_attention_mode="decode",
-        )
-        return out + 0.0
+    def forward(self, q, *args):
+        return torch.ops.hybrid.attn(q * 1.0, *args, sliding_window=8, speculative_attention_mode="decode") + 0.0
 
 
 def random_step(rng, mode, batch_size, **case_kwargs):
@@ -54,20 +42,10 @@ class FeatureAttention(torch.nn.Module):
         super().__init__()
         self.sinks = torch.nn.Parameter(torch.randn(4) * 2)
 
-    def forward(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode: int):
+    def forward(self, *args):
+        """args: the op's positional arguments, forward_mode an int."""
         return torch.ops.hybrid.attn(
-            q,
-            k,
-            v,
-            k_cache,
-            v_cache,
-            cu_seqlens_q,
-            seq_lens,
-            block_table,
-            forward_mode,
-            sinks=self.sinks.float(),
-            attention_chunk=5,
-            speculative_attention_mode="decode",
+            *args, sinks=self.sinks.float(), attention_chunk=5, speculative_attention_mode="decode"
         )
 
 

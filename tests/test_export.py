@@ -21,6 +21,9 @@ STEPS = {
 }
 
 
+OPTIONS = dict(sliding_window=8, speculative_attention_mode="decode")
+
+
 class Attention(torch.nn.Module):
     """A layer around the op. forward_mode: an int, or a 0-d int64 tensor read with `.item()`; AOTInductor takes
     tensor inputs only (torch 2.13 turns any other input into a constant), so the tensor form is what it packages."""
@@ -29,17 +32,7 @@ class Attention(torch.nn.Module):
         if isinstance(forward_mode, torch.Tensor):
             forward_mode = forward_mode.item()
         out = torch.ops.hybrid.attn(
-            q * 2.0,
-            k,
-            v,
-            k_cache,
-            v_cache,
-            cu_seqlens_q,
-            seq_lens,
-            block_table,
-            forward_mode,
-            sliding_window=8,
-            speculative_attention_mode="decode",
+            q * 2.0, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode, **OPTIONS
         )
         return out + 1.0
 

@@ -19,6 +19,7 @@ import dataclasses
 import pytest
 import torch
 from reference import assert_close, expected_cache, fp8_case, make_case, reference
+from test_fp8 import CASES as FP8_CASES
 from test_fp8 import check_fp8_call, scales
 
 import hybrid_ops
@@ -115,41 +116,12 @@ class Kernels:
         self.modules.append((backend, *args))
         return self
 
-    def plan(
-        self,
-        float_workspace,
-        int_workspace,
-        pinned_workspace,
-        qo_indptr,
-        kv_indptr,
-        kv_lens,
-        total_num_rows,
-        batch_size,
-        num_qo_heads,
-        num_kv_heads,
-        page_size,
-        cuda_graph,
-        head_dim_qk,
-        head_dim_vo,
-        causal,
-        window_left,
-        *fa2_options,
-    ):
+    def plan(self, float_workspace, int_workspace, pinned_workspace, qo_indptr, kv_indptr, kv_lens, *plan_info):
+        """plan_info: total_num_rows, batch_size, num_qo_heads, num_kv_heads, page_size, cuda_graph, head_dim_qk,
+        head_dim_vo, causal, window_left, then fa2's options."""
         if capturing():
             raise RuntimeError("operation not permitted when stream is capturing")
-        return [
-            total_num_rows,
-            batch_size,
-            num_qo_heads,
-            num_kv_heads,
-            page_size,
-            cuda_graph,
-            head_dim_qk,
-            head_dim_vo,
-            causal,
-            window_left,
-            *fa2_options,
-        ]
+        return list(plan_info)
 
     def paged_run(
         self,
@@ -401,27 +373,14 @@ def test_cuda_graph_replays(flashinfer_on_cpu, monkeypatch, mode, spec, q_lens):
         return case, (case.cu_seqlens_q, case.seq_lens, table)
 
     def plan(metadata, window):
+        options = attn_options(spec=spec, sliding_window=window)
         torch.ops.hybrid.plan(
-            k_cache,
-            *metadata,
-            int(mode),
-            q_dtype=torch.float16,
-            num_q_heads=4,
-            cuda_graph=True,
-            **attn_options(spec=spec, sliding_window=window),
+            k_cache, *metadata, int(mode), q_dtype=torch.float16, num_q_heads=4, cuda_graph=True, **options
         )
 
     def attn(case, metadata, window):
-        return torch.ops.hybrid.attn(
-            case.q,
-            case.k,
-            case.v,
-            k_cache,
-            v_cache,
-            *metadata,
-            int(mode),
-            **attn_options(spec=spec, sliding_window=window),
-        )
+        options = attn_options(spec=spec, sliding_window=window)
+        return torch.ops.hybrid.attn(case.q, case.k, case.v, k_cache, v_cache, *metadata, int(mode), **options)
 
     case, metadata = load(0)
     for window in windows:
@@ -512,30 +471,13 @@ def test_compiled_plan_then_attn(flashinfer_on_cpu):
         def uuid(self):
             return None
 
-    def forward(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode: int):
+    def forward(q, k, v, k_cache, v_cache, *metadata_and_mode):
+        """metadata_and_mode: cu_seqlens_q, seq_lens, block_table and forward_mode (an int)."""
+        options = attn_options(logit_cap=2.0)
         torch.ops.hybrid.plan(
-            k_cache,
-            cu_seqlens_q,
-            seq_lens,
-            block_table,
-            forward_mode,
-            q_dtype=q.dtype,
-            num_q_heads=q.shape[1],
-            cuda_graph=True,
-            **attn_options(logit_cap=2.0),
+            k_cache, *metadata_and_mode, q_dtype=q.dtype, num_q_heads=q.shape[1], cuda_graph=True, **options
         )
-        return torch.ops.hybrid.attn(
-            q.sin(),
-            k,
-            v,
-            k_cache,
-            v_cache,
-            cu_seqlens_q,
-            seq_lens,
-            block_table,
-            forward_mode,
-            **attn_options(logit_cap=2.0),
-        ).cos()
+        return torch.ops.hybrid.attn(q.sin(), k, v, k_cache, v_cache, *metadata_and_mode, **options).cos()
 
     case = make_case([3, 2], [4, 0], head_dim=D, dtype=torch.float16)
     want = reference(dataclasses.replace(case, q=case.q.sin()), logit_cap=2.0).cos()
@@ -583,50 +525,16 @@ def planned_fp8(kernels, q_dtype, cache_dtype):
     )
 
 
-# At FlashInfer's head dim: chunked prefill over cached prefixes (page boundaries, a request without new tokens), GQA
-# with a window, soft-cap, decode and verify; each with a q dtype and a kind of scale (`test_fp8.scales`).
-FP8_CASES = {
-    "prefill": ("prefill", dict(q_lens=[6, 13, 2, 0], prefix_lens=[4, 0, 11, 3]), {}, torch.bfloat16, "per_head"),
-    "long_prefix": (
-        "prefill",
-        dict(q_lens=[40, 3], prefix_lens=[90, 140], page_size=16),
-        {},
-        torch.float16,
-        "per_head",
-    ),
-    "gqa_window": (
-        "prefill",
-        dict(q_lens=[9, 5], prefix_lens=[7, 12], num_q_heads=8),
-        {"sliding_window": 5},
-        torch.float16,
-        "one",
-    ),
-    "softcap": ("prefill", dict(q_lens=[4, 8], prefix_lens=[3, 0]), {"logit_cap": 2.0}, torch.bfloat16, "none"),
-    "decode": (
-        "decode",
-        dict(q_lens=[1] * 4, prefix_lens=[0, 5, 17, 90], num_q_heads=8),
-        {},
-        torch.bfloat16,
-        "per_head",
-    ),
-    "verify": (
-        "decode",
-        dict(q_lens=[3] * 2, prefix_lens=[9, 20]),
-        {"sliding_window": 7, "logit_cap": 3.0},
-        torch.float16,
-        "per_head",
-    ),
-}
-
-
 @pytest.mark.parametrize("cache_dtype", [E4M3, E5M2])
 @pytest.mark.parametrize("name", FP8_CASES)
 def test_fp8_cache(flashinfer_on_cpu, name, cache_dtype):
-    """The cache holds `reference.to_fp8` of the inputs, FlashInfer plans and runs its fp8 kernels, and the output
-    is float64 attention over the dequantized cache."""
+    """test_fp8's conformance cases at FlashInfer's head dim, an fp32 q as fp16 (FlashInfer has no fp32-q kernel):
+    the cache holds `reference.to_fp8` of the inputs, FlashInfer plans and runs its fp8 kernels, and the output is
+    float64 attention over the dequantized cache."""
     _, kernels = flashinfer_on_cpu
     op, case_kwargs, options, dtype, kind = FP8_CASES[name]
-    case = make_case(**case_kwargs, head_dim=D, dtype=dtype)
+    dtype = torch.float16 if dtype == torch.float32 else dtype
+    case = make_case(**{**case_kwargs, "head_dim": D}, dtype=dtype)
     check_fp8_call(getattr(torch.ops.hybrid, op), case, cache_dtype, kind, options, backend="flashinfer")
     assert planned_fp8(kernels, dtype, cache_dtype) and len(kernels.runs) == 1
 
@@ -695,28 +603,15 @@ def test_fp8_cuda_graph(flashinfer_on_cpu, monkeypatch, mode, spec, q_lens):
         for i, ids in enumerate(case.pages):
             table[i, : len(ids)] = torch.tensor(ids)
         metadata = (case.cu_seqlens_q, case.seq_lens, table)
+        options = attn_options(spec=spec)
         torch.ops.hybrid.plan(
-            k_cache,
-            *metadata,
-            int(mode),
-            q_dtype=torch.bfloat16,
-            num_q_heads=4,
-            cuda_graph=True,
-            **attn_options(spec=spec),
+            k_cache, *metadata, int(mode), q_dtype=torch.bfloat16, num_q_heads=4, cuda_graph=True, **options
         )
 
         def attn(metadata):
+            scales = dict(k_scale=k_scale, v_scale=v_scale)
             return torch.ops.hybrid.attn(
-                case.q,
-                case.k,
-                case.v,
-                k_cache,
-                v_cache,
-                *metadata,
-                int(mode),
-                k_scale=k_scale,
-                v_scale=v_scale,
-                **attn_options(spec=spec),
+                case.q, case.k, case.v, k_cache, v_cache, *metadata, int(mode), **scales, **options
             )
 
         if seed == 0:  # the warm-up

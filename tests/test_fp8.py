@@ -157,21 +157,9 @@ def test_fp8_compiled_new_scales_and_modes_never_recompile():
     rng = random.Random(0)
     counter = CompileCounter()
 
-    def layer(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode: int, k_scale, v_scale):
-        return torch.ops.hybrid.attn(
-            q,
-            k,
-            v,
-            k_cache,
-            v_cache,
-            cu_seqlens_q,
-            seq_lens,
-            block_table,
-            forward_mode,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            speculative_attention_mode="decode",
-        )
+    def layer(*args, k_scale, v_scale):
+        """args: the op's positional arguments, forward_mode an int."""
+        return torch.ops.hybrid.attn(*args, k_scale=k_scale, v_scale=v_scale, speculative_attention_mode="decode")
 
     compiled = torch.compile(layer, backend=counter, fullgraph=True, dynamic=True)
 
@@ -185,7 +173,7 @@ def test_fp8_compiled_new_scales_and_modes_never_recompile():
         case = make_case(q_lens, [rng.randint(0, 12) for _ in q_lens], dtype=torch.bfloat16, seed=seed)
         k_scale, v_scale = scales("per_head", 2, seed)
         fp8, read, _ = fp8_case(case, torch.float8_e4m3fn, k_scale, v_scale)
-        return compiled(*fp8.args, int(mode), k_scale, v_scale), reference(read)
+        return compiled(*fp8.args, int(mode), k_scale=k_scale, v_scale=v_scale), reference(read)
 
     with torch.no_grad():
         for mode in ForwardMode:

@@ -20,6 +20,21 @@ from hybrid_ops.kernels.common import FP8_FORMATS, float_to_fp8, fp8_to_float
 from hybrid_ops.kernels.config import INTERPRETER, Target, decode_tiles, prefill_tiles
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+GPU_TILES = Target(num_sms=2, interpret=True)  # a GPU's tiles and stages; the tests choose the KV splits
+
+
+def run_kernel(path, case, options, **keywords):
+    """The kernel of `path` ("prefill" or "decode") on the case's q, caches and metadata with a GPU's tiles; options:
+    as the ops name them, scale required; keywords: the kernel's others (num_splits, k_scale, v_scale)."""
+    scalars = (options["scale"], options.get("sliding_window", -1), options.get("logit_cap", 0.0), GPU_TILES)
+    keywords.update(sinks=options.get("sinks"), attention_chunk=options.get("attention_chunk", -1))
+    if path == "decode":
+        return decode_kernels.decode(
+            case.q, case.k_cache, case.v_cache, case.seq_lens, case.block_table, *scalars, **keywords
+        )
+    return prefill_kernels.prefill(
+        case.q, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seq_lens, case.block_table, *scalars, **keywords
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -96,20 +111,7 @@ def test_v_head_dim_decode(name, q_len):
     visible = min(290 + q_len, options.get("sliding_window", 1000))
     chunk = math.ceil(math.ceil(visible / splits) / tiles.block_n) * tiles.block_n  # as the kernel splits
     assert chunk >= 2 * tiles.block_n and visible > 2 * chunk, "splits of one KV block, or fewer than 3 non-empty"
-    out = decode_kernels.decode(
-        case.q,
-        case.k_cache,
-        case.v_cache,
-        case.seq_lens,
-        case.block_table,
-        options["scale"],
-        options.get("sliding_window", -1),
-        options.get("logit_cap", 0.0),
-        GPU_TILES,
-        num_splits=splits,
-        sinks=options.get("sinks"),
-        attention_chunk=options.get("attention_chunk", -1),
-    )
+    out = run_kernel("decode", case, options, num_splits=splits)
     assert out.shape == (case.q.shape[0], 16, v_head_dim)
     assert_close(out, reference(case, **options), dtype)
 
@@ -122,20 +124,7 @@ def test_v_head_dim_prefill(name):
     head_dim, v_head_dim, dtype, _ = V_HEAD_DIMS[name]
     tiles = prefill_tiles(dtype, max(head_dim, v_head_dim), 4, GPU_TILES)
     assert q_lens[0] > tiles.block_rows and prefixes[0] > tiles.block_n
-    out = prefill_kernels.prefill(
-        case.q,
-        case.k_cache,
-        case.v_cache,
-        case.cu_seqlens_q,
-        case.seq_lens,
-        case.block_table,
-        options["scale"],
-        options.get("sliding_window", -1),
-        options.get("logit_cap", 0.0),
-        GPU_TILES,
-        sinks=options.get("sinks"),
-        attention_chunk=options.get("attention_chunk", -1),
-    )
+    out = run_kernel("prefill", case, options)
     assert out.shape == (sum(q_lens), 8, v_head_dim)
     assert_close(out, reference(case, **options), dtype)
 
@@ -168,20 +157,9 @@ def test_matches_torch_backend():
 
 def test_compiled_with_triton_backends(fresh_dynamo):
 
-    def step(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode: int):
-        return torch.ops.hybrid.attn(
-            q,
-            k,
-            v,
-            k_cache,
-            v_cache,
-            cu_seqlens_q,
-            seq_lens,
-            block_table,
-            forward_mode,
-            prefill_backend="triton",
-            decode_backend="triton",
-        )
+    def step(*args):
+        """args: the op's positional arguments, forward_mode an int."""
+        return torch.ops.hybrid.attn(*args, prefill_backend="triton", decode_backend="triton")
 
     compiled = torch.compile(step, fullgraph=True, dynamic=True)
     for mode, q_lens in [(1, [3, 5]), (2, [1, 1]), (5, [2, 2]), (3, [4, 1])]:
@@ -214,7 +192,6 @@ def test_auto_picks_the_native_kernels_on_cpu():
 # -- fp8 caches --------------------------------------------------------------------------------------------------
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
-GPU_TILES = Target(num_sms=2, interpret=True)  # a GPU's tiles and stages; the tests choose the KV splits
 
 
 def fp8_scales(num_kv_heads, per_head):
@@ -267,20 +244,7 @@ def test_fp8_decode(name, cache_dtype):
     assert chunk >= 2 * block_n and visible > 2 * chunk, "splits of one KV block, or fewer than 3 non-empty"
 
     def attend(fp8, k_scale, v_scale):
-        return decode_kernels.decode(
-            fp8.q,
-            fp8.k_cache,
-            fp8.v_cache,
-            fp8.seq_lens,
-            fp8.block_table,
-            options["scale"],
-            options.get("sliding_window", -1),
-            options.get("logit_cap", 0.0),
-            GPU_TILES,
-            num_splits=splits,
-            k_scale=k_scale,
-            v_scale=v_scale,
-        )
+        return run_kernel("decode", fp8, options, num_splits=splits, k_scale=k_scale, v_scale=v_scale)
 
     run_fp8(case, cache_dtype, cache_dtype == torch.float8_e4m3fn, attend, **options)
 
@@ -311,20 +275,7 @@ def test_fp8_prefill(name, cache_dtype):
     assert q_lens[0] > tiles.block_rows and prefixes[0] > tiles.block_n
 
     def attend(fp8, k_scale, v_scale):
-        return prefill_kernels.prefill(
-            fp8.q,
-            fp8.k_cache,
-            fp8.v_cache,
-            fp8.cu_seqlens_q,
-            fp8.seq_lens,
-            fp8.block_table,
-            options["scale"],
-            options.get("sliding_window", -1),
-            options.get("logit_cap", 0.0),
-            GPU_TILES,
-            k_scale=k_scale,
-            v_scale=v_scale,
-        )
+        return run_kernel("prefill", fp8, options, k_scale=k_scale, v_scale=v_scale)
 
     run_fp8(case, cache_dtype, cache_dtype == torch.float8_e4m3fn, attend, **options)
 
@@ -350,35 +301,8 @@ def test_fp8_v_head_dim(head_dim, v_head_dim, dtype, op):
     )
 
     def attend(fp8, k_scale, v_scale):
-        if op == "decode":
-            return decode_kernels.decode(
-                fp8.q,
-                fp8.k_cache,
-                fp8.v_cache,
-                fp8.seq_lens,
-                fp8.block_table,
-                0.15,
-                -1,
-                0.0,
-                GPU_TILES,
-                num_splits=3,
-                k_scale=k_scale,
-                v_scale=v_scale,
-            )
-        return prefill_kernels.prefill(
-            fp8.q,
-            fp8.k_cache,
-            fp8.v_cache,
-            fp8.cu_seqlens_q,
-            fp8.seq_lens,
-            fp8.block_table,
-            0.15,
-            -1,
-            0.0,
-            GPU_TILES,
-            k_scale=k_scale,
-            v_scale=v_scale,
-        )
+        splits = dict(num_splits=3) if op == "decode" else {}
+        return run_kernel(op, fp8, dict(scale=0.15), k_scale=k_scale, v_scale=v_scale, **splits)
 
     run_fp8(case, torch.float8_e4m3fn, True, attend, scale=0.15)
 
