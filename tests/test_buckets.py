@@ -3,6 +3,7 @@
 import pytest
 import torch
 from reference import CPU_BACKENDS, assert_close, expected_cache, make_case, reference
+from test_transformers import SMALL
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hybrid_ops
@@ -166,17 +167,10 @@ def test_replay_pads_a_smaller_batch(backend, mode, q_len, bs):
 
 
 def tiny_model():
+    """A one-layer Llama at half test_transformers.SMALL's width and positions, with 64 token ids."""
+    wide = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "max_position_embeddings")
     config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=128,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=0,
+        **{**SMALL, **{name: SMALL[name] // 2 for name in wide}, "vocab_size": 64, "num_hidden_layers": 1}
     )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()

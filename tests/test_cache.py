@@ -305,13 +305,7 @@ def test_a_finished_requests_pages_serve_a_later_prefix_until_evicted():
     assert cache.pages("b")[:2] == pages[:2]
     assert torch.equal(cache.layer(0)[0][pages[:2]], k)
     cache.free("b")  # b registered nothing past the 8 tokens it started with: only those two pages are cached
-    assert (
-        cache.add(
-            "c",
-            prompt,
-        )
-        == 8
-    )
+    assert cache.add("c", prompt) == 8
     cache.free("c")
 
     cache.add("d")

@@ -20,51 +20,28 @@ from hybrid_ops.fp8 import per_head
 # and an absolute bound would let a 1% error through. The bounds sit above each dtype's output rounding.
 RELATIVE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 5e-3}
 
-CASES = {  # op, make_case arguments
+# op, q_lens, prefix_lens, Hq, head dim, page size; 2 kv heads (make_case's default).
+CASES = {
     # Units of every kv head: 5 slices, exactly 2, and a slice boundary at the last key; page 16.
-    "decode": (
-        "decode",
-        dict(q_lens=[1] * 3, prefix_lens=[1100, 511, 1536], num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16),
-    ),
+    "decode": ("decode", [1] * 3, [1100, 511, 1536], 8, 128, 16),
     # 3 draft tokens x group 4 = 12 rows per kv head: units of every kv head; 3 and 2 slices; page 7; head dim 80.
-    "verify_all_heads": (
-        "decode",
-        dict(q_lens=[3] * 2, prefix_lens=[600, 260], num_q_heads=8, num_kv_heads=2, head_dim=80, page_size=7),
-    ),
+    "verify_all_heads": ("decode", [3] * 2, [600, 260], 8, 80, 7),
     # 4 draft tokens x group 8 = 32 rows (the many-rows path); head dim 80 (copied rows); page 5.
-    "verify": (
-        "decode",
-        dict(q_lens=[4] * 2, prefix_lens=[700, 1030], num_q_heads=16, num_kv_heads=2, head_dim=80, page_size=5),
-    ),
+    "verify": ("decode", [4] * 2, [700, 1030], 16, 80, 5),
     # A short chunk over a long prefix (one query block: sliced keys) beside a chunk of two query blocks (group 4:
     # 128 tokens a block; 600 rows), whose tiles are packed once: from key 0, or (window 77) from the second tile.
-    "chunk_over_prefix": (
-        "prefill",
-        dict(q_lens=[9, 150], prefix_lens=[1200, 400], num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16),
-    ),
+    "chunk_over_prefix": ("prefill", [9, 150], [1200, 400], 8, 64, 16),
     # A head dim of no whole vectors (zero-padded in every tile), a prefix that ends mid-page, pages of 3; a chunk of
     # two query blocks (group 2: 256 tokens a block), whose tiles are packed once.
-    "head_dim_20": (
-        "prefill",
-        dict(q_lens=[40, 300], prefix_lens=[37, 0], num_q_heads=4, num_kv_heads=2, head_dim=20, page_size=3),
-    ),
+    "head_dim_20": ("prefill", [40, 300], [37, 0], 4, 20, 3),
     # Positions of 32 bytes in 16-bit caches (D 8, 2 kv heads): where a vector holds 8 floats (AVX2, DEFAULT) the rows
     # are read in place and a 4 KiB memory page holds more positions than a tile.
-    "small_positions": (
-        "decode",
-        dict(q_lens=[1] * 2, prefix_lens=[300, 70], num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=16),
-    ),
+    "small_positions": ("decode", [1] * 2, [300, 70], 4, 8, 16),
     # Fresh prefills, one of two query blocks (group 1: 512 tokens a block), page 1.
-    "prefill": (
-        "prefill",
-        dict(q_lens=[600, 70], prefix_lens=[0, 0], num_q_heads=2, num_kv_heads=2, head_dim=128, page_size=1),
-    ),
+    "prefill": ("prefill", [600, 70], [0, 0], 2, 128, 1),
     # Few rows (2 draft tokens x group 2) of a head dim of no whole vectors: units of one kv head over rows copied to
     # fp32; 2 slices and 1; page 3.
-    "verify_head_dim_20": (
-        "decode",
-        dict(q_lens=[2] * 2, prefix_lens=[700, 90], num_q_heads=4, num_kv_heads=2, head_dim=20, page_size=3),
-    ),
+    "verify_head_dim_20": ("decode", [2] * 2, [700, 90], 4, 20, 3),
 }
 OPTIONS = {
     "default": dict(),
@@ -74,20 +51,21 @@ OPTIONS = {
 }
 
 
-def pad_table_with_minus_one(case):
-    """Table entries past each request's pages become -1, as transformers' paged cache pads them."""
-    page_size = case.k_cache.shape[1]
+def long_case(name, dtype, seed):
+    """CASES[name]'s op, and its case with the table entries past each request's pages at -1, as transformers' paged
+    cache pads them."""
+    op, q_lens, prefix_lens, num_q_heads, head_dim, page_size = CASES[name]
+    case = make_case(q_lens, prefix_lens, num_q_heads, head_dim=head_dim, page_size=page_size, dtype=dtype, seed=seed)
     for i, length in enumerate(case.seq_lens.tolist()):
         case.block_table[i, math.ceil(length / page_size) :] = -1
+    return op, case
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("option", OPTIONS)
 @pytest.mark.parametrize("name", CASES)
 def test_long_contexts_against_float64(name, option, dtype):
-    op, kwargs = CASES[name]
-    case = make_case(**kwargs, dtype=dtype, seed=7)
-    pad_table_with_minus_one(case)
+    op, case = long_case(name, dtype, seed=7)
     k_ref, v_ref = expected_cache(case)
     out = getattr(torch.ops.hybrid, op)(*case.args, **OPTIONS[option], backend="cpu")
     assert_relative(out, reference(case, **OPTIONS[option]), dtype)
@@ -131,10 +109,8 @@ FP8_OPTIONS = {"per_head": "default", "one": "window_softcap"}
 @pytest.mark.parametrize("cache_dtype", FP8)
 @pytest.mark.parametrize("name", CASES)
 def test_fp8_long_contexts_against_float64(name, cache_dtype, scales):
-    op, kwargs = CASES[name]
-    case = make_case(**kwargs, dtype=FP8_DTYPES[name], seed=11)
-    pad_table_with_minus_one(case)
-    check_fp8(op, case, FP8[cache_dtype], *fp8_scales(scales, kwargs["num_kv_heads"]), **OPTIONS[FP8_OPTIONS[scales]])
+    op, case = long_case(name, FP8_DTYPES[name], seed=11)
+    check_fp8(op, case, FP8[cache_dtype], *fp8_scales(scales, case.k.shape[1]), **OPTIONS[FP8_OPTIONS[scales]])
 
 
 @pytest.mark.parametrize("cache_dtype", FP8)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_transformers import MODELS, NEW_TOKENS, PROMPTS, SMALL, make_model, reference_tokens
+from test_transformers import MODELS, NEW_TOKENS, PROMPTS, SIZES, SMALL, make_model, reference_tokens
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hybrid_ops
@@ -59,33 +59,17 @@ def test_each_rank_caches_its_own_kv_heads(ranks, name):
 @pytest.mark.parametrize("name", SHARDED)
 def test_ranks_sample_rank_zeros_tokens(ranks, name):
     """The ranks seed their generators differently; all take rank 0's samples, which one process seeded alike draws."""
-    one_process = hybrid_ops.generate(
-        make_model(name, "sdpa"),
-        PROMPTS,
-        NEW_TOKENS,
-        compile=False,
-        max_batch_size=3,
-        max_seq_len=48,
-        page_size=4,
-        prefill_chunk=12,
-        do_sample=True,
-        top_k=20,
-        seed=0,
-    )
+
+    def sampled(seed):
+        """As tp_worker.py samples on the rank seeded with `seed`."""
+        model = make_model(name, "sdpa")
+        return hybrid_ops.generate(
+            model, PROMPTS, NEW_TOKENS, compile=False, **SIZES, do_sample=True, top_k=20, seed=seed
+        )
+
+    one_process = sampled(0)
     assert [results[f"{name}/sampled"] for results in ranks] == [one_process] * 2
-    assert one_process != hybrid_ops.generate(
-        make_model(name, "sdpa"),
-        PROMPTS,
-        NEW_TOKENS,
-        compile=False,
-        max_batch_size=3,
-        max_seq_len=48,
-        page_size=4,
-        prefill_chunk=12,
-        do_sample=True,
-        top_k=20,
-        seed=1,
-    )
+    assert one_process != sampled(1)
 
 
 @pytest.mark.parametrize("name", SHARDED)

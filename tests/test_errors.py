@@ -29,6 +29,11 @@ def replace(**changes):
     return mutate
 
 
+def fp8_caches(dtype, **scales):
+    """A mutation to caches of the fp8 `dtype`, with `scales` (k_scale, v_scale: functions as `replace` takes)."""
+    return replace(k_cache=lambda t: t.to(dtype), v_cache=lambda t: t.to(dtype), **scales)
+
+
 def set_value(index, value):
     def fn(t):
         t = t.clone()
@@ -66,27 +71,17 @@ BAD_INPUTS = {
     ),
     "fp8_k_scale_alone": (
         "decode",
-        replace(k_cache=lambda t: t.to(E4M3), v_cache=lambda t: t.to(E4M3), k_scale=lambda _: torch.ones(())),
+        fp8_caches(E4M3, k_scale=lambda _: torch.ones(())),
         "v_scale must be given with k_scale",
     ),
     "fp8_scale_dtype": (
         "attn",
-        replace(
-            k_cache=lambda t: t.to(E5M2),
-            v_cache=lambda t: t.to(E5M2),
-            k_scale=lambda _: torch.ones(2, dtype=torch.float64),
-            v_scale=lambda _: torch.ones(2),
-        ),
+        fp8_caches(E5M2, k_scale=lambda _: torch.ones(2, dtype=torch.float64), v_scale=lambda _: torch.ones(2)),
         "k_scale must be a float32 tensor",
     ),
     "fp8_scale_heads": (
         "prefill",
-        replace(
-            k_cache=lambda t: t.to(E4M3),
-            v_cache=lambda t: t.to(E4M3),
-            k_scale=lambda _: torch.ones(2),
-            v_scale=lambda _: torch.ones(3),
-        ),
+        fp8_caches(E4M3, k_scale=lambda _: torch.ones(2), v_scale=lambda _: torch.ones(3)),
         "v_scale must have 1 or the caches'",
     ),
     "meta_device": ("prefill", replace(block_table=lambda t: t.to("meta")), "block_table must be on q's device"),

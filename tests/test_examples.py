@@ -19,6 +19,13 @@ def run_example(name, monkeypatch, argv=()):
     runpy.run_path(str(EXAMPLES / name), run_name="__main__")
 
 
+def run_script(*args, **kwargs):
+    """`python args...` in a process of its own (kwargs: subprocess.run's); its stdout, once it has exited with 0."""
+    result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=600, **kwargs)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
 def test_direct_op(monkeypatch, capsys):
     run_example("direct_op.py", monkeypatch)
     assert "all outputs match dense attention" in capsys.readouterr().out
@@ -36,45 +43,25 @@ def test_generate_demo():
     """The README's first command, with fewer new tokens: compiles once, never recompiles, same tokens as
     transformers' static-cache generate."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLES / "generate.py"), "--max-new-tokens", "6"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "recompiles in the measured run: 0" in result.stdout
-    assert "identical tokens for 8/8 prompts" in result.stdout
+    out = run_script(EXAMPLES / "generate.py", "--max-new-tokens", "6", env=env)
+    assert "recompiles in the measured run: 0" in out
+    assert "identical tokens for 8/8 prompts" in out
 
 
 @pytest.mark.slow
 def test_gpu_check_script_smoke(tmp_path):
     """The GPU check script's logic, at tiny sizes on the CPU, so it is ready whenever a GPU is."""
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLES.parent / "scripts" / "gpu_check.py"), "--smoke", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    out = run_script(EXAMPLES.parent / "scripts" / "gpu_check.py", "--smoke", "--out", tmp_path)
     for cache in ("torch.bfloat16", "torch.float8_e4m3fn"):
-        assert f"correct: triton q torch.bfloat16, cache {cache}, every mode" in result.stdout
+        assert f"correct: triton q torch.bfloat16, cache {cache}, every mode" in out
     assert (tmp_path / "gpu_check_smoke_cpu.md").exists()
 
 
 @pytest.mark.slow
 def test_bench_runs(tmp_path):
     """The benchmark script runs (its dispatch section, quick); it asserts no timings, it only must not rot."""
-    result = subprocess.run(
-        [sys.executable, "-m", "bench", "dispatch", "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=EXAMPLES.parent,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "| compiled decode (T = 1), cpu backend |" in result.stdout
+    out = run_script("-m", "bench", "dispatch", "--quick", cwd=EXAMPLES.parent)
+    assert "| compiled decode (T = 1), cpu backend |" in out
 
 
 def test_readme_example():

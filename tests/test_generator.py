@@ -7,15 +7,13 @@ against transformers' generate in test_transformers.py); tiny fp32 models give t
 
 import random
 import re
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from test_buckets import tiny_model
+from test_examples import EXAMPLES, run_script
 
 import hybrid_ops
 from hybrid_ops import GenerationStats, HybridGenerator, HybridInputError, HybridOpsError
@@ -624,14 +622,7 @@ def test_load_ragged_requests_through_a_small_budget(model):
 @pytest.mark.slow
 def test_serve_example():
     """examples/serve.py, eager: its stream and its step API through a page budget give generate's tokens."""
-    examples = Path(__file__).resolve().parent.parent / "examples"
-    result = subprocess.run(
-        [sys.executable, str(examples / "serve.py"), "--no-compile", "--max-new-tokens", "6"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "step API tokens equal generate's: True" in result.stdout
-    assert "aborted request 0 after" in result.stdout
-    assert int(re.search(r"(\d+) preemptions", result.stdout)[1]) > 0
+    out = run_script(EXAMPLES / "serve.py", "--no-compile", "--max-new-tokens", "6")
+    assert "step API tokens equal generate's: True" in out
+    assert "aborted request 0 after" in out
+    assert int(re.search(r"(\d+) preemptions", out)[1]) > 0

@@ -193,27 +193,23 @@ def test_routing_reaches_the_named_backend():
             return q.new_empty(q.shape)
 
     case = make_case([2, 2], [1, 1])
-    expected = {  # (mode, speculative_attention_mode) -> backend method
-        (1, "prefill"): ("rec_p", "prefill"),
-        (2, "prefill"): ("rec_d", "decode"),
-        (3, "prefill"): ("rec_p", "prefill"),
-        (4, "prefill"): ("rec_d", "decode"),
-        (5, "prefill"): ("rec_p", "prefill"),
-        (6, "prefill"): ("rec_p", "prefill"),
-        (1, "decode"): ("rec_p", "prefill"),
-        (2, "decode"): ("rec_d", "decode"),
-        (3, "decode"): ("rec_p", "prefill"),
-        (4, "decode"): ("rec_d", "decode"),
-        (5, "decode"): ("rec_d", "decode"),
-        (6, "decode"): ("rec_d", "decode"),
+    prefill, decode = ("rec_p", "prefill"), ("rec_d", "decode")
+    expected = {  # mode -> the backend method called with speculative_attention_mode "prefill" and with "decode"
+        1: (prefill, prefill),
+        2: (decode, decode),
+        3: (prefill, prefill),
+        4: (decode, decode),
+        5: (prefill, decode),
+        6: (prefill, decode),
     }
     with hybrid_ops.register_backend(Recorder("rec_p")), hybrid_ops.register_backend(Recorder("rec_d")):
-        for (mode, spec), want in expected.items():
-            calls.clear()
-            torch.ops.hybrid.attn(
-                *case.args, mode, prefill_backend="rec_p", decode_backend="rec_d", speculative_attention_mode=spec
-            )
-            assert calls == [want], (mode, spec)
+        for mode, methods in expected.items():
+            for spec, want in zip(("prefill", "decode"), methods):
+                calls.clear()
+                torch.ops.hybrid.attn(
+                    *case.args, mode, prefill_backend="rec_p", decode_backend="rec_d", speculative_attention_mode=spec
+                )
+                assert calls == [want], (mode, spec)
     assert "rec_p" not in hybrid_ops.backend_names()
 
 

@@ -81,15 +81,7 @@ def batches(draw):
         spec="decode",
         backend="triton",
         case=dict(
-            q_lens=[4, 4],
-            prefix_lens=[0, 20],
-            page_size=16,
-            num_kv_heads=2,
-            num_q_heads=8,
-            head_dim=64,
-            dtype=torch.float16,
-            strided=False,
-            seed=1,
+            q_lens=[4, 4], prefix_lens=[0, 20], page_size=16, num_q_heads=8, head_dim=64, dtype=torch.float16, seed=1
         ),
         options=dict(sliding_window=16, logit_cap=0.0),
     )

@@ -8,22 +8,18 @@ import hybrid_ops
 from hybrid_ops import AttentionLayer, ForwardMode, HybridAttnBackend, PagedKVCache, PhaseBackend, build_metadata
 
 P, D = "prefill", "decode"
-# (forward mode, speculative_attention_mode) -> which backend init_forward_metadata / forward_extend /
-# get_indexer_metadata / capture / replay reach.
-ROUTES = {
-    (ForwardMode.EXTEND, "prefill"): P,
-    (ForwardMode.EXTEND, "decode"): P,
-    (ForwardMode.DECODE, "prefill"): D,
-    (ForwardMode.DECODE, "decode"): D,
-    (ForwardMode.MIXED, "prefill"): P,
-    (ForwardMode.MIXED, "decode"): P,
-    (ForwardMode.IDLE, "prefill"): D,
-    (ForwardMode.IDLE, "decode"): D,
-    (ForwardMode.TARGET_VERIFY, "prefill"): P,
-    (ForwardMode.TARGET_VERIFY, "decode"): D,
-    (ForwardMode.DRAFT_EXTEND, "prefill"): P,
-    (ForwardMode.DRAFT_EXTEND, "decode"): D,
+# forward mode -> which backend init_forward_metadata / forward_extend / get_indexer_metadata / capture / replay
+# reach, with speculative_attention_mode "prefill" and with "decode".
+BACKENDS = {
+    ForwardMode.EXTEND: (P, P),
+    ForwardMode.DECODE: (D, D),
+    ForwardMode.MIXED: (P, P),
+    ForwardMode.IDLE: (D, D),
+    ForwardMode.TARGET_VERIFY: (P, D),
+    ForwardMode.DRAFT_EXTEND: (P, D),
 }
+# (forward mode, speculative_attention_mode) -> that backend
+ROUTES = {(mode, spec): backends[i] for mode, backends in BACKENDS.items() for i, spec in enumerate((P, D))}
 # (speculative, speculative_attention_mode) -> backends whose CUDA-graph state is set up.
 GRAPH_STATE = {
     (False, "prefill"): {D},

@@ -51,6 +51,8 @@ MODELS = {
 }
 PROMPTS = [[(7 * i + 3 * j) % 90 + 1 for j in range(n)] for i, n in enumerate([5, 17, 2, 23, 9])]
 NEW_TOKENS = 10
+# A generator of 3 requests at a time, chunks of 12 tokens: PROMPTS take every kind of step.
+SIZES = dict(max_batch_size=3, max_seq_len=48, page_size=4, prefill_chunk=12)
 
 
 def make_model(name, attn):
@@ -113,9 +115,7 @@ def test_eager_generate_matches_transformers(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_compiled_generate_matches_and_never_recompiles(name, fresh_dynamo):
-    generator = HybridGenerator(
-        make_model(name, MODELS[name][1]), max_batch_size=3, max_seq_len=48, page_size=4, prefill_chunk=12
-    )
+    generator = HybridGenerator(make_model(name, MODELS[name][1]), **SIZES)
     stats = hybrid_ops.GenerationStats()
     assert generator.generate(PROMPTS, NEW_TOKENS, stats=stats) == reference_tokens(name)  # warm-up
     assert set(stats.steps) == {"EXTEND", "MIXED", "DECODE"}
@@ -128,15 +128,7 @@ def test_fp8_cache_generates_transformers_tokens_over_fp8_kv(name, fp8):
     """kv_cache_dtype: the tokens of transformers' generate whose attention reads K/V rounded through fp8, and
     (e5m2, 2 mantissa bits) tokens that differ from the unrounded model's, so the rounding is what is compared."""
     kv_cache_dtype, scale = FP8[fp8]
-    generator = HybridGenerator(
-        make_model(name, "sdpa"),
-        max_batch_size=3,
-        max_seq_len=48,
-        page_size=4,
-        prefill_chunk=12,
-        compile=False,
-        kv_cache_dtype=kv_cache_dtype,
-    )
+    generator = HybridGenerator(make_model(name, "sdpa"), **SIZES, compile=False, kv_cache_dtype=kv_cache_dtype)
     for t in generator.cache.k_scales + generator.cache.v_scales:
         t.fill_(scale)
     tokens = generator.generate(PROMPTS, NEW_TOKENS)
@@ -147,14 +139,7 @@ def test_fp8_cache_generates_transformers_tokens_over_fp8_kv(name, fp8):
 
 @pytest.mark.slow
 def test_compiled_fp8_cache_generates_the_same_tokens_and_never_recompiles(fresh_dynamo):
-    generator = HybridGenerator(
-        make_model("llama", "sdpa"),
-        max_batch_size=3,
-        max_seq_len=48,
-        page_size=4,
-        prefill_chunk=12,
-        kv_cache_dtype=torch.float8_e5m2,
-    )
+    generator = HybridGenerator(make_model("llama", "sdpa"), **SIZES, kv_cache_dtype=torch.float8_e5m2)
     want = reference_tokens("llama", "sdpa_e5m2")
     assert generator.generate(PROMPTS, NEW_TOKENS) == want  # warm-up
     with torch._dynamo.config.patch(error_on_recompile=True):
