@@ -4,11 +4,24 @@ import math
 import random
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 POISON = 1e4  # fills every cache slot a batch does not own; any read of it shows in the output
 # Every backend that runs on the CPU: triton through its interpreter (conftest.py), cpu the native kernels.
 CPU_BACKENDS = ["torch", "triton", "cpu"]
+
+
+def slow_except(fast, values):
+    """Parametrize values, all but `fast` in the slow tier (a tuple: the values of several arguments)."""
+    return [
+        v if v == fast else pytest.param(*v if isinstance(v, tuple) else (v,), marks=pytest.mark.slow) for v in values
+    ]
+
+
+# CPU_BACKENDS to parametrize with: the interpreter takes seconds where the others take milliseconds, so triton's cases
+# are in the slow tier, and test_triton*.py keep Triton in the fast one.
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.slow), "cpu"]
 
 
 @dataclass

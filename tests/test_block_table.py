@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from reference import CPU_BACKENDS, assert_close, expected_cache, make_case, reference
+from reference import BACKENDS, assert_close, expected_cache, make_case, reference
 
 import hybrid_ops
 from hybrid_ops import ForwardMode
@@ -56,7 +56,7 @@ def run(case, table, mode, spec, backend, validate):
     return out, k_cache, v_cache
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("spec", ["prefill", "decode"])
 @pytest.mark.parametrize("mode", list(ForwardMode))
 def test_unused_entries_never_read(backend, spec, mode):
@@ -71,7 +71,7 @@ def test_unused_entries_never_read(backend, spec, mode):
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("validate", [False, True])
 @pytest.mark.parametrize("fill", FILLS)
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY])

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from reference import CPU_BACKENDS, assert_close, expected_cache, make_case, reference
+from reference import BACKENDS, assert_close, expected_cache, make_case, reference
 from test_transformers import SMALL
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -83,7 +83,7 @@ def padded_case(mode, seed):
     return case, case.k_cache.shape[0] - 1
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode, spec", ROUTES)
 def test_padding_changes_no_real_output_or_page(backend, mode, spec):
     """The padded batch's real rows match the float64 reference, and with `set_deterministic(True)` equal the unpadded
@@ -130,7 +130,7 @@ def test_padding_changes_no_real_output_or_page(backend, mode, spec):
         assert torch.equal(padded_cache[scratch], before[scratch]) == (extra == 0)
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode, q_len, bs", [(ForwardMode.DECODE, 1, 5), (ForwardMode.TARGET_VERIFY, 3, 4)])
 def test_replay_pads_a_smaller_batch(backend, mode, q_len, bs):
     """Replay of a graph captured for bs requests with a real batch of 2: the static buffers hold the real

@@ -18,7 +18,7 @@ import dataclasses
 
 import pytest
 import torch
-from reference import assert_close, expected_cache, fp8_case, make_case, reference
+from reference import assert_close, expected_cache, fp8_case, make_case, reference, slow_except
 from test_fp8 import CASES as FP8_CASES
 from test_fp8 import check_fp8_call, scales
 
@@ -349,9 +349,11 @@ GRAPH_STEPS = {  # (mode, speculative_attention_mode, q_lens): the same B and T 
     "verify-prefill": (ForwardMode.TARGET_VERIFY, "prefill", [3, 3, 3]),
     "extend": (ForwardMode.EXTEND, "prefill", [70, 2, 0]),  # past 64 query rows FlashInfer plans FA3 on an H200
 }
+# One kind of step in the fast tier (extend's 70 query rows take seconds through the stand-in kernels).
+GRAPH_STEP_CASES = slow_except(GRAPH_STEPS["decode"], GRAPH_STEPS.values())
 
 
-@pytest.mark.parametrize("mode, spec, q_lens", GRAPH_STEPS.values(), ids=list(GRAPH_STEPS))
+@pytest.mark.parametrize("mode, spec, q_lens", GRAPH_STEP_CASES, ids=list(GRAPH_STEPS))
 def test_cuda_graph_replays(flashinfer_on_cpu, monkeypatch, mode, spec, q_lens):
     """reduce-overhead's sequence, step by step: `hybrid::plan(cuda_graph=True)` per variant, an eager warm-up, a
     capture in which the layers get copies of the metadata and must not plan, then steps that plan outside the
@@ -450,6 +452,7 @@ def test_phase_backend_capture_and_replay(flashinfer_on_cpu, monkeypatch):
             )
 
 
+@pytest.mark.slow
 def test_compiled_plan_then_attn(flashinfer_on_cpu):
     """Inductor keeps hybrid::plan (no outputs) ahead of the attention, and its own partition predicate puts it
     outside the CUDA-graph partitions while hybrid::attn stays inside; the compiled step plans once, for CUDA
@@ -582,7 +585,7 @@ def test_fp8_new_scales_without_replanning(flashinfer_on_cpu, mode):
     assert backend.plans_made == 1 and planned_fp8(kernels, torch.bfloat16, E4M3) and len(kernels.runs) == 4
 
 
-@pytest.mark.parametrize("mode, spec, q_lens", GRAPH_STEPS.values(), ids=list(GRAPH_STEPS))
+@pytest.mark.parametrize("mode, spec, q_lens", GRAPH_STEP_CASES, ids=list(GRAPH_STEPS))
 def test_fp8_cuda_graph(flashinfer_on_cpu, monkeypatch, mode, spec, q_lens):
     """fp8 caches through the CUDA-graph path: `hybrid::plan(cuda_graph=True)` plans FlashInfer's fp8 kernels into
     the CUDA-graph wrappers, and the layer captured after an eager warm-up plans nothing and reads no scale to the

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from reference import CPU_BACKENDS, assert_close, fp8_case, make_case, reference
+from reference import BACKENDS, assert_close, fp8_case, make_case, reference
 from test_ops import mode_batch
 from torch._dynamo.testing import CompileCounter
 
@@ -77,7 +77,7 @@ def check_fp8_call(op, case, cache_dtype, kind, options, **kwargs):
     assert torch.equal(fp8.v_cache.view(torch.uint8), v_expected), "v_cache differs from the quantized values"
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("cache_dtype", FP8)
 @pytest.mark.parametrize("name", CASES)
 def test_fp8_cache(backend, cache_dtype, name):
@@ -86,7 +86,7 @@ def test_fp8_cache(backend, cache_dtype, name):
     check_fp8_call(getattr(torch.ops.hybrid, op), case, cache_dtype, kind, options, backend=backend)
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("spec", ["prefill", "decode"])
 @pytest.mark.parametrize("mode", list(ForwardMode))
 def test_fp8_every_mode(backend, spec, mode):
@@ -105,7 +105,7 @@ def test_fp8_every_mode(backend, spec, mode):
     )
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("op, q_lens, prefix_lens", [("prefill", [5, 3], [7, 0]), ("decode", [1, 1], [9, 30])])
 def test_scales_reach_the_kernel(backend, op, q_lens, prefix_lens):
     """Stored values kept, scales doubled: a v_scale of 2 doubles the output, a k_scale of 2 doubles the scores."""

@@ -566,6 +566,7 @@ def test_warm_up_fits_any_budget(model):
 # Everything at once.
 
 
+@pytest.mark.slow
 def test_load_ragged_requests_through_a_small_budget(model):
     """200 ragged requests through a third of the worst case's pages: added at different steps, some aborted,
     some streamed, greedy and seeded sampling mixed. Every finished request has its solo tokens (seeded sampling

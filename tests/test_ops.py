@@ -4,7 +4,7 @@ import zlib
 
 import pytest
 import torch
-from reference import CPU_BACKENDS, assert_close, expected_cache, make_case, reference
+from reference import BACKENDS, assert_close, expected_cache, make_case, reference
 
 import hybrid_ops
 from hybrid_ops import ForwardMode
@@ -44,7 +44,7 @@ def check_call(op, case, options, dtype, **kwargs):
     assert torch.equal(case.k_cache, k_ref) and torch.equal(case.v_cache, v_ref), "cache differs from the expected"
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", PREFILL_CASES)
 def test_prefill_shapes(backend, dtype, name):
@@ -52,7 +52,7 @@ def test_prefill_shapes(backend, dtype, name):
     check_call(torch.ops.hybrid.prefill, case, {}, dtype, backend=backend)
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("option", OPTIONS)
 def test_prefill_options(backend, dtype, option):
@@ -60,7 +60,7 @@ def test_prefill_options(backend, dtype, option):
     check_call(torch.ops.hybrid.prefill, case, OPTIONS[option], dtype, backend=backend)
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("option", OPTIONS)
 @pytest.mark.parametrize("q_len", [1, 3])  # DECODE, TARGET_VERIFY with 3 draft tokens
@@ -69,7 +69,7 @@ def test_decode(backend, dtype, option, q_len):
     check_call(torch.ops.hybrid.decode, case, OPTIONS[option], dtype, backend=backend)
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("prefixes", [[6], [9, 9, 9], [0]])  # one request; equal lengths; no prefix
 @pytest.mark.parametrize("q_len", [1, 2])
 def test_decode_lengths_off_page_boundaries(backend, prefixes, q_len):
@@ -87,7 +87,7 @@ def mode_batch(mode, spec):
     return [5, 1, 0, 7], [0, 9, 3, 2]
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("spec", ["prefill", "decode"])
 @pytest.mark.parametrize("mode", list(ForwardMode))
 def test_attn_every_mode(backend, spec, mode):
@@ -123,7 +123,11 @@ FEATURES = {
 FEATURE_V_HEAD_DIM = {"v_head_dim": 24, "all": 8}
 
 
-BACKEND_FEATURES = [(backend, feature) for backend in ("torch", "triton", "auto") for feature in FEATURES]
+BACKEND_FEATURES = [
+    pytest.param(backend, feature, marks=[pytest.mark.slow] if backend == "triton" else [])  # as BACKENDS
+    for backend in ("torch", "triton", "auto")
+    for feature in FEATURES
+]
 
 
 @pytest.mark.parametrize("backend, feature", BACKEND_FEATURES)

@@ -6,7 +6,16 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from reference import CPU_BACKENDS, POISON, assert_close, dense_attention, expected_cache, make_case, reference
+from reference import (
+    BACKENDS,
+    CPU_BACKENDS,
+    POISON,
+    assert_close,
+    dense_attention,
+    expected_cache,
+    make_case,
+    reference,
+)
 
 import hybrid_ops
 from hybrid_ops import ForwardMode, PagedKVCache
@@ -105,7 +114,7 @@ def test_conformance(draw):
     assert torch.equal(case.k_cache, k_ref) and torch.equal(case.v_cache, v_ref)
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("op, q_lens", [("prefill", [3, 0, 6, 1]), ("decode", [1, 1, 1, 1]), ("decode", [3] * 4)])
 def test_every_output_written_and_only_own_slots(backend, op, q_lens, nan_for_uninitialized):
     case = make_case(q_lens, [5, 2, 0, 13], num_q_heads=4, num_kv_heads=2, page_size=4)
@@ -116,7 +125,7 @@ def test_every_output_written_and_only_own_slots(backend, op, q_lens, nan_for_un
     assert torch.equal(case.k_cache, k_ref) and torch.equal(case.v_cache, v_ref), "a slot outside the step changed"
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fill", [float("nan"), float("inf"), -3e38])
 @pytest.mark.parametrize("op, q_lens", [("prefill", [4, 1, 6]), ("decode", [1, 1, 1]), ("decode", [2, 2, 2])])
 def test_foreign_pages_do_not_matter(backend, fill, op, q_lens):
@@ -132,7 +141,7 @@ def test_foreign_pages_do_not_matter(backend, fill, op, q_lens):
     assert torch.equal(out_clean, out_dirty)
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_out_of_range_block_ids_are_masked_without_validation(backend):
     """Validation off: the torch and cpu backends (which read the metadata anyway) reject them; Triton never reads
     or writes outside the cache (an out-of-bounds access would abort the interpreter) and leaves other slots alone."""
@@ -150,7 +159,7 @@ def test_out_of_range_block_ids_are_masked_without_validation(backend):
     assert out.shape == case.q.shape
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_same_inputs_bit_identical(backend):
     runs = []
     for _ in range(2):
@@ -161,7 +170,7 @@ def test_same_inputs_bit_identical(backend):
     assert torch.equal(runs[0], runs[2]) and torch.equal(runs[1], runs[3])
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("op", ["prefill", "decode"])
 def test_batch_invariance_when_deterministic(backend, op, deterministic):
     """With set_deterministic(True), request 0's output is the same alone and in any batch."""

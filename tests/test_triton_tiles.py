@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from reference import expected_cache, make_case, reference
+from reference import expected_cache, make_case, reference, slow_except
 
 import hybrid_ops
 from hybrid_ops.kernels.config import Target, decode_tiles, prefill_tiles
@@ -64,7 +64,9 @@ DECODE_CASES = (
 )
 
 
-@pytest.mark.parametrize("sms, q_len, dtype", DECODE_CASES, ids=lambda x: str(x).replace("torch.", ""))
+@pytest.mark.parametrize(
+    "sms, q_len, dtype", slow_except(DECODE_CASES[0], DECODE_CASES), ids=lambda x: str(x).replace("torch.", "")
+)
 def test_decode(sms, q_len, dtype):
     """4 splits of several KV blocks each, or an H200's 132 SMs: as many splits as the table has blocks."""
     prefixes, num_q_heads = ([290, 200], 8) if q_len == 1 else ([290], 16)
@@ -95,7 +97,7 @@ def test_decode(sms, q_len, dtype):
 PREFILL_BATCH = [20, 3, 12], [150, 0, 35]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("dtype", slow_except(torch.float32, DTYPES), ids=["fp32", "fp16", "bf16"])
 def test_prefill(dtype):
     """Ragged requests over cached prefixes, each spanning several query tiles and KV blocks."""
     q_lens, prefixes = PREFILL_BATCH
