@@ -1,8 +1,8 @@
 """The argument and metadata checks exist twice: in Python (validation.py, which names the culprit) and in C++ (the cpu
 backend's entry points and kernel, which decide without Python whether a call may run). Both must accept exactly the
 same inputs: one that C++ accepted and Python would refuse would run unchecked; one C++ refused and Python accepts
-only costs a detour. Random batches (caches in q's dtype or fp8, with scale arguments good and bad), each with a random
-set of the bad inputs of test_errors.py and random metadata values, are put to both."""
+only costs a detour. Random batches (caches in q's dtype or fp8, with scale arguments good and bad, sinks, chunks),
+each with a random set of the bad inputs of test_errors.py and random metadata values, are put to both."""
 
 import math
 
@@ -17,20 +17,26 @@ import hybrid_ops
 from hybrid_ops import HybridInputError
 from hybrid_ops.validation import args_ok, check_args, check_metadata_values, decode_shape_ok
 
-# The mutations of test_errors.py that change the op's tensors or its scale, sliding_window, logit_cap, k_scale and
-# v_scale.
+# The mutations of test_errors.py that change the op's tensors or its options: scale, sliding_window, logit_cap
+# (positional arguments of args_ok), sinks, attention_chunk, k_scale and v_scale (keywords).
 SCALARS = ("scale", "sliding_window", "logit_cap")
-KV_SCALES = ("k_scale", "v_scale")
+KEYWORDS = ("sinks", "attention_chunk", "k_scale", "v_scale")
 MUTATIONS = {
     name: mutation
     for name, (op, mutation, _) in {**BAD_INPUTS, **VALUE_INPUTS}.items()
-    if set(mutation(valid_case("decode").args, {})[1]) <= {*SCALARS, *KV_SCALES}
+    if set(mutation(valid_case("decode").args, {})[1]) <= {*SCALARS, *KEYWORDS}
 }
-VALID_OPTIONS = {"scale": [None, 0.125, 1.0], "sliding_window": [-1, 1, 5], "logit_cap": [0.0, 3.0]}
+VALID_OPTIONS = {
+    "scale": [None, 0.125, 1.0],
+    "sliding_window": [-1, 1, 5],
+    "logit_cap": [0.0, 3.0],
+    "attention_chunk": [-1, 1, 7],
+}
 BAD_OPTIONS = {
     "scale": [0.0, -1.0, math.nan, math.inf],
     "sliding_window": [0, -2],
     "logit_cap": [-1.0, math.nan, math.inf],
+    "attention_chunk": [0, -2],
 }
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # The caches' dtypes: q's (None), fp8, or two that differ.
@@ -83,6 +89,7 @@ def inputs(draw, first=None):
         num_q_heads=draw(st.sampled_from([2, 4, 8])),
         num_kv_heads=2,
         head_dim=draw(st.sampled_from([8, 16])),
+        v_head_dim=draw(st.sampled_from([None, 8, 24])),
         page_size=draw(st.sampled_from([1, 4])),
         strided=draw(st.booleans()),
         dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
@@ -93,7 +100,8 @@ def inputs(draw, first=None):
     if cache_dtypes is not None:
         cache_dtypes = cache_dtypes if isinstance(cache_dtypes, tuple) else (cache_dtypes, cache_dtypes)
         args[3:5] = (cache.to(dtype) for cache, dtype in zip(args[3:5], cache_dtypes))
-    options |= dict(zip(KV_SCALES, KV_SCALE_ARGS[draw(st.sampled_from(list(KV_SCALE_ARGS)))]()))
+    options |= dict(zip(("k_scale", "v_scale"), KV_SCALE_ARGS[draw(st.sampled_from(list(KV_SCALE_ARGS)))]()))
+    options["sinks"] = torch.randn(case.q.shape[1]) if draw(st.booleans()) else None
     bad_option = st.sampled_from([(name, value) for name, values in BAD_OPTIONS.items() for value in values])
     for mutation in [first or (lambda *a: a)] + draw(
         st.lists(st.one_of(st.sampled_from(list(MUTATIONS.values())), bad_option), max_size=2)
@@ -121,10 +129,10 @@ def test_cpp_and_python_checks_agree(first, data):
     """Each bad input of the tables in turn (and none: random ones only), on random batches."""
     args, options, decode = data.draw(inputs(MUTATIONS.get(first)))
     scalars = [options[name] for name in SCALARS]
-    kv_scales = {name: options.get(name) for name in KV_SCALES}
-    accepted = python_accepts(check_args, *args, *scalars, **kv_scales)
-    assert args_ok(*args, *scalars, **kv_scales) == accepted
-    assert native().args_ok(*args, *scalars, **kv_scales) == accepted
+    keywords = {name: options[name] for name in KEYWORDS}
+    accepted = python_accepts(check_args, *args, *scalars, **keywords)
+    assert args_ok(*args, *scalars, **keywords) == accepted
+    assert native().args_ok(*args, *scalars, **keywords) == accepted
     event(f"arguments accepted: {accepted}")
     if not accepted:
         return

@@ -2,7 +2,8 @@
 units of one), tile boundaries (64 keys for few rows, 256 for many), query blocks (512 rows), row chunks of its
 products (64 rows, padded to 16) and page boundaries, both row paths (few rows: dot products over every kv head; many:
 brgemm per kv head, in fp32 or in 16-bit on AMX), head dims 8, 20, 64, 80 and 128 (read in place, or copied and
-padded), with -1 past each request's pages; the same over fp8 caches, whose bytes must be torch's quantization."""
+padded), with -1 past each request's pages; with sinks, chunks and value head dims of their own; the same over fp8
+caches, whose bytes must be torch's quantization."""
 
 import math
 import re
@@ -48,27 +49,47 @@ OPTIONS = {
     "window": dict(sliding_window=200),  # the window's start moves across slices and tiles
     "softcap_scale": dict(logit_cap=5.0, scale=0.05),
     "window_softcap": dict(sliding_window=77, logit_cap=2.0),
+    # Chunks of 300 positions start inside slices, tiles and query blocks; sinks as heavy as a chunk's keys.
+    "sinks_chunk": dict(sinks=True, attention_chunk=300),
+    # A value head dim 16 past the q/k one: whole vectors where D is (read in place), else copied and padded.
+    "v_head_dim_sinks_window": dict(v_head_dim=16, sinks=True, sliding_window=200),
 }
 
 
-def long_case(name, dtype, seed):
-    """CASES[name]'s op, and its case with the table entries past each request's pages at -1, as transformers' paged
-    cache pads them."""
+def long_case(name, option, dtype, seed):
+    """CASES[name]'s op; its case, the table entries past each request's pages at -1 (as transformers' paged cache pads
+    them); and OPTIONS[option] as op keywords: a value head dim (v_head_dim: that much past the head dim) in the case,
+    sinks (True) drawn for its query heads."""
     op, q_lens, prefix_lens, num_q_heads, head_dim, page_size = CASES[name]
-    case = make_case(q_lens, prefix_lens, num_q_heads, head_dim=head_dim, page_size=page_size, dtype=dtype, seed=seed)
+    options = dict(OPTIONS[option])
+    v_head_dim = head_dim + options.pop("v_head_dim", 0)
+    case = make_case(
+        q_lens,
+        prefix_lens,
+        num_q_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        dtype=dtype,
+        seed=seed,
+        v_head_dim=v_head_dim,
+    )
+    if options.get("sinks"):
+        # About the log of a row's summed probabilities (hundreds of keys of N(0, 1) scores): each moves its head's
+        # output by tens of percent, so that an ignored sink, or another head's, fails.
+        options["sinks"] = 6.0 + torch.randn(num_q_heads, generator=torch.Generator().manual_seed(seed))
     for i, length in enumerate(case.seq_lens.tolist()):
         case.block_table[i, math.ceil(length / page_size) :] = -1
-    return op, case
+    return op, case, options
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("option", OPTIONS)
 @pytest.mark.parametrize("name", CASES)
 def test_long_contexts_against_float64(name, option, dtype):
-    op, case = long_case(name, dtype, seed=7)
+    op, case, options = long_case(name, option, dtype, seed=7)
     k_ref, v_ref = expected_cache(case)
-    out = getattr(torch.ops.hybrid, op)(*case.args, **OPTIONS[option], backend="cpu")
-    assert_relative(out, reference(case, **OPTIONS[option]), dtype)
+    out = getattr(torch.ops.hybrid, op)(*case.args, **options, backend="cpu")
+    assert_relative(out, reference(case, **options), dtype)
     assert torch.equal(case.k_cache, k_ref) and torch.equal(case.v_cache, v_ref)
 
 
@@ -100,17 +121,18 @@ def check_fp8(op, case, cache_dtype, k_scale, v_scale, **options):
     assert torch.equal(fp8.v_cache.view(torch.uint8), v_expected), "v_cache differs from torch's quantization"
 
 
-# Each case with one q dtype; per-head scales without options, one scale with a window and a soft-cap.
+# Each case with one q dtype; per-head scales without options and with a value head dim, sinks and a window; one
+# scale with a window and a soft-cap.
 FP8_DTYPES = dict(zip(CASES, [torch.bfloat16, torch.float32, torch.float16] * 3))
-FP8_OPTIONS = {"per_head": "default", "one": "window_softcap"}
+FP8_OPTIONS = [("per_head", "default"), ("per_head", "v_head_dim_sinks_window"), ("one", "window_softcap")]
 
 
-@pytest.mark.parametrize("scales", FP8_OPTIONS)
+@pytest.mark.parametrize("scales, option", FP8_OPTIONS)
 @pytest.mark.parametrize("cache_dtype", FP8)
 @pytest.mark.parametrize("name", CASES)
-def test_fp8_long_contexts_against_float64(name, cache_dtype, scales):
-    op, case = long_case(name, FP8_DTYPES[name], seed=11)
-    check_fp8(op, case, FP8[cache_dtype], *fp8_scales(scales, case.k.shape[1]), **OPTIONS[FP8_OPTIONS[scales]])
+def test_fp8_long_contexts_against_float64(name, cache_dtype, scales, option):
+    op, case, options = long_case(name, option, FP8_DTYPES[name], seed=11)
+    check_fp8(op, case, FP8[cache_dtype], *fp8_scales(scales, case.k.shape[1]), **options)
 
 
 @pytest.mark.parametrize("cache_dtype", FP8)
@@ -316,8 +338,8 @@ def test_auto_follows_a_preferred_backend(python_calls):
 
 @pytest.mark.parametrize("backend", ["cpu", "auto"])
 def test_fp8_calls_skip_python(python_calls, backend):
-    """fp8 calls with scales of each accepted shape, or none, run in C++; with sinks, which the kernel does not
-    implement, the call goes to Python (and "auto" to the torch backend)."""
+    """fp8 calls with scales of each accepted shape, or none, run in C++; with sinks, chunks and a value head dim of
+    their own too."""
     one = torch.tensor(1.0)
     for scales in (
         {},
@@ -333,9 +355,9 @@ def test_fp8_calls_skip_python(python_calls, backend):
         assert python_calls == []
         assert torch.allclose(out.double(), reference(read), atol=2e-5)
         assert torch.equal(fp8.k_cache.view(torch.uint8), k_expected)
-    if backend == "auto":
-        sinks = torch.zeros(case.q.shape[1])
-        fp8, read, _ = fp8_case(attn_case(ForwardMode.DECODE, "prefill"), torch.float8_e4m3fn, one, one)
-        out = torch.ops.hybrid.decode(*fp8.args, sinks=sinks)
-        assert python_calls == ["decode"]
-        assert torch.allclose(out.double(), reference(read, sinks=sinks), atol=2e-5)
+    options = dict(sinks=torch.randn(case.q.shape[1]), attention_chunk=3)
+    case = make_case([1, 1], [4, 9], num_q_heads=case.q.shape[1], v_head_dim=24)
+    fp8, read, _ = fp8_case(case, torch.float8_e4m3fn, one, one)
+    out = torch.ops.hybrid.decode(*fp8.args, **options, backend=backend)
+    assert python_calls == []
+    assert torch.allclose(out.double(), reference(read, **options), atol=2e-5)

@@ -29,7 +29,7 @@ import torch
 from ..errors import HybridInputError
 from ..modes import ROUTING, SPECULATIVE_ATTENTION_MODES
 from ..validation import FLOAT_DTYPES, check_metadata_values
-from .base import Backend
+from .base import ALL_OPTIONS, Backend
 from .registry import registry
 
 # ATen's compile flags for each CPU capability (cmake/Codegen.cmake); at::vec picks its implementation from the
@@ -125,7 +125,7 @@ class CpuBackend(Backend):
     name = "cpu"
     requirement = "a C++ compiler and ninja to build its kernels (pip install ninja)"
     checks_values = True
-    options = frozenset({"fp8_kv"})
+    options = ALL_OPTIONS
 
     def __init__(self):
         self._module = None
@@ -156,18 +156,18 @@ class CpuBackend(Backend):
     def supports(self, device, dtype, head_dim) -> bool:
         return device.type == "cpu" and dtype in FLOAT_DTYPES
 
-    def prefill(self, *args, decode=False, k_scale=None, v_scale=None):
-        """args: those of `Backend.prefill`; k_scale, v_scale: [Hkv] float32 with fp8 caches (`fp8.per_head`), else
-        None."""
-        out = self._module.forward(*args, decode, k_scale, v_scale)
+    def prefill(self, *args, sinks=None, attention_chunk=-1, decode=False, k_scale=None, v_scale=None):
+        """args: those of `Backend.prefill`; sinks: [Hq] float32 or None; k_scale, v_scale: [Hkv] float32 with fp8
+        caches (`fp8.per_head`), else None."""
+        out = self._module.forward(*args, sinks, attention_chunk, decode, k_scale, v_scale)
         if out is None:
             q, k_cache, metadata = args[0], args[3], args[5:8]
             check_metadata_values(*metadata, q.shape[0], k_cache.shape[0], k_cache.shape[1], decode)
             raise HybridInputError("the metadata's values are inconsistent (cu_seqlens_q, seq_lens, block_table)")
         return out
 
-    def decode(self, *args, k_scale=None, v_scale=None):
-        return self.prefill(*args, decode=True, k_scale=k_scale, v_scale=v_scale)
+    def decode(self, *args, **options):
+        return self.prefill(*args, decode=True, **options)
 
 
 registry.subscribe(configure_entry_points)

@@ -17,6 +17,7 @@ K and V, `kv_heads_per_rank` refuses KV heads split across ranks, and `tensor_pa
 must take the same steps.
 """
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -201,11 +202,12 @@ def check_servable(model) -> list:
     type and why this integration cannot serve it exactly.
 
     Refused: layers that keep state outside attention (recurrent, state-space or convolution mixers: the generator
-    calls the model without transformers' cache, so that state would not carry over between steps); attention that
-    does not reach the op once per layer with the step (`probe_attention`); sinks a layer holds but does not pass.
+    calls the model without transformers' cache, so that state would not carry over between steps); drafters that
+    attend over the K/V of the model they draft for; attention that does not reach the op once per layer with the step
+    (`probe_attention`); sinks a layer holds but does not pass.
     """
     config = model.config.get_text_config()
-    model_type = getattr(config, "model_type", type(model).__name__)
+    model_type = getattr(model.config, "model_type", type(model).__name__)  # the one loaded, not its text part
 
     def refuse(reason):
         raise HybridInputError(f"{model_type} cannot be served exactly: {reason}")
@@ -219,6 +221,8 @@ def check_servable(model) -> list:
     for name in _BLOCK_TYPE_FIELDS:
         if getattr(config, name, None):
             refuse(f"its config's {name} mixes attention with other blocks that keep state outside attention")
+    if "shared_kv_states" in inspect.signature(model.forward).parameters:
+        refuse("it drafts for another model, attending over that model's K/V (shared_kv_states)")
     if getattr(config, "attention_chunk_size", None) and "chunked_attention" not in (config.layer_types or ()):
         refuse("it sets attention_chunk_size without naming its chunked layers in layer_types")
     stateful = {

@@ -6,9 +6,8 @@
 // the checks of validation.args_ok, the routing of modes.ROUTING, the kernel; a few microseconds per call, eager or
 // from a compiled graph. Any other call (another backend, an argument that fails a check, a mode or backend name
 // not in the tables) goes to the Python implementation, which runs the other backends and raises the errors that
-// name the argument. Calls that use an option the native kernel does not implement (attention sinks, chunked
-// attention, a value head dim other than q's) go to Python too, where "auto" picks a backend that has them; fp8
-// caches with their k_scale, v_scale run here. Python sets the tables (`configure`, hybrid_ops/backends/cpu.py) on
+// name the argument. Every option of the ops runs here: sinks, chunked attention, a value head dim other than q's,
+// fp8 caches with their k_scale, v_scale. Python sets the tables (`configure`, hybrid_ops/backends/cpu.py) on
 // every change to the backend registry; until it does, every call goes to Python.
 //
 // The Python module's `forward` is the backend object's call of the same kernel.
@@ -63,18 +62,25 @@ bool kv_scale_ok(const std::optional<at::Tensor>& kv_scale, int64_t num_kv_heads
           (kv_scale->dim() == 1 && (kv_scale->size(0) == 1 || kv_scale->size(0) == num_kv_heads)));
 }
 
-// validation.args_ok: true when validation.check_args would pass (Dv != D aside: false, as the kernel needs Dv = D).
+// validation.args_ok: true when validation.check_args would pass.
 bool args_ok(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
              const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
              const at::Tensor& block_table, std::optional<double> scale, int64_t sliding_window, double logit_cap,
-             const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
-  if (q.dim() != 3 || k.dim() != 3 || k_cache.dim() != 4 || !v.sizes().equals(k.sizes()) ||
-      !v_cache.sizes().equals(k_cache.sizes())) {
+             const std::optional<at::Tensor>& sinks, int64_t attention_chunk, const std::optional<at::Tensor>& k_scale,
+             const std::optional<at::Tensor>& v_scale) {
+  if (q.dim() != 3 || k.dim() != 3 || k_cache.dim() != 4 || v.dim() != 3 || v_cache.dim() != 4) return false;
+  const int64_t num_kv_heads = k_cache.size(2);
+  // v [T, Hkv, Dv] and v_cache [pages, page_size, Hkv, Dv]: k's and k_cache's sizes but for the head dim.
+  if (v.size(0) != k.size(0) || v.size(1) != k.size(1) || v.size(2) != v_cache.size(3) || v.size(2) <= 0 ||
+      v_cache.size(0) != k_cache.size(0) || v_cache.size(1) != k_cache.size(1) || v_cache.size(2) != num_kv_heads) {
     return false;
   }
-  const int64_t num_kv_heads = k_cache.size(2);
   if (k.size(0) != q.size(0) || k.size(1) != num_kv_heads || num_kv_heads <= 0 || k.size(2) != q.size(2) ||
       q.size(2) != k_cache.size(3) || q.size(1) % num_kv_heads != 0) {
+    return false;
+  }
+  if (sinks && !(sinks->scalar_type() == at::kFloat && sinks->dim() == 1 && sinks->size(0) == q.size(1) &&
+                 sinks->device().is_cpu())) {
     return false;
   }
   // k, v in q's dtype; both caches in q's dtype or both in one fp8 dtype, the scales only with fp8, both or neither.
@@ -98,7 +104,8 @@ bool args_ok(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
   }
   constexpr double inf = std::numeric_limits<double>::infinity();
   return k_cache.is_contiguous() && v_cache.is_contiguous() && (!scale || (*scale > 0 && *scale < inf)) &&
-         (sliding_window == -1 || sliding_window > 0) && logit_cap >= 0 && logit_cap < inf;
+         (sliding_window == -1 || sliding_window > 0) && logit_cap >= 0 && logit_cap < inf &&
+         (attention_chunk == -1 || attention_chunk > 0);
 }
 
 // validation.decode_shape_ok: the same query length for every request, T = B * (T // B).
@@ -106,23 +113,21 @@ bool decode_shape_ok(int64_t num_tokens, int64_t num_requests) {
   return num_requests > 0 ? num_tokens % num_requests == 0 : num_tokens == 0;
 }
 
-// The kernel's output, or an undefined tensor (nothing written) when a check fails or an option is in use that the
-// kernel does not implement (sinks, attention_chunk; a Dv other than D fails args_ok).
+// The kernel's output, or an undefined tensor (nothing written) when a check fails.
 at::Tensor run_native(bool decode, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                       at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
                       const at::Tensor& block_table, std::optional<double> scale, int64_t sliding_window,
                       double logit_cap, const std::optional<at::Tensor>& sinks, int64_t attention_chunk,
                       const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
-  if (sinks.has_value() || attention_chunk != -1 ||
-      !args_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
-               k_scale, v_scale)) {
+  if (!args_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap, sinks,
+               attention_chunk, k_scale, v_scale)) {
     return {};
   }
   const int64_t num_tokens = q.size(0), num_requests = seq_lens.size(0);
   if (decode && !decode_shape_ok(num_tokens, num_requests)) return {};
   const double resolved_scale = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
   return hybrid_ops::paged_attention(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, resolved_scale,
-                                     sliding_window, logit_cap, decode, k_scale, v_scale);
+                                     sliding_window, logit_cap, sinks, attention_chunk, decode, k_scale, v_scale);
 }
 
 // call(ops.PYTHON_IMPLEMENTATIONS), with the GIL: the kernels run without it, and building the arguments' Python
@@ -203,13 +208,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &hybrid_ops::paged_attention,
         "KV store, then paged attention; None when the metadata's values are invalid", py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("cu_seqlens_q"), py::arg("seq_lens"),
-        py::arg("block_table"), py::arg("scale"), py::arg("sliding_window"), py::arg("logit_cap"), py::arg("decode"),
-        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+        py::arg("block_table"), py::arg("scale"), py::arg("sliding_window"), py::arg("logit_cap"), py::arg("sinks"),
+        py::arg("attention_chunk"), py::arg("decode"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none());
   // The checks, for tests that hold them to validation.py's on the same inputs.
   m.def("args_ok", &args_ok, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("cu_seqlens_q"), py::arg("seq_lens"), py::arg("block_table"), py::arg("scale"),
-        py::arg("sliding_window"), py::arg("logit_cap"), py::arg("k_scale") = py::none(),
-        py::arg("v_scale") = py::none());
+        py::arg("sliding_window"), py::arg("logit_cap"), py::arg("sinks") = py::none(), py::arg("attention_chunk") = -1,
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   m.def("decode_shape_ok", &decode_shape_ok);
   m.def("metadata_values_ok", &hybrid_ops::metadata_values_ok);
   m.def("multiplies_in_cache_dtype", &hybrid_ops::multiplies_in_cache_dtype,

@@ -1,7 +1,8 @@
 // Paged attention on the CPU: KV store, then attention of every request's new tokens over its pages, read where
 // they lie (no gather copy). Shapes and metadata as in hybrid_ops/metadata.py:
-//   q [T, Hq, D], k, v [T, Hkv, D] (any strides); k_cache, v_cache [num_pages, page_size, Hkv, D] contiguous;
-//   cu_seqlens_q [B + 1], seq_lens [B], block_table [B, max_pages] int32. q fp32, fp16 or bf16; caches in q's dtype,
+//   q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv] (any strides); k_cache [num_pages, page_size, Hkv, D], v_cache
+//   [num_pages, page_size, Hkv, Dv] contiguous; cu_seqlens_q [B + 1], seq_lens [B], block_table [B, max_pages] int32;
+//   out [T, Hq, Dv]; sinks [Hq] float32 or none. q fp32, fp16 or bf16; caches in q's dtype,
 //   or fp8 (float8_e4m3fn, float8_e5m2) holding saturate(x / scale) with one fp32 scale per kv head for k and for v
 //   (hybrid_ops/fp8.py); softmax and accumulation in fp32.
 //
@@ -196,23 +197,31 @@ template <typename T, typename C>
 struct Problem {
   const T* q;
   const C *k_cache, *v_cache;
-  T* out;                            // [T, Hq, D] contiguous
-  float *partial_out, *partial_lse;  // [rows, D], [rows]
+  T* out;                            // [T, Hq, Dv] contiguous
+  float *partial_out, *partial_lse;  // [rows, Dv], [rows]
   const float *k_scale, *v_scale;    // [Hkv]: each kv head's scales (1 for caches in q's dtype)
-  void* packed;  // tiles of PackJobs in the products' type: K^T then V, GEMM_BLOCK_N * padded_dim elements each
+  const float* sinks;                // [Hq] logits, or null
+  // Tiles of PackJobs in the products' type: K^T then V, GEMM_BLOCK_N * (padded_dim + v_padded_dim) elements each.
+  void* packed;
   Metadata md;
-  int64_t q_strides[3], page_size, num_kv_heads, group, head_dim, padded_dim;
+  int64_t q_strides[3], page_size, num_kv_heads, group;
+  int64_t head_dim, padded_dim, v_head_dim, v_padded_dim;  // D and Dv, and rounded up to whole vectors
   float scale, logit_cap;
-  int64_t window;
+  int64_t window, chunk;
 
-  int64_t row_stride;  // num_kv_heads * head_dim
-
-  // One kv head's row `in_page` of the request's `page`-th page.
-  const C* row(const C* cache, int64_t request, int64_t page, int64_t in_page, int64_t head) const {
+  // One kv head's row `in_page` of the request's `page`-th page, in a cache of `dim` values per head.
+  const C* row(const C* cache, int64_t dim, int64_t request, int64_t page, int64_t in_page, int64_t head) const {
     const int64_t id = md.table[request * md.table_stride + page];
-    return cache + (id * page_size + in_page) * row_stride + head * head_dim;
+    return cache + ((id * page_size + in_page) * num_kv_heads + head) * dim;
   }
+  int64_t tile_elems() const { return GEMM_BLOCK_N * (padded_dim + v_padded_dim); }
 };
+
+// The first key that a query at position pos sees: from its window's start and its chunk's (attention_chunk).
+inline int64_t first_key(int64_t pos, int64_t window, int64_t chunk) {
+  const int64_t from = window > 0 ? std::max<int64_t>(0, pos + 1 - window) : 0;
+  return chunk > 0 ? std::max(from, pos - pos % chunk) : from;
+}
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -232,17 +241,17 @@ bool amx_available() {
 }
 
 // The operands of a many-rows tile's two products in G, the type brgemm multiplies (fp32; 16-bit on AMX):
-// q [m, D]; K rows staged [GEMM_BLOCK_N, D]; K^T [D, GEMM_BLOCK_N]; V [GEMM_BLOCK_N, D]; P [m, GEMM_BLOCK_N]. In
-// 16-bit, K^T and V are in VNNI pairs ([D / 2, GEMM_BLOCK_N, 2], [GEMM_BLOCK_N / 2, D, 2]); fp32 P is the scores.
+// q [m, D]; K rows staged [GEMM_BLOCK_N, D]; K^T [D, GEMM_BLOCK_N]; V [GEMM_BLOCK_N, Dv]; P [m, GEMM_BLOCK_N]. In
+// 16-bit, K^T and V are in VNNI pairs ([D / 2, GEMM_BLOCK_N, 2], [GEMM_BLOCK_N / 2, Dv, 2]); fp32 P is the scores.
 template <typename G>
 struct GemmTiles {
   std::vector<G> q, k_rows, kt, v, p;
-  void allocate(int64_t rows, int64_t dim) {
+  void allocate(int64_t rows, int64_t dim, int64_t v_dim) {
     const int64_t m = round_up(rows, GEMM_M);
     q.assign(m * dim, G(0.f));
     k_rows.assign(GEMM_BLOCK_N * dim, G(0.f));
     kt.assign(dim * GEMM_BLOCK_N, G(0.f));
-    v.assign(GEMM_BLOCK_N * dim, G(0.f));
+    v.assign(GEMM_BLOCK_N * v_dim, G(0.f));
     if (!std::is_same_v<G, float>) p.assign(m * GEMM_BLOCK_N, G(0.f));
   }
 };
@@ -256,10 +265,10 @@ struct Scratch {
   GemmTiles<float> f32;
   GemmTiles<T> amx16;
   // rows: the most rows of a unit; gemm_rows: of a unit whose products go through brgemm (0: none).
-  Scratch(int64_t rows, int64_t gemm_rows, int64_t padded_dim)
+  Scratch(int64_t rows, int64_t gemm_rows, int64_t padded_dim, int64_t v_padded_dim)
       : amx(amx_available<T, C>()),
         q(rows * padded_dim),
-        acc(round_up(rows, GEMM_M) * padded_dim),
+        acc(round_up(rows, GEMM_M) * v_padded_dim),
         scores(round_up(rows, GEMM_M) * GEMM_BLOCK_N),
         m(rows),
         l(rows),
@@ -268,12 +277,12 @@ struct Scratch {
         key_begin(rows),
         key_end(rows),
         packed_k(BLOCK_N * padded_dim, 0.f),
-        packed_v(BLOCK_N * padded_dim, 0.f) {
+        packed_v(BLOCK_N * v_padded_dim, 0.f) {
     if (gemm_rows < GEMM_ROWS) return;
     if (amx) {
-      amx16.allocate(gemm_rows, padded_dim);
+      amx16.allocate(gemm_rows, padded_dim, v_padded_dim);
     } else {
-      f32.allocate(gemm_rows, padded_dim);
+      f32.allocate(gemm_rows, padded_dim, v_padded_dim);
     }
   }
   template <typename G>
@@ -374,7 +383,7 @@ std::pair<int64_t, int64_t> visible(const Scratch<T, C>& s, int64_t r, int64_t j
 template <typename T, typename C>
 std::pair<int64_t, int64_t> softmax_tile(const Problem<T, C>& pb, int64_t j0, int64_t n, int64_t ld, float score_scale,
                                          float p_scale, int64_t r0, int64_t r1, Scratch<T, C>& s) {
-  const int64_t dim = pb.padded_dim;
+  const int64_t dim = pb.v_padded_dim;  // the accumulators'
   // Without a soft-cap, a positive scale folds into the exponent: exp(scale * x - m), m the scaled maximum.
   const bool fold = pb.logit_cap == 0 && score_scale > 0;
   const float k = fold ? score_scale : 1.f;
@@ -443,9 +452,9 @@ void prefetch_rows(const T* const* rows, int64_t n, int64_t row_bytes) {
     for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(rows[j]) + b, 0, 2);
 }
 
-// One tile of n keys for few rows per kv head, rows given as pointers to `padded_dim` values (cache rows in place, or
-// packed fp32 rows) of the unit's first kv head; head h's row is h * head_dim further. Scratch rows are head-major:
-// [num_heads][rows].
+// One tile of n keys for few rows per kv head, rows given as pointers to `padded_dim` (K) and `v_padded_dim` (V)
+// values (cache rows in place, or packed fp32 rows) of the unit's first kv head; head h's rows are h * head_dim and
+// h * v_head_dim further. Scratch rows are head-major: [num_heads][rows].
 //
 // A unit of several heads reads each memory page (PAGE_BYTES) front to back, as the hardware prefetcher follows: it
 // takes keys in groups of `pages` memory pages of per_page positions each, and each group in per_page passes of one
@@ -486,12 +495,12 @@ void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, 
       for (int64_t h = 0; h < heads; ++h) {
         for_row_blocks(rows, [&](auto rb, int64_t r) {
           constexpr int RB = decltype(rb)::value;
+          const int64_t v_dim = pb.v_padded_dim, offset = h * pb.v_head_dim;
           const float* p = s.scores.data() + (h * rows + r) * BLOCK_N;
-          float* acc = s.acc.data() + (h * rows + r) * dim;
-          const int64_t offset = h * pb.head_dim;
+          float* acc = s.acc.data() + (h * rows + r) * v_dim;
           int64_t d = 0;
-          for (; d + 2 * VEC <= dim; d += 2 * VEC) accumulate_pv<RB, 2>(p, v, a, b, ks, offset, d, dim, acc);
-          if (d < dim) accumulate_pv<RB, 1>(p, v, a, b, ks, offset, d, dim, acc);
+          for (; d + 2 * VEC <= v_dim; d += 2 * VEC) accumulate_pv<RB, 2>(p, v, a, b, ks, offset, d, v_dim, acc);
+          if (d < v_dim) accumulate_pv<RB, 1>(p, v, a, b, ks, offset, d, v_dim, acc);
         });
       }
     });
@@ -546,18 +555,18 @@ void tile_rows(const Problem<T, C>& pb, int64_t request, int64_t head, int64_t j
       in_page = 0;
     }
     if (j == 0 || in_page == 0) {
-      k_rows[j] = pb.row(pb.k_cache, request, page, in_page, head);
-      v_rows[j] = pb.row(pb.v_cache, request, page, in_page, head);
+      k_rows[j] = pb.row(pb.k_cache, pb.head_dim, request, page, in_page, head);
+      v_rows[j] = pb.row(pb.v_cache, pb.v_head_dim, request, page, in_page, head);
     } else {
-      k_rows[j] = k_rows[j - 1] + pb.row_stride;
-      v_rows[j] = v_rows[j - 1] + pb.row_stride;
+      k_rows[j] = k_rows[j - 1] + pb.num_kv_heads * pb.head_dim;
+      v_rows[j] = v_rows[j - 1] + pb.num_kv_heads * pb.v_head_dim;
     }
   }
 }
 
 // K^T and V of keys j0 .. j0 + n - 1 (n <= GEMM_BLOCK_N) of a request's kv head in G (fp8: its stored values,
 // unscaled), as the products take them (see GemmTiles): kt [D / per_word, GEMM_BLOCK_N, per_word], v [GEMM_BLOCK_N /
-// per_word, D, per_word], zero past n keys (up to the products' padded key count). K^T is zero past the head dim
+// per_word, Dv, per_word], zero past n keys (up to the products' padded key count). K^T is zero past the head dim
 // (g.k_rows stages the K rows for the transpose, zero there); V is not written there, as those columns of the
 // accumulators are never read.
 template <typename G, typename T, typename C>
@@ -567,7 +576,7 @@ void pack_tile(const Problem<T, C>& pb, int64_t request, int64_t head, int64_t j
   const C* k[GEMM_BLOCK_N];
   const C* v[GEMM_BLOCK_N];
   tile_rows(pb, request, head, j0, n, k, v);
-  const int64_t dim = pb.padded_dim;
+  const int64_t dim = pb.padded_dim, v_dim = pb.v_padded_dim;
   // K^T is the transpose of the staged rows (zero past the head dim); in VNNI pairs, of the rows read as 32-bit words.
   for (int64_t j = 0; j < n; ++j) copy_row(k[j], g.k_rows.data() + j * dim, pb.head_dim);
   constexpr int64_t per_word = vnni ? 2 : 1;
@@ -579,11 +588,11 @@ void pack_tile(const Problem<T, C>& pb, int64_t request, int64_t head, int64_t j
       const auto* __restrict lo = reinterpret_cast<const uint16_t*>(v[j]);
       const auto* __restrict hi = reinterpret_cast<const uint16_t*>(j + 1 < n ? v[j + 1] : v[j]);
       const uint32_t hi_mask = j + 1 < n ? 0xffff0000u : 0u;  // an odd tile's last pair: 0 as its second key
-      uint32_t* __restrict dst = vp + (j / 2) * dim;
-      for (int64_t d = 0; d < pb.head_dim; ++d) dst[d] = lo[d] | (static_cast<uint32_t>(hi[d]) << 16 & hi_mask);
+      uint32_t* __restrict dst = vp + (j / 2) * v_dim;
+      for (int64_t d = 0; d < pb.v_head_dim; ++d) dst[d] = lo[d] | (static_cast<uint32_t>(hi[d]) << 16 & hi_mask);
     }
   } else {
-    for (int64_t j = 0; j < n; ++j) copy_row(v[j], vt + j * dim, pb.head_dim);
+    for (int64_t j = 0; j < n; ++j) copy_row(v[j], vt + j * v_dim, pb.v_head_dim);
   }
   const int64_t n_padded = round_up(n, GEMM_N);  // the products read keys up to here
   if (n < n_padded) {                            // zero the keys past n (the last tile of a request or unit)
@@ -591,7 +600,7 @@ void pack_tile(const Problem<T, C>& pb, int64_t request, int64_t head, int64_t j
     for (int64_t i = 0; i < dim / per_word; ++i) {
       std::fill(kt_words + i * GEMM_BLOCK_N + n, kt_words + i * GEMM_BLOCK_N + n_padded, 0.f);
     }
-    std::fill(vt + round_up(n, per_word) * dim, vt + n_padded * dim, G(0.f));
+    std::fill(vt + round_up(n, per_word) * v_dim, vt + n_padded * v_dim, G(0.f));
   }
 }
 
@@ -626,7 +635,9 @@ void attend_tile_brgemm(const Problem<T, C>& pb, const Unit& u, int64_t j0, int6
     } else {
       p = scores;
     }
-    at::native::cpublas::brgemm(m, dim, cols, GEMM_BLOCK_N, dim, dim, true, p, vt, s.acc.data() + r0 * dim, vnni);
+    const int64_t v_dim = pb.v_padded_dim;
+    at::native::cpublas::brgemm(m, v_dim, cols, GEMM_BLOCK_N, v_dim, v_dim, true, p, vt, s.acc.data() + r0 * v_dim,
+                                vnni);
   }
 }
 
@@ -634,7 +645,7 @@ void attend_tile_brgemm(const Problem<T, C>& pb, const Unit& u, int64_t j0, int6
 // of several heads, see forward_typed), else copied (fp32 raw values, zero-padded) into the scratch tile.
 template <typename T, typename C>
 void attend_dot(const Problem<T, C>& pb, const Unit& u, int64_t rows, Scratch<T, C>& s) {
-  const int64_t dim = pb.padded_dim, row_bytes = pb.head_dim * static_cast<int64_t>(sizeof(C));
+  const int64_t dim = pb.padded_dim, v_dim = pb.v_padded_dim;
   const C* k_tiles[2][BLOCK_N];
   const C* v_tiles[2][BLOCK_N];
   const float* k_packed[BLOCK_N];
@@ -649,21 +660,19 @@ void attend_dot(const Problem<T, C>& pb, const Unit& u, int64_t rows, Scratch<T,
       const int64_t n_next = std::min(BLOCK_N, u.hi - next);
       tile_rows(pb, u.request, u.head, next, n_next, k_tiles[t ^ 1], v_tiles[t ^ 1]);
       if (u.num_heads == 1) {
-        prefetch_rows(k_tiles[t ^ 1], n_next, row_bytes);
-        prefetch_rows(v_tiles[t ^ 1], n_next, row_bytes);
+        prefetch_rows(k_tiles[t ^ 1], n_next, pb.head_dim * static_cast<int64_t>(sizeof(C)));
+        prefetch_rows(v_tiles[t ^ 1], n_next, pb.v_head_dim * static_cast<int64_t>(sizeof(C)));
       }
     }
-    if (pb.head_dim == dim) {
+    if (pb.head_dim == dim && pb.v_head_dim == v_dim) {
       attend_tile(pb, u, j0, n, k_rows, v_rows, rows, s);
       continue;
     }
     for (int64_t j = 0; j < n; ++j) {
       float* kd = s.packed_k.data() + j * dim;
-      float* vd = s.packed_v.data() + j * dim;
-      for (int64_t d = 0; d < pb.head_dim; ++d) {
-        kd[d] = raw_value(k_rows[j][d]);
-        vd[d] = raw_value(v_rows[j][d]);
-      }
+      float* vd = s.packed_v.data() + j * v_dim;
+      for (int64_t d = 0; d < pb.head_dim; ++d) kd[d] = raw_value(k_rows[j][d]);
+      for (int64_t d = 0; d < pb.v_head_dim; ++d) vd[d] = raw_value(v_rows[j][d]);
       k_packed[j] = kd;
       v_packed[j] = vd;
     }
@@ -703,27 +712,28 @@ void run_unit_typed(const Problem<T, C>& pb, const Unit& u, Scratch<T, C>& s, bo
     std::fill(g.q.begin() + rows * dim, g.q.begin() + m * dim, G(0.f));
     if (!g.p.empty()) std::fill(g.p.begin() + rows * GEMM_BLOCK_N, g.p.begin() + m * GEMM_BLOCK_N, G(0.f));
   }
-  std::fill(s.acc.begin(), s.acc.begin() + all_rows * dim, 0.f);
+  const int64_t v_dim = pb.v_padded_dim;
+  std::fill(s.acc.begin(), s.acc.begin() + all_rows * v_dim, 0.f);
   std::fill(s.m.begin(), s.m.begin() + all_rows, NEG_INF);
   std::fill(s.l.begin(), s.l.begin() + all_rows, 0.f);
-  // Row r sees the request's keys up to its query token's position, from the window's start.
+  // Row r sees the request's keys up to its query token's position, from its window's and chunk's start.
   const int64_t prefix = pb.md.lens[u.request] - (pb.md.cu[u.request + 1] - pb.md.cu[u.request]);
   for (int64_t r = 0; r < all_rows; ++r) {
     s.key_end[r] = prefix + u.t0 + r % rows / group + 1;
-    s.key_begin[r] = pb.window > 0 ? std::max<int64_t>(0, s.key_end[r] - pb.window) : 0;
+    s.key_begin[r] = first_key(s.key_end[r] - 1, pb.window, pb.chunk);
   }
 
   if (brgemm) {
     // Tiles packed before the units (a request of several query blocks: packed once, not once per block), aligned at
     // u.packed_from, the first reaching u.lo; else packed here, from u.lo.
     GemmTiles<G>& g = s.template tiles<G>();
-    const int64_t tile_elems = GEMM_BLOCK_N * dim, len = pb.md.lens[u.request];
+    const int64_t len = pb.md.lens[u.request];
     const int64_t start = u.packed < 0 ? u.lo : u.packed_from + (u.lo - u.packed_from) / GEMM_BLOCK_N * GEMM_BLOCK_N;
     for (int64_t j0 = start; j0 < u.hi; j0 += GEMM_BLOCK_N) {
       if (u.packed >= 0) {
         const int64_t tile = u.packed + (j0 - u.packed_from) / GEMM_BLOCK_N;
-        const G* kt = static_cast<const G*>(pb.packed) + tile * 2 * tile_elems;
-        attend_tile_brgemm<G>(pb, u, j0, std::min(GEMM_BLOCK_N, len - j0), kt, kt + tile_elems, rows, s);
+        const G* kt = static_cast<const G*>(pb.packed) + tile * pb.tile_elems();
+        attend_tile_brgemm<G>(pb, u, j0, std::min(GEMM_BLOCK_N, len - j0), kt, kt + GEMM_BLOCK_N * dim, rows, s);
         continue;
       }
       const int64_t n = std::min(GEMM_BLOCK_N, u.hi - j0);
@@ -736,17 +746,20 @@ void run_unit_typed(const Problem<T, C>& pb, const Unit& u, Scratch<T, C>& s, bo
   if (!std::is_same_v<G, float>) at::native::cpublas::brgemm_release();  // AMX's tile state, freed per unit
 
   // The kv head's v_scale, and for raw fp8 rows the rest of raw_unit (see attend_tile); split partials hold the
-  // output's own values, so the merge takes them as they are.
+  // output's own values, so the merge takes them as they are, and their sinks join there.
   const float raw = brgemm ? 1.f : raw_unit<C>() / lifted<C>();
   for (int64_t r = 0; r < all_rows; ++r) {
-    const float* acc = s.acc.data() + r * dim;
-    const float inv = (s.l[r] > 0 ? 1.f / s.l[r] : 0.f) * (pb.v_scale[kv_head(r)] * raw);
+    const float* acc = s.acc.data() + r * v_dim;
     if (u.partial < 0) {
-      T* dst = pb.out + (q_token(r) * pb.num_kv_heads * group + q_head(r)) * pb.head_dim;
-      for (int64_t d = 0; d < pb.head_dim; ++d) dst[d] = static_cast<T>(acc[d] * inv);
+      // A sink adds exp(sink - m) to the sum of probabilities (a row that sees no key: output 0, sink or not).
+      const float sink = pb.sinks ? std::exp(pb.sinks[q_head(r)] - s.m[r]) : 0.f;
+      const float inv = (s.l[r] > 0 ? 1.f / (s.l[r] + sink) : 0.f) * (pb.v_scale[kv_head(r)] * raw);
+      T* dst = pb.out + (q_token(r) * pb.num_kv_heads * group + q_head(r)) * pb.v_head_dim;
+      for (int64_t d = 0; d < pb.v_head_dim; ++d) dst[d] = static_cast<T>(acc[d] * inv);
     } else {
-      float* dst = pb.partial_out + (u.partial + r) * pb.head_dim;
-      for (int64_t d = 0; d < pb.head_dim; ++d) dst[d] = acc[d] * inv;
+      const float inv = (s.l[r] > 0 ? 1.f / s.l[r] : 0.f) * (pb.v_scale[kv_head(r)] * raw);
+      float* dst = pb.partial_out + (u.partial + r) * pb.v_head_dim;
+      for (int64_t d = 0; d < pb.v_head_dim; ++d) dst[d] = acc[d] * inv;
       pb.partial_lse[u.partial + r] = s.l[r] > 0 ? s.m[r] + std::log(s.l[r]) : NEG_INF;
     }
   }
@@ -766,9 +779,8 @@ void run_unit(const Problem<T, C>& pb, const Unit& u, Scratch<T, C>& s) {
 // A PackJob, in the type G the products take.
 template <typename G, typename T, typename C>
 void run_pack_typed(const Problem<T, C>& pb, const PackJob& job, int64_t index, Scratch<T, C>& s) {
-  const int64_t tile_elems = GEMM_BLOCK_N * pb.padded_dim;
-  G* kt = static_cast<G*>(pb.packed) + index * 2 * tile_elems;
-  pack_tile(pb, job.request, job.head, job.j0, job.n, s.template tiles<G>(), kt, kt + tile_elems);
+  G* kt = static_cast<G*>(pb.packed) + index * pb.tile_elems();
+  pack_tile(pb, job.request, job.head, job.j0, job.n, s.template tiles<G>(), kt, kt + GEMM_BLOCK_N * pb.padded_dim);
 }
 
 template <typename T, typename C>
@@ -779,12 +791,14 @@ void run_pack(const Problem<T, C>& pb, const PackJob& job, int64_t index, Scratc
   run_pack_typed<float>(pb, job, index, s);
 }
 
-// Combines a request's key slices: out = sum_s exp(lse_s - max) out_s / sum_s exp(lse_s - max).
+// Combines a request's key slices: out = sum_s exp(lse_s - max) out_s / sum_s exp(lse_s - max), a sink (a slice of
+// lse `sink` and output 0) joining the sums.
 template <typename T, typename C>
 void run_merge(const Problem<T, C>& pb, const Merge& mg) {
-  const int64_t rows = mg.num_tokens * pb.group, q_start = pb.md.cu[mg.request];
-  std::vector<float> acc(pb.head_dim);
+  const int64_t rows = mg.num_tokens * pb.group, q_start = pb.md.cu[mg.request], dim = pb.v_head_dim;
+  std::vector<float> acc(dim);
   for (int64_t r = 0; r < rows; ++r) {
+    const int64_t q_head = mg.head * pb.group + r % pb.group;
     float mx = NEG_INF;
     for (int64_t sp = 0; sp < mg.num_splits; ++sp) {
       mx = std::max(mx, pb.partial_lse[mg.partial + sp * mg.split_stride + r]);
@@ -796,12 +810,12 @@ void run_merge(const Problem<T, C>& pb, const Merge& mg) {
       if (pb.partial_lse[row] == NEG_INF) continue;
       const float w = std::exp(pb.partial_lse[row] - mx);
       total += w;
-      for (int64_t d = 0; d < pb.head_dim; ++d) acc[d] += w * pb.partial_out[row * pb.head_dim + d];
+      for (int64_t d = 0; d < dim; ++d) acc[d] += w * pb.partial_out[row * dim + d];
     }
+    if (pb.sinks && total > 0) total += std::exp(pb.sinks[q_head] - mx);  // as in run_unit_typed
     const float inv = total > 0 ? 1.f / total : 0.f;
-    T* dst = pb.out +
-             ((q_start + r / pb.group) * pb.num_kv_heads * pb.group + mg.head * pb.group + r % pb.group) * pb.head_dim;
-    for (int64_t d = 0; d < pb.head_dim; ++d) dst[d] = static_cast<T>(acc[d] * inv);
+    T* dst = pb.out + ((q_start + r / pb.group) * pb.num_kv_heads * pb.group + q_head) * dim;
+    for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[d] * inv);
   }
 }
 
@@ -888,10 +902,11 @@ std::vector<float> per_head(const std::optional<at::Tensor>& kv_scale, int64_t n
 template <typename T, typename C>
 at::Tensor forward_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                          at::Tensor& v_cache, const Metadata& md, double scale, int64_t window, double logit_cap,
+                         const std::optional<at::Tensor>& sinks, int64_t chunk,
                          const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
-  const int64_t num_tokens = q.size(0), num_q_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_tokens = q.size(0), num_q_heads = q.size(1), head_dim = q.size(2), v_head_dim = v.size(2);
   const int64_t page_size = k_cache.size(1), num_kv_heads = k_cache.size(2), group = num_q_heads / num_kv_heads;
-  auto out = at::empty({num_tokens, num_q_heads, head_dim}, q.options());
+  auto out = at::empty({num_tokens, num_q_heads, v_head_dim}, q.options());
   if (num_tokens == 0) return out;
 
   // Units, merges and packed tiles, from the metadata alone (the same for a request in any batch).
@@ -904,10 +919,11 @@ at::Tensor forward_typed(const at::Tensor& q, const at::Tensor& k, const at::Ten
   for (int64_t i = 0; i < md.num_requests; ++i) {
     const int64_t q_len = md.cu[i + 1] - md.cu[i], len = md.lens[i], prefix = len - q_len;
     std::fill(request_of.begin() + md.cu[i], request_of.begin() + md.cu[i + 1], i);
-    const auto first_key = [&](int64_t t0) { return window > 0 ? std::max<int64_t>(0, prefix + t0 + 1 - window) : 0; };
+    // A block of queries from token t0 sees keys from its first token's first on.
+    const auto block_first_key = [&](int64_t t0) { return first_key(prefix + t0, window, chunk); };
     // Several query blocks (the first through brgemm) share their keys: each kv head's tiles are packed once, from
     // the tile of the first block's first key.
-    const int64_t packed_from = first_key(0) / GEMM_BLOCK_N * GEMM_BLOCK_N;
+    const int64_t packed_from = block_first_key(0) / GEMM_BLOCK_N * GEMM_BLOCK_N;
     const int64_t num_tiles = (len - packed_from + GEMM_BLOCK_N - 1) / GEMM_BLOCK_N;
     const int64_t packed = q_len > block_tokens ? static_cast<int64_t>(pack_jobs.size()) : -1;
     for (int64_t h = 0; packed >= 0 && h < num_kv_heads; ++h) {
@@ -917,10 +933,11 @@ at::Tensor forward_typed(const at::Tensor& q, const at::Tensor& k, const at::Ten
       }
     }
     for (int64_t t0 = 0; t0 < q_len; t0 += block_tokens) {
-      const int64_t nt = std::min(block_tokens, q_len - t0), lo = first_key(t0), hi = prefix + t0 + nt;
+      const int64_t nt = std::min(block_tokens, q_len - t0), lo = block_first_key(t0), hi = prefix + t0 + nt;
       // Few rows per kv head, whole-vector rows: a unit takes every kv head, so that it reads each position's
       // Hkv * D elements together (one stream per page); else a unit per kv head.
-      const int64_t rows = nt * group, heads = rows < GEMM_ROWS && head_dim % VEC == 0 ? num_kv_heads : 1;
+      const int64_t rows = nt * group;
+      const int64_t heads = rows < GEMM_ROWS && head_dim % VEC == 0 && v_head_dim % VEC == 0 ? num_kv_heads : 1;
       const int64_t split = heads > 1 ? KV_SPLIT_ALL_HEADS : KV_SPLIT;
       const int64_t splits = q_len <= block_tokens ? (hi - lo + split - 1) / split : 1;
       max_rows = std::max(max_rows, heads * rows);
@@ -947,10 +964,15 @@ at::Tensor forward_typed(const at::Tensor& q, const at::Tensor& k, const at::Ten
   store_kv<T, C>(k, k_cache, md, request_of, page_size, k_scales.data());
   store_kv<T, C>(v, v_cache, md, request_of, page_size, v_scales.data());
 
-  const int64_t padded_dim = (head_dim + VEC - 1) / VEC * VEC;
-  auto partial_out = at::empty({partial_rows, head_dim}, q.options().dtype(at::kFloat));
+  std::vector<float> sink_logits;
+  if (sinks) {
+    const auto values = sinks->contiguous();
+    sink_logits.assign(values.data_ptr<float>(), values.data_ptr<float>() + num_q_heads);
+  }
+  const int64_t padded_dim = round_up(head_dim, VEC), v_padded_dim = round_up(v_head_dim, VEC);
+  auto partial_out = at::empty({partial_rows, v_head_dim}, q.options().dtype(at::kFloat));
   auto partial_lse = at::empty({partial_rows}, q.options().dtype(at::kFloat));
-  auto packed = at::empty({static_cast<int64_t>(pack_jobs.size()) * 2 * GEMM_BLOCK_N * padded_dim},
+  auto packed = at::empty({static_cast<int64_t>(pack_jobs.size()) * GEMM_BLOCK_N * (padded_dim + v_padded_dim)},
                           q.options().dtype(amx_available<T, C>() ? q.scalar_type() : at::kFloat));
   Problem<T, C> pb{q.data_ptr<T>(),
                    k_cache.data_ptr<C>(),
@@ -960,6 +982,7 @@ at::Tensor forward_typed(const at::Tensor& q, const at::Tensor& k, const at::Ten
                    partial_lse.data_ptr<float>(),
                    k_scales.data(),
                    v_scales.data(),
+                   sinks ? sink_logits.data() : nullptr,
                    packed.data_ptr(),
                    md,
                    {q.stride(0), q.stride(1), q.stride(2)},
@@ -968,14 +991,16 @@ at::Tensor forward_typed(const at::Tensor& q, const at::Tensor& k, const at::Ten
                    group,
                    head_dim,
                    padded_dim,
+                   v_head_dim,
+                   v_padded_dim,
                    static_cast<float>(scale),
                    static_cast<float>(logit_cap),
                    window,
-                   num_kv_heads * head_dim};
+                   chunk};
   std::vector<std::unique_ptr<Scratch<T, C>>> scratch(at::get_num_threads());
   const auto thread_scratch = [&]() -> Scratch<T, C>& {
     auto& s = scratch[at::get_thread_num()];
-    if (!s) s = std::make_unique<Scratch<T, C>>(max_rows, max_gemm_rows, padded_dim);
+    if (!s) s = std::make_unique<Scratch<T, C>>(max_rows, max_gemm_rows, padded_dim, v_padded_dim);
     return *s;
   };
   parallel_dynamic(static_cast<int64_t>(pack_jobs.size()),
@@ -997,7 +1022,8 @@ namespace hybrid_ops {
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                            at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
-                           const at::Tensor& block_table, double scale, int64_t window, double logit_cap, bool decode,
+                           const at::Tensor& block_table, double scale, int64_t window, double logit_cap,
+                           const std::optional<at::Tensor>& sinks, int64_t attention_chunk, bool decode,
                            const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   const auto cu = cu_seqlens_q.contiguous(), lens = seq_lens.contiguous(), table = block_table.contiguous();
   const Metadata md = metadata_of(cu, lens, table);
@@ -1007,7 +1033,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     using T = typename decltype(q_type)::type;
     const auto run = [&](auto cache_type) {
       return forward_typed<T, typename decltype(cache_type)::type>(q, k, v, k_cache, v_cache, md, scale, window,
-                                                                   logit_cap, k_scale, v_scale);
+                                                                   logit_cap, sinks, attention_chunk, k_scale, v_scale);
     };
     switch (k_cache.scalar_type()) {
       case at::kFloat8_e4m3fn:
