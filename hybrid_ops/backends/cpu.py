@@ -124,7 +124,7 @@ def build():
 class CpuBackend(Backend):
     name = "cpu"
     requirement = "a C++ compiler and ninja to build its kernels (pip install ninja)"
-    checks_values = True
+    checks_values = True  # the kernel checks the metadata's values before it writes anything (see `prefill`)
     options = ALL_OPTIONS
 
     def __init__(self):

@@ -201,8 +201,7 @@ def attend(q, k, v, bias, is_causal, scale, logit_cap, sinks=None, k_scale=None,
 
 
 class TorchBackend(Backend):
-    name = "torch"
-    requirement = "torch"
+    name = "torch"  # always available: nothing to require
     checks_values = True
     options = ALL_OPTIONS
 

@@ -750,14 +750,15 @@ void run_unit_typed(const Problem<T, C>& pb, const Unit& u, Scratch<T, C>& s, bo
   const float raw = brgemm ? 1.f : raw_unit<C>() / lifted<C>();
   for (int64_t r = 0; r < all_rows; ++r) {
     const float* acc = s.acc.data() + r * v_dim;
+    const float v_factor = pb.v_scale[kv_head(r)] * raw;
     if (u.partial < 0) {
       // A sink adds exp(sink - m) to the sum of probabilities (a row that sees no key: output 0, sink or not).
       const float sink = pb.sinks ? std::exp(pb.sinks[q_head(r)] - s.m[r]) : 0.f;
-      const float inv = (s.l[r] > 0 ? 1.f / (s.l[r] + sink) : 0.f) * (pb.v_scale[kv_head(r)] * raw);
+      const float inv = (s.l[r] > 0 ? 1.f / (s.l[r] + sink) : 0.f) * v_factor;
       T* dst = pb.out + (q_token(r) * pb.num_kv_heads * group + q_head(r)) * pb.v_head_dim;
       for (int64_t d = 0; d < pb.v_head_dim; ++d) dst[d] = static_cast<T>(acc[d] * inv);
     } else {
-      const float inv = (s.l[r] > 0 ? 1.f / s.l[r] : 0.f) * (pb.v_scale[kv_head(r)] * raw);
+      const float inv = (s.l[r] > 0 ? 1.f / s.l[r] : 0.f) * v_factor;
       float* dst = pb.partial_out + (u.partial + r) * pb.v_head_dim;
       for (int64_t d = 0; d < pb.v_head_dim; ++d) dst[d] = acc[d] * inv;
       pb.partial_lse[u.partial + r] = s.l[r] > 0 ? s.m[r] + std::log(s.l[r]) : NEG_INF;
