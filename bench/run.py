@@ -337,7 +337,7 @@ def dispatch_section():
         for name, args, mode in (("decode (T = 1)", decode, 2), ("IDLE (T = 0)", idle, 4)):
             us = per_call(
                 dict(
-                    kernel=lambda: kernel(*args, 0.3, -1, 0.0, True),
+                    kernel=lambda: kernel(*args, 0.3, -1, 0.0, None, -1, True),
                     bare=lambda: bare(*args, mode, decode_backend="cpu"),
                     op=lambda: torch.ops.hybrid.attn(*args, mode, decode_backend="cpu"),
                 )
