@@ -21,6 +21,8 @@ import numbers
 import os
 import threading
 import time
+import types
+import weakref
 from collections import Counter, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -89,6 +91,12 @@ class GenerationStats:
     @property
     def tokens_per_second(self) -> float:
         return self.generated_tokens / self.seconds if self.seconds else 0.0
+
+
+# Dynamo keeps compiled graphs, and counts them against its recompile limit, per code object. Generators of one model
+# and the same shapes share a copy of `_forward` (a later one compiles nothing); others get their own, so that the
+# generators of several models or sizes in one process never add up to that limit, past which fullgraph fails.
+_FORWARD_CODES = weakref.WeakKeyDictionary()  # model -> {shapes: code object}
 
 
 class HybridGenerator:
@@ -210,7 +218,7 @@ class HybridGenerator:
         self.batch_sizes = batch_buckets(max_batch_size + max_padding_requests)
         mode = "reduce-overhead" if graphs_on_cuda else None
         self.forward = (
-            torch.compile(self._forward, fullgraph=True, dynamic=True, mode=mode) if compile else self._forward
+            torch.compile(self._own_forward(), fullgraph=True, dynamic=True, mode=mode) if compile else self._forward
         )
         self._warm = not compile
         self.compile_cache = compile_cache
@@ -225,6 +233,18 @@ class HybridGenerator:
         self._running = []  # sorted by id, oldest first: the last is the one to preempt
         self._undelivered = []  # step events of step-API requests, produced while `stream` ran the steps
         self._lock = threading.Lock()
+
+    def _own_forward(self):
+        """`_forward` on the code object that this generator's model and shapes share (see _FORWARD_CODES)."""
+        shapes = (
+            tuple((t.shape, t.dtype) for t in self.cache.k_caches + self.cache.v_caches),
+            self.cache.max_pages_per_request,
+            self._backends,
+            self.cuda_graphs,
+        )
+        fn = HybridGenerator._forward
+        code = _FORWARD_CODES.setdefault(self.model, {}).setdefault(shapes, fn.__code__.replace())
+        return types.MethodType(types.FunctionType(code, fn.__globals__, fn.__name__), self)
 
     def _forward(self, input_ids, position_ids, logits_index, forward_mode: int, cu_seqlens_q, seq_lens, block_table):
         """input_ids, position_ids: [1, T]; logits_index: [n] token rows to project -> logits [n, vocab]."""

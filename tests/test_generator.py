@@ -550,6 +550,26 @@ def test_compiled_generator_warms_up_once_and_never_recompiles(model, tmp_path):
     assert len(info.inductor_artifacts) > 0
 
 
+@pytest.mark.slow
+def test_generators_of_other_sizes_never_reach_the_recompile_limit(model):
+    """Dynamo counts graphs against its recompile limit per code object, and fullgraph fails past it. Generators of
+    other sizes in one process each compile their own graphs, within a limit of one generator's graphs here (before,
+    they shared the limit: the second one failed); one of an earlier generator's sizes compiles none."""
+    from torch._dynamo.utils import counters
+
+    prompts = random_prompts(2)
+    want = [solo(model, p, 4) for p in prompts]
+    graphs = counters["stats"]["unique_graphs"]
+    assert HybridGenerator(model, **{**SIZES, "max_seq_len": 44}).generate(prompts, 4) == want
+    per_generator = counters["stats"]["unique_graphs"] - graphs
+    assert per_generator > 0
+    with torch._dynamo.config.patch(recompile_limit=per_generator):
+        for sizes in (dict(max_seq_len=52), dict(max_seq_len=44, num_pages=30), dict(max_seq_len=44)):
+            graphs = counters["stats"]["unique_graphs"]
+            assert HybridGenerator(model, **{**SIZES, **sizes}).generate(prompts, 4) == want
+    assert counters["stats"]["unique_graphs"] == graphs  # the last one: the first one's sizes and graphs
+
+
 def test_warm_up_fits_any_budget(model):
     """The warm-up's steps (run eagerly here) skip shapes that the sizes rule out, and leave every page free."""
     for sizes in (
