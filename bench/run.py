@@ -651,6 +651,13 @@ def main(argv=None):
     args.sections = args.sections or SECTIONS
     if set(args.sections) - set(SECTIONS):
         parser.error(f"sections must be among {SECTIONS}, got {args.sections}")
+    # Only a full run replaces the kept results; a partial or quick one just prints.
+    save = set(args.sections) == set(SECTIONS) and not args.quick
+    if save:  # its last step draws the plot: checked now, not after half an hour of measurements
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("a full run draws bench/results/cpu.png with matplotlib: pip install -e '.[bench]'")
     torch.manual_seed(0)
     bandwidth = read_bandwidth()
     device = "cpu"
@@ -671,8 +678,6 @@ def main(argv=None):
         results["prefix"] = prefix_section(args.quick)
     if "fp8" in args.sections:
         results["fp8"] = fp8_section(args.quick)
-    # Only a full run replaces the kept results; a partial or quick one just prints.
-    save = set(args.sections) == set(SECTIONS) and not args.quick
     if "plot" in args.sections:
         results["sweep"] = context_sweep(args.quick)
     table = markdown(results)

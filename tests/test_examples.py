@@ -64,6 +64,18 @@ def test_bench_runs(tmp_path):
     assert "| compiled decode (T = 1), cpu backend |" in out
 
 
+def test_bench_full_run_needs_matplotlib_first(monkeypatch, capsys):
+    """A full run saves its tables after drawing the plot: without matplotlib it stops before measuring anything."""
+    from bench.run import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    monkeypatch.setattr("bench.run.read_bandwidth", lambda: pytest.fail("measured before the check"))
+    with pytest.raises(SystemExit):
+        main([])
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert error.endswith("error: a full run draws bench/results/cpu.png with matplotlib: pip install -e '.[bench]'")
+
+
 def test_readme_example():
     """The README's first Python block runs as written and attends causally (float64 reference)."""
     readme = (EXAMPLES.parent / "README.md").read_text()
