@@ -200,8 +200,9 @@ def specialise(launch, capability):
         launch.kwargs,
         debug=launch.kernel.debug or knobs.runtime.debug,
         instrumentation_mode=knobs.compilation.instrumentation_mode,
-        fpsan_homomorphic_casts=knobs.compilation.fpsan_homomorphic_casts,
     )
+    if hasattr(knobs.compilation, "fpsan_homomorphic_casts"):  # triton 3.6 has no such knob
+        kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
     binder = create_function_from_signature(launch.kernel.signature, launch.kernel.params, backend)
     bound_args, specialization, options = binder(*launch.args, **kwargs)
     options, signature, constexprs, attrs = launch.kernel._pack_args(
@@ -287,12 +288,13 @@ def compile_all(case_list, workers=2):
     return ordered
 
 
-def table(rows):
+def table(rows, path):
     lines = [
         "# Triton kernels compiled for the GPU (no GPU needed)",
         "",
-        "Written by `python scripts/triton_resources.py --write bench/results/triton_resources.md` "
-        f"(triton {triton.__version__}, its own ptxas); checked by `tests/test_triton_compile.py`.",
+        f"Written by `python scripts/triton_resources.py --write {path}` "
+        f"(triton {triton.__version__}, its own ptxas; torch {torch.__version__}); checked by "
+        "`tests/test_triton_compile.py`.",
         "Every launch the backend makes for the cases listed, specialised as Triton does on a GPU, compiled for "
         f"sm_80 ({SM_COUNT[80]} SMs, shared limit {SHARED_LIMIT[80]:,} B) and sm_90 ({SM_COUNT[90]} SMs, "
         f"{SHARED_LIMIT[90]:,} B). Spills: bytes of spill stores / loads.",
@@ -316,7 +318,7 @@ def main():
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
     rows = compile_all(cases(), args.workers)
-    text = table(rows)
+    text = table(rows, args.write or Path("bench/results/triton_resources.md"))
     print(text)
     if args.write:
         args.write.write_text(text)
