@@ -177,8 +177,15 @@ def _tiny_sizes(config, tokens):
         if isinstance(sub, PreTrainedConfig):
             # What the composite config would build it from (not its fields: those derived from its sizes, such as
             # layer_types, must follow the tiny ones).
+            # transformers before sub_configs_defaults: its non-default fields, less a layer_types sized for the
+            # default's layers (Gemma 3's 26), which the tiny one derives again.
             spec = specs.get(name)
-            base = {"model_type": spec.model_type, **spec.init_kwargs} if spec else sub.to_dict()
+            if spec:
+                base = {"model_type": spec.model_type, **spec.init_kwargs}
+            else:
+                base = sub.to_diff_dict()
+                if len(base.get("layer_types") or ()) not in (0, TINY["num_hidden_layers"]):
+                    del base["layer_types"]
             sizes[name] = {**base, **_tiny_sizes(sub, tokens)}
     return sizes
 
