@@ -175,10 +175,9 @@ def _tiny_sizes(config, tokens):
     for name in getattr(config, "sub_configs", {}):
         sub = getattr(config, name, None)
         if isinstance(sub, PreTrainedConfig):
-            # What the composite config would build it from (not its fields: those derived from its sizes, such as
-            # layer_types, must follow the tiny ones).
-            # transformers before sub_configs_defaults: its non-default fields, less a layer_types sized for the
-            # default's layers (Gemma 3's 26), which the tiny one derives again.
+            # What the composite config would build it from, not its fields: those derived from its sizes, such as
+            # layer_types, must follow the tiny ones. Before sub_configs_defaults (transformers 5.17): its non-default
+            # fields, less a layer_types sized for the default's layers (Gemma 3's 26).
             spec = specs.get(name)
             if spec:
                 base = {"model_type": spec.model_type, **spec.init_kwargs}
