@@ -24,6 +24,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 import hybrid_ops
 from hybrid_ops import PagedKVCache
 from hybrid_ops.fp8 import quantize
+from hybrid_ops.options import Options
 
 RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parent.parent))  # the e2e and prefix sections import examples/generate.py
@@ -269,7 +270,7 @@ class _Null(hybrid_ops.Backend):
 
     name, checks_values = "null", True
 
-    def supports(self, device, dtype, head_dim):
+    def supports(self, spec):
         return True
 
     def prefill(self, q, *args):
@@ -316,7 +317,8 @@ def dispatch_section():
     decode = (q, q, q, cache, cache.clone(), one, one[1:], one[:1].view(1, 1))
     none = q[:0]
     idle = (none, none, none, cache, cache.clone(), one[:1], one[:0], one[:0].view(0, 1))
-    kernel = hybrid_ops.get_backend("cpu", q.device, q.dtype, q.shape[-1])._module.forward
+    kernel = hybrid_ops.get_backend("cpu")._module.forward
+    options = Options(scale=0.3).keywords()
     n = 20000
 
     def per_call(fns):
@@ -337,7 +339,7 @@ def dispatch_section():
         for name, args, mode in (("decode (T = 1)", decode, 2), ("IDLE (T = 0)", idle, 4)):
             us = per_call(
                 dict(
-                    kernel=lambda: kernel(*args, 0.3, -1, 0.0, None, -1, True),
+                    kernel=lambda: kernel(*args, **options, decode=True),
                     bare=lambda: bare(*args, mode, decode_backend="cpu"),
                     op=lambda: torch.ops.hybrid.attn(*args, mode, decode_backend="cpu"),
                 )

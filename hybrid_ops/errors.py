@@ -1,5 +1,7 @@
 """The error types of hybrid_ops; `except HybridOpsError` catches all of them."""
 
+import torch
+
 
 class HybridOpsError(Exception):
     pass
@@ -11,3 +13,9 @@ class HybridInputError(HybridOpsError, ValueError):
 
 class OutOfPagesError(HybridOpsError, RuntimeError):
     """A `PagedKVCache` has no free page left for a request."""
+
+
+def check_input(cond, message) -> None:
+    """Raises `HybridInputError(message())` unless `cond`. Works for plain bools and for the SymBools of the fake
+    implementations, where it is a runtime assert, not a guard."""
+    torch._check_with(HybridInputError, cond, message)

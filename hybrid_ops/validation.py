@@ -6,28 +6,20 @@ host sync: it runs only with validation switched on (`settings.set_validation`).
 Every check runs before the KV cache is written, so a rejected call leaves the cache untouched.
 """
 
-import math
-
 import torch
 
-from .errors import HybridInputError
+from .errors import HybridInputError, check_input
 from .fp8 import FP8_DTYPES
+from .options import check_options
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check(cond, message) -> None:
-    # Works for plain bools and for SymBools in the fake implementations (a runtime assert, not a guard).
-    torch._check_with(HybridInputError, cond, message)
-
-
-# The ops' arguments in their schemas' order: two lines here and in check_args (fmt: skip), not the same fifteen.
-def args_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
-            sinks=None, attention_chunk=-1, k_scale=None, v_scale=None):  # fmt: skip
-    """True when `check_args` would pass, in about a microsecond: the per-call path of the real ops.
+def tensors_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table):
+    """True when `check_tensors` would pass, in about a microsecond: the per-call path of the real ops.
 
     It compares sizes with `==`, which on symbolic sizes would add guards, so the fake implementations call
-    `check_args` instead.
+    `check_tensors` instead.
     """
     q_shape, k_shape, cache_shape, dtype, device = q.shape, k.shape, k_cache.shape, q.dtype, q.device
     v_shape, v_cache_shape = v.shape, v_cache.shape
@@ -49,13 +41,6 @@ def args_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scal
         and v.dtype == dtype
         and (k_cache.dtype == dtype or k_cache.dtype in FP8_DTYPES)
         and v_cache.dtype == k_cache.dtype
-        and (
-            k_scale is None
-            and v_scale is None
-            or k_cache.dtype in FP8_DTYPES
-            and _kv_scale_ok(k_scale, k_shape[1], device)
-            and _kv_scale_ok(v_scale, k_shape[1], device)
-        )
         and cu_seqlens_q.dtype == torch.int32
         and seq_lens.dtype == torch.int32
         and block_table.dtype == torch.int32
@@ -72,32 +57,21 @@ def args_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scal
         and block_table.device == device
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
-        and (scale is None or 0 < scale < math.inf)
-        and (sliding_window == -1 or sliding_window > 0)
-        and 0 <= logit_cap < math.inf
-        and (attention_chunk == -1 or attention_chunk > 0)
-        and (sinks is None or (sinks.shape == q_shape[1:2] and sinks.dtype == torch.float32 and sinks.device == device))
     )
 
 
-def _kv_scale_ok(kv_scale, num_kv_heads, device):
-    return (
-        kv_scale is not None
-        and kv_scale.dtype == torch.float32
-        and kv_scale.device == device
-        and kv_scale.shape in ((), (1,), (num_kv_heads,))
-    )
+def check_args(tensors, options) -> None:
+    """`check_tensors` of the op's tensors (q through block_table), then `options.check_options`."""
+    check_tensors(*tensors)
+    check_options(options, tensors[0], tensors[3])
 
 
-def check_args(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
-               sinks=None, attention_chunk=-1, k_scale=None, v_scale=None):  # fmt: skip
+def check_tensors(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table):
     """Shape, dtype and device checks that need no data; raises `HybridInputError` naming the argument. Shapes:
 
     q: [T, Hq, D]; k: [T, Hkv, D]; v: [T, Hkv, Dv]; k_cache: [num_pages, page_size, Hkv, D], v_cache:
     [num_pages, page_size, Hkv, Dv], contiguous, q's dtype or both one of FP8_DTYPES; cu_seqlens_q: [B + 1] int32;
-    seq_lens: [B] int32; block_table: [B, max_pages] int32; sinks: [Hq] float32 or None; k_scale, v_scale: float32
-    [] or [1] (one scale) or [Hkv] (one per kv head), both or neither, with fp8 caches only (neither: 1.0). Dv may
-    differ from D (MLA-style models).
+    seq_lens: [B] int32; block_table: [B, max_pages] int32. Dv may differ from D (MLA-style models).
     """
     for name, t, rank in (
         ("q", q, 3),
@@ -131,82 +105,46 @@ def check_args(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, s
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, num_kv_heads, cache_head_dim = k_cache.shape
     v_head_dim = v_cache.shape[3]
-    _check(
+    check_input(
         v_cache.shape[:3] == k_cache.shape[:3],
         lambda: (
             f"v_cache must be [num_pages, page_size, Hkv, Dv] with k_cache's first three sizes "
             f"{tuple(k_cache.shape[:3])}, got {tuple(v_cache.shape)}"
         ),
     )
-    _check(v_head_dim > 0, lambda: f"v_cache's head dim Dv must be positive, got shape {tuple(v_cache.shape)}")
+    check_input(v_head_dim > 0, lambda: f"v_cache's head dim Dv must be positive, got shape {tuple(v_cache.shape)}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not t.is_contiguous():
             raise HybridInputError(
                 f"{name} must be a contiguous [num_pages, page_size, Hkv, D] tensor, got strides {t.stride()}"
             )
-    _check(cache_head_dim == head_dim, lambda: f"k_cache head dim {cache_head_dim} must equal q's head dim {head_dim}")
+    check_input(
+        cache_head_dim == head_dim, lambda: f"k_cache head dim {cache_head_dim} must equal q's head dim {head_dim}"
+    )
     for name, t, dim in (("k", k, head_dim), ("v", v, v_head_dim)):
-        _check(t.shape[0] == num_tokens, lambda: f"{name} must have q's {num_tokens} tokens, got {t.shape[0]}")
-        _check(
+        check_input(t.shape[0] == num_tokens, lambda: f"{name} must have q's {num_tokens} tokens, got {t.shape[0]}")
+        check_input(
             t.shape[1] == num_kv_heads,
             lambda: f"{name} must have k_cache's {num_kv_heads} kv heads, got shape {tuple(t.shape)}",
         )
-        _check(t.shape[2] == dim, lambda: f"{name} head dim must equal its cache's {dim}, got {t.shape[2]}")
-    _check(
+        check_input(t.shape[2] == dim, lambda: f"{name} head dim must equal its cache's {dim}, got {t.shape[2]}")
+    check_input(
         num_kv_heads > 0 and num_q_heads % num_kv_heads == 0,
         lambda: f"q's {num_q_heads} heads must be a multiple of the caches' {num_kv_heads} kv heads (Hq % Hkv == 0)",
     )
 
     num_requests = seq_lens.shape[0]
-    _check(
+    check_input(
         cu_seqlens_q.shape[0] == num_requests + 1,
         lambda: (
             f"cu_seqlens_q must have B + 1 = {num_requests + 1} entries (B = len(seq_lens)), "
             f"got {cu_seqlens_q.shape[0]}"
         ),
     )
-    _check(
+    check_input(
         block_table.shape[0] == num_requests,
         lambda: f"block_table must have B = {num_requests} rows (B = len(seq_lens)), got {block_table.shape[0]}",
     )
-
-    if scale is not None and not (math.isfinite(scale) and scale > 0):
-        raise HybridInputError(f"scale must be a finite positive float or None, got {scale}")
-    if not (sliding_window == -1 or sliding_window > 0):
-        raise HybridInputError(f"sliding_window must be -1 (no window) or a positive int, got {sliding_window}")
-    if not (math.isfinite(logit_cap) and logit_cap >= 0):
-        raise HybridInputError(f"logit_cap must be 0.0 (no soft-cap) or a finite positive float, got {logit_cap}")
-    if not (attention_chunk == -1 or attention_chunk > 0):
-        raise HybridInputError(f"attention_chunk must be -1 (no chunking) or a positive int, got {attention_chunk}")
-    if sinks is not None:
-        if sinks.dtype != torch.float32 or sinks.dim() != 1 or sinks.device != q.device:
-            raise HybridInputError(
-                f"sinks must be a [Hq] float32 tensor on q's device {q.device}, got "
-                f"{sinks.dtype} of shape {tuple(sinks.shape)} on {sinks.device}"
-            )
-        _check(sinks.shape[0] == num_q_heads, lambda: f"sinks must have q's {num_q_heads} heads, got {sinks.shape[0]}")
-    _check_kv_scales(k_scale, v_scale, k_cache.dtype, num_kv_heads, q.device)
-
-
-def _check_kv_scales(k_scale, v_scale, cache_dtype, num_kv_heads, device):
-    if k_scale is None and v_scale is None:
-        return
-    if cache_dtype not in FP8_DTYPES:
-        name = "k_scale" if k_scale is not None else "v_scale"
-        raise HybridInputError(f"{name} applies to float8 caches only; k_cache is {cache_dtype}")
-    for name, kv_scale, other in (("k_scale", k_scale, "v_scale"), ("v_scale", v_scale, "k_scale")):
-        if kv_scale is None:
-            raise HybridInputError(f"{name} must be given with {other}: an fp8 cache takes both scales or neither")
-        if kv_scale.dtype != torch.float32 or kv_scale.device != device or kv_scale.dim() > 1:
-            raise HybridInputError(
-                f"{name} must be a float32 tensor of shape [], [1] or [Hkv] on q's device {device}, "
-                f"got {kv_scale.dtype} of shape {tuple(kv_scale.shape)} on {kv_scale.device}"
-            )
-        if kv_scale.dim() == 1:
-            _check(
-                (kv_scale.shape[0] == 1) | (kv_scale.shape[0] == num_kv_heads),
-                lambda: f"{name} must have 1 or the caches' {num_kv_heads} kv heads, got {kv_scale.shape[0]}",
-            )
 
 
 def decode_shape_ok(num_tokens, num_requests):
@@ -217,7 +155,7 @@ def decode_shape_ok(num_tokens, num_requests):
 def check_decode_shape(q, seq_lens):
     """Raises unless `decode_shape_ok`; T // B is then each request's query length."""
     num_tokens, num_requests = q.shape[0], seq_lens.shape[0]
-    _check(
+    check_input(
         decode_shape_ok(num_tokens, num_requests),
         lambda: (
             f"decode needs the same number of query tokens per request: T = {num_tokens} "

@@ -134,16 +134,16 @@ def num_kv_splits(programs_per_split: int, max_kv_len: int, block_n: int, num_sm
     return max(1, min(wanted, triton.cdiv(max_kv_len, block_n), 64))
 
 
-def decode(q, k_cache, v_cache, seq_lens, block_table, scale, sliding_window, logit_cap, target: Target,
-           num_splits=None, batch_invariant=False, sinks=None, attention_chunk=-1, k_scale=None,
-           v_scale=None):  # fmt: skip
+def decode(q, k_cache, v_cache, seq_lens, block_table, options, target: Target, num_splits=None, batch_invariant=False):
     """Attention of q: [T, Hq, D], T = B * q_len, over the paged caches k_cache: [num_pages, page_size, Hkv, D],
     v_cache: [..., Hkv, Dv] (new tokens already stored); returns [T, Hq, Dv] in q's dtype.
-    sinks: [Hq] float32 or None; k_scale, v_scale: [Hkv] float32 (any stride) for fp8 caches, read as
-    stored * scale.
+    options: resolved `hybrid_ops.options.Options` (scale a float; k_scale, v_scale [Hkv] float32, any stride, for
+    fp8 caches, read as stored * scale).
 
     `batch_invariant` takes the split count as for a batch of one, so a request's result never depends on its batch.
     """
+    scale, sliding_window, logit_cap, sinks = options.scale, options.sliding_window, options.logit_cap, options.sinks
+    attention_chunk = options.attention_chunk
     num_tokens, num_q_heads, head_dim = q.shape
     num_requests, num_kv_heads, page_size = seq_lens.shape[0], k_cache.shape[2], k_cache.shape[1]
     v_head_dim = v_cache.shape[3]
@@ -158,7 +158,7 @@ def decode(q, k_cache, v_cache, seq_lens, block_table, scale, sliding_window, lo
         programs = (1 if batch_invariant else num_requests) * num_kv_heads * row_tiles
         num_splits = num_kv_splits(programs, block_table.shape[1] * page_size, tiles.block_n, target.num_sms)
     padded_dv = block_d(v_head_dim)
-    k_cache, v_cache, k_scale, v_scale, kv_fp8 = kernel_kv(k_cache, v_cache, k_scale, v_scale)
+    k_cache, v_cache, k_scale, v_scale, kv_fp8 = kernel_kv(k_cache, v_cache, options.k_scale, options.v_scale)
     partial_out = torch.empty(num_tokens, num_q_heads, num_splits, padded_dv, dtype=torch.float32, device=q.device)
     partial_lse = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_requests, num_kv_heads * row_tiles, num_splits)](

@@ -94,19 +94,20 @@ def _prefill_kernel(
     )
 
 
-def prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap,
-            target: Target, sinks=None, attention_chunk=-1, k_scale=None, v_scale=None):  # fmt: skip
+def prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, options, target: Target):
     """Attention of q: [T, Hq, D] over the paged caches k_cache: [num_pages, page_size, Hkv, D], v_cache: [...,
     Hkv, Dv] (new tokens already stored); returns [T, Hq, Dv] in q's dtype.
-    sinks: [Hq] float32 or None; k_scale, v_scale: [Hkv] float32 (any stride) for fp8 caches, read as
-    stored * scale."""
+    options: resolved `hybrid_ops.options.Options` (scale a float; k_scale, v_scale [Hkv] float32, any stride, for
+    fp8 caches, read as stored * scale)."""
+    scale, sliding_window, logit_cap, sinks = options.scale, options.sliding_window, options.logit_cap, options.sinks
+    attention_chunk = options.attention_chunk
     num_tokens, num_q_heads, head_dim = q.shape
     num_requests, num_kv_heads, v_head_dim = seq_lens.shape[0], k_cache.shape[2], v_cache.shape[3]
     out = q.new_empty(num_tokens, num_q_heads, v_head_dim)
     if num_tokens == 0 or num_requests == 0:
         return out
     group = num_q_heads // num_kv_heads
-    k_cache, v_cache, k_scale, v_scale, kv_fp8 = kernel_kv(k_cache, v_cache, k_scale, v_scale)
+    k_cache, v_cache, k_scale, v_scale, kv_fp8 = kernel_kv(k_cache, v_cache, options.k_scale, options.v_scale)
     tiles = prefill_tiles(q.dtype, max(head_dim, v_head_dim), group, target)
     block_m = tiles.block_rows
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).clamp(min=0)

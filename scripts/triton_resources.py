@@ -38,6 +38,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature  # no
 
 from hybrid_ops.backends.triton import TritonBackend  # noqa: E402
 from hybrid_ops.kernels.config import Target  # noqa: E402
+from hybrid_ops.options import Options  # noqa: E402
 
 SHARED_LIMIT = {80: 166_912, 90: 232_448}  # per-block opt-in shared memory, bytes
 SM_COUNT = {80: 108, 90: 132}  # A100, H200
@@ -187,9 +188,8 @@ def call_backend(backend, case):
     v_head_dim = case.v_head_dim or case.head_dim
     v = torch.randn(num_tokens, case.num_kv_heads, v_head_dim, generator=gen).to(case.dtype)
     v_cache = k_cache.new_zeros(*k_cache.shape[:3], v_head_dim)
-    getattr(backend, case.kind)(
-        q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, case.head_dim**-0.5, window, cap, **scales
-    )
+    options = Options(scale=case.head_dim**-0.5, sliding_window=window, logit_cap=cap, **scales)
+    getattr(backend, case.kind)(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, options)
 
 
 def specialise(launch, capability):

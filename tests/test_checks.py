@@ -15,16 +15,15 @@ from test_errors import BAD_INPUTS, VALUE_INPUTS, valid_case
 
 import hybrid_ops
 from hybrid_ops import HybridInputError
-from hybrid_ops.validation import args_ok, check_args, check_metadata_values, decode_shape_ok
+from hybrid_ops.options import FIELDS, Options
+from hybrid_ops.validation import check_args, check_metadata_values, check_tensors, decode_shape_ok, tensors_ok
 
-# The mutations of test_errors.py that change the op's tensors or its options: scale, sliding_window, logit_cap
-# (positional arguments of args_ok), sinks, attention_chunk, k_scale and v_scale (keywords).
-SCALARS = ("scale", "sliding_window", "logit_cap")
-KEYWORDS = ("sinks", "attention_chunk", "k_scale", "v_scale")
+OPTION_NAMES = {f.name for f in FIELDS}
+# The mutations of test_errors.py that change the op's tensors or its options.
 MUTATIONS = {
     name: mutation
     for name, (op, mutation, _) in {**BAD_INPUTS, **VALUE_INPUTS}.items()
-    if set(mutation(valid_case("decode").args, {})[1]) <= {*SCALARS, *KEYWORDS}
+    if set(mutation(valid_case("decode").args, {})[1]) <= OPTION_NAMES
 }
 VALID_OPTIONS = {
     "scale": [None, 0.125, 1.0],
@@ -60,8 +59,11 @@ KV_SCALE_ARGS = {
 }
 
 
+KV_SCALE_ARGS_OF = ("k_scale", "v_scale")  # what KV_SCALE_ARGS draws, good and bad
+
+
 def native():
-    return hybrid_ops.get_backend("cpu", torch.device("cpu"), torch.float32, 16)._module
+    return hybrid_ops.get_backend("cpu")._module
 
 
 def python_accepts(check, *args, **kwargs) -> bool:
@@ -100,7 +102,7 @@ def inputs(draw, first=None):
     if cache_dtypes is not None:
         cache_dtypes = cache_dtypes if isinstance(cache_dtypes, tuple) else (cache_dtypes, cache_dtypes)
         args[3:5] = (cache.to(dtype) for cache, dtype in zip(args[3:5], cache_dtypes))
-    options |= dict(zip(("k_scale", "v_scale"), KV_SCALE_ARGS[draw(st.sampled_from(list(KV_SCALE_ARGS)))]()))
+    options |= dict(zip(KV_SCALE_ARGS_OF, KV_SCALE_ARGS[draw(st.sampled_from(list(KV_SCALE_ARGS)))]()))
     options["sinks"] = torch.randn(case.q.shape[1]) if draw(st.booleans()) else None
     bad_option = st.sampled_from([(name, value) for name, values in BAD_OPTIONS.items() for value in values])
     for mutation in [first or (lambda *a: a)] + draw(
@@ -128,11 +130,9 @@ def inputs(draw, first=None):
 def test_cpp_and_python_checks_agree(first, data):
     """Each bad input of the tables in turn (and none: random ones only), on random batches."""
     args, options, decode = data.draw(inputs(MUTATIONS.get(first)))
-    scalars = [options[name] for name in SCALARS]
-    keywords = {name: options[name] for name in KEYWORDS}
-    accepted = python_accepts(check_args, *args, *scalars, **keywords)
-    assert args_ok(*args, *scalars, **keywords) == accepted
-    assert native().args_ok(*args, *scalars, **keywords) == accepted
+    accepted = python_accepts(check_args, args, Options(**options))
+    assert tensors_ok(*args) == python_accepts(check_tensors, *args)
+    assert native().args_ok(*args, **options) == accepted
     event(f"arguments accepted: {accepted}")
     if not accepted:
         return
@@ -144,6 +144,13 @@ def test_cpp_and_python_checks_agree(first, data):
     accepted = python_accepts(check_metadata_values, *metadata, *sizes)
     assert native().metadata_values_ok(*metadata, *sizes) == accepted
     event(f"metadata values accepted: {accepted}")
+
+
+def test_every_option_is_put_to_both_checks():
+    """The random inputs above hold every option of the table, good and bad: an option whose C++ check is missing
+    or differs fails them."""
+    mutated = {name for mutation in MUTATIONS.values() for name in mutation(valid_case("decode").args, {})[1]}
+    assert {*BAD_OPTIONS, *KV_SCALE_ARGS_OF, *mutated} == OPTION_NAMES
 
 
 @pytest.mark.parametrize("page_size", [4, 5])

@@ -16,6 +16,7 @@ import hybrid_ops
 from hybrid_ops import ForwardMode, select_path
 from hybrid_ops.backends.torch_ref import TorchBackend
 from hybrid_ops.fp8 import per_head
+from hybrid_ops.options import Options
 
 # Max abs error over the reference's largest magnitude: long contexts average many values, so outputs are small
 # and an absolute bound would let a 1% error through. The bounds sit above each dtype's output rounding.
@@ -169,7 +170,7 @@ def test_fp8_store_rounds_as_torch(cache_dtype, head_dim):
 
 def test_fp8_backend_object_takes_per_head_views():
     """The backend object's own call, as the ops' Python implementation makes it: scales as [Hkv] stride-0 views."""
-    backend = hybrid_ops.get_backend("cpu", torch.device("cpu"), torch.bfloat16, 64)
+    backend = hybrid_ops.get_backend("cpu")
     case = make_case(
         [1] * 3, [300, 5, 1000], num_q_heads=8, num_kv_heads=4, head_dim=64, page_size=16, dtype=torch.bfloat16, seed=13
     )
@@ -177,7 +178,7 @@ def test_fp8_backend_object_takes_per_head_views():
     fp8, read, (k_expected, v_expected) = fp8_case(case, torch.float8_e5m2, k_scale, v_scale)
     views = {name: per_head(s, 4, case.q.device) for name, s in (("k_scale", k_scale), ("v_scale", v_scale))}
     assert views["k_scale"].stride() == (0,)
-    out = backend.decode(*fp8.args, 0.125, -1, 0.0, **views)
+    out = backend.decode(*fp8.args, Options(scale=0.125, **views))
     assert_relative(out, reference(read, scale=0.125), torch.bfloat16)
     assert torch.equal(fp8.k_cache.view(torch.uint8), k_expected)
     assert torch.equal(fp8.v_cache.view(torch.uint8), v_expected)
@@ -188,7 +189,7 @@ def test_16_bit_products_on_amx(dtype):
     """Many query rows over a 16-bit cache multiply in 16 bits on AMX (VNNI-packed tiles, probabilities rounded by
     AVX512-BF16): the prefill cases through that path. Elsewhere the same cases multiply in fp32, which
     test_long_contexts_against_float64 covers."""
-    kernels = hybrid_ops.get_backend("cpu", torch.device("cpu"), dtype, 128)._module
+    kernels = hybrid_ops.get_backend("cpu")._module
     if not kernels.multiplies_in_cache_dtype(dtype):
         pytest.skip(f"this CPU has no AMX for {dtype} (oneDNN's brgemm cannot pack it): 16-bit products cannot run")
     for name in ("prefill", "chunk_over_prefix", "head_dim_20"):
@@ -232,7 +233,7 @@ def test_without_a_compiler(monkeypatch):
         assert torch.allclose(out.double(), reference(case), atol=2e-5)
         with pytest.raises(hybrid_ops.HybridInputError, match="backend='cpu' needs a C\\+\\+ compiler and ninja"):
             torch.ops.hybrid.prefill(*case.args, backend="cpu")
-    assert hybrid_ops.get_backend("cpu", case.q.device, case.q.dtype, 16).loaded
+    assert hybrid_ops.get_backend("cpu").loaded
 
 
 # The C++ entry points (kernels/cpu/dispatch.cpp): calls the native kernel serves never enter Python; all others reach
@@ -245,7 +246,7 @@ def python_calls(monkeypatch):
     """Counts the calls that reach each op's Python implementation (the entry points look it up on every call)."""
     from hybrid_ops.ops import PYTHON_IMPLEMENTATIONS
 
-    hybrid_ops.get_backend("cpu", torch.device("cpu"), torch.float32, 8)  # loads the kernels and their entry points
+    hybrid_ops.get_backend("cpu")  # loads the kernels and their entry points
     calls = []
     for name, impl in list(PYTHON_IMPLEMENTATIONS.items()):
 

@@ -25,6 +25,7 @@ from test_fp8 import check_fp8_call, scales
 import hybrid_ops
 from hybrid_ops import AttentionLayer, ForwardMode, HybridAttnBackend, PagedKVCache, PhaseBackend
 from hybrid_ops.backends.flashinfer import FlashInferBackend, to_flashinfer_metadata
+from hybrid_ops.options import Options
 
 HALF = (torch.float16, torch.bfloat16)
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -235,7 +236,7 @@ def flashinfer_on_cpu(monkeypatch):
     monkeypatch.setattr(
         FlashInferBackend,
         "supports",
-        lambda self, device, dtype, head_dim: dtype in HALF and head_dim in self.head_dims,
+        lambda self, spec: spec.dtype in HALF and spec.head_dim == spec.v_head_dim and spec.head_dim in self.head_dims,
     )
     backend = FlashInferBackend()
     with hybrid_ops.register_backend(backend):
@@ -305,7 +306,7 @@ def test_one_plan_per_variant(flashinfer_on_cpu, path):
     for step in range(2):  # the second step: longer requests, new metadata tensors
         case = make_case(q_lens, [6 + 5 * step, 9, 2 + step], head_dim=D, dtype=torch.bfloat16, seed=step)
         for layer in layers:
-            out = getattr(backend, path)(*case.args, 0.2, layer["sliding_window"], layer["logit_cap"])
+            out = getattr(backend, path)(*case.args, Options(scale=0.2, **layer))
             assert_close(out, reference(case, scale=0.2, **layer), torch.bfloat16)
         assert backend.plans_made == 4 * (step + 1)
 
@@ -510,9 +511,7 @@ def test_multi_token_decode_graphs_stay_on_fa2(flashinfer_on_cpu):
             cu_seqlens_q,
             torch.tensor(seq_lens, dtype=torch.int32),
             block_table,
-            0.1,
-            -1,
-            0.0,
+            Options(scale=0.1),
             cuda_graph=True,
         )
     assert backend.plans_made == 2

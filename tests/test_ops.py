@@ -155,20 +155,39 @@ def test_features_under_attn(feature):
     check_call(torch.ops.hybrid.attn, case, FEATURES[feature], torch.float32, forward_mode=int(ForwardMode.DECODE))
 
 
-@pytest.mark.parametrize("feature", ["sinks", "chunk", "v_head_dim"])
+@pytest.mark.parametrize("feature", ["sinks", "chunk"])
 def test_features_refused_by_backends_without_them(feature):
-    """A backend whose `options` lack an option in use is never called with it (FlashInfer has none of these)."""
+    """A backend whose `features` lack an option in use is never called with it (FlashInfer has none of these)."""
 
     class Plain(TorchBackend):
-        name, options = "plain", frozenset()
+        name, features = "plain", frozenset()
 
-    case = make_case([3, 2], [1, 4], num_q_heads=8, num_kv_heads=2, v_head_dim=FEATURE_V_HEAD_DIM.get(feature))
+    case = make_case([3, 2], [1, 4], num_q_heads=8, num_kv_heads=2)
     before = case.k_cache.clone()
     name = {"chunk": "attention_chunk"}.get(feature, feature)
     with hybrid_ops.register_backend(Plain()):
         with pytest.raises(hybrid_ops.HybridInputError, match=f"backend='plain' does not support {name}"):
             torch.ops.hybrid.prefill(*case.args, **FEATURES[feature], backend="plain")
     assert torch.equal(case.k_cache, before)
+
+
+def test_backends_see_both_head_dims():
+    """`supports` sees the value head dim: "auto" passes over a backend that refuses it (the call still runs on
+    another), and naming that backend is refused with both head dims, the cache untouched."""
+
+    class SameHeadDims(TorchBackend):
+        name = "same_head_dims"
+
+        def supports(self, spec):
+            return spec.head_dim == spec.v_head_dim
+
+    case = make_case([3, 2], [1, 4], num_q_heads=8, num_kv_heads=2, v_head_dim=24)
+    before = case.k_cache.clone()
+    with hybrid_ops.register_backend(SameHeadDims(), prefer=True):
+        with pytest.raises(hybrid_ops.HybridInputError, match="does not support .* head dims D = 16, Dv = 24"):
+            torch.ops.hybrid.prefill(*case.args, backend="same_head_dims")
+        assert torch.equal(case.k_cache, before)
+        check_call(torch.ops.hybrid.prefill, case, {}, torch.float32)
 
 
 @pytest.mark.parametrize("op", ["prefill", "decode"])
@@ -192,7 +211,7 @@ def test_routing_reaches_the_named_backend():
         def __init__(self, name):
             self.name = name
 
-        def supports(self, device, dtype, head_dim):
+        def supports(self, spec):
             return True
 
         def prefill(self, q, *args):
@@ -268,22 +287,22 @@ def test_opcheck_attn(mode, q_lens, spec):
 
 
 @pytest.mark.parametrize("inference", [False, True])
-def test_torch_step_plan_follows_the_metadata(inference):
-    """The torch backend checks and plans a step once: layers that pass the same metadata share the plan, and
-    metadata rewritten in place (static buffers; inference tensors have no version counter) gets a new one."""
+def test_torch_step_metadata_follows_the_metadata(inference):
+    """The torch backend checks and derives a step's metadata once: layers that pass the same metadata share it, and
+    metadata rewritten in place (static buffers; inference tensors have no version counter) is derived again."""
     with torch.inference_mode(inference):
         case = make_case([1, 1, 1], [3, 9, 5], seed=2)  # both: 3 requests, 4-page tables, 9-page caches
         other = make_case([1, 1, 1], [10, 2, 7], seed=3)
-        backend = hybrid_ops.get_backend("torch", case.q.device, case.q.dtype, case.q.shape[-1])
-        plans = backend.plans_made
+        backend = hybrid_ops.get_backend("torch")
+        derived = backend.steps_derived
         for _layer in range(3):
             check_call(torch.ops.hybrid.decode, case, {}, torch.float32, backend="torch")
-        assert backend.plans_made == plans + 1
+        assert backend.steps_derived == derived + 1
         for mine, theirs in zip(case.args[5:], other.args[5:]):
             mine.copy_(theirs)
         other.cu_seqlens_q, other.seq_lens, other.block_table = case.args[5:]
         check_call(torch.ops.hybrid.decode, other, {}, torch.float32, backend="torch")
-        assert backend.plans_made == plans + 2
+        assert backend.steps_derived == derived + 2
         other.block_table[1, 0] = other.k_cache.shape[0]  # out of range, in place: checked again
         before = other.k_cache.clone()
         with pytest.raises(hybrid_ops.HybridInputError, match=r"block_table\[1, 0\]"):

@@ -27,23 +27,22 @@ from hybrid_ops.kernels import kv_store
 from hybrid_ops.kernels import prefill as prefill_kernels
 from hybrid_ops.kernels.common import FP8_FORMATS, float_to_fp8, fp8_to_float
 from hybrid_ops.kernels.config import INTERPRETER, Target, decode_tiles, prefill_tiles
+from hybrid_ops.options import Options
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 GPU_TILES = Target(num_sms=2, interpret=True)  # a GPU's tiles and stages; the tests choose the KV splits
 
 
-def run_kernel(path, case, options, **keywords):
+def run_kernel(path, case, options, num_splits=None):
     """The kernel of `path` ("prefill" or "decode") on the case's q, caches and metadata with a GPU's tiles; options:
-    as the ops name them, scale required; keywords: the kernel's others (num_splits, k_scale, v_scale)."""
-    scalars = (options["scale"], options.get("sliding_window", -1), options.get("logit_cap", 0.0), GPU_TILES)
-    keywords.update(sinks=options.get("sinks"), attention_chunk=options.get("attention_chunk", -1))
+    the ops' keywords, scale required (k_scale, v_scale [Hkv] with fp8 caches), as backends receive them."""
+    options = Options(**options)
     if path == "decode":
         return decode_kernels.decode(
-            case.q, case.k_cache, case.v_cache, case.seq_lens, case.block_table, *scalars, **keywords
+            case.q, case.k_cache, case.v_cache, case.seq_lens, case.block_table, options, GPU_TILES, num_splits
         )
-    return prefill_kernels.prefill(
-        case.q, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seq_lens, case.block_table, *scalars, **keywords
-    )
+    metadata = (case.cu_seqlens_q, case.seq_lens, case.block_table)
+    return prefill_kernels.prefill(case.q, case.k_cache, case.v_cache, *metadata, options, GPU_TILES)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -66,17 +65,9 @@ def test_decode_splits(num_splits, window):
     case = make_case([1, 1, 1], [0, 6, 40], num_q_heads=8, num_kv_heads=2, page_size=4, seed=num_splits)
     torch.ops.hybrid.decode(*case.args, backend="torch")  # stores the new tokens
     scale = case.q.shape[-1] ** -0.5
+    options = Options(scale=scale, sliding_window=window)
     out = decode_kernels.decode(
-        case.q,
-        case.k_cache,
-        case.v_cache,
-        case.seq_lens,
-        case.block_table,
-        scale,
-        window,
-        0.0,
-        INTERPRETER,
-        num_splits=num_splits,
+        case.q, case.k_cache, case.v_cache, case.seq_lens, case.block_table, options, INTERPRETER, num_splits
     )
     assert_close(out, reference(case, sliding_window=window), torch.float32)
 
@@ -140,11 +131,14 @@ def test_v_head_dim_prefill(name):
 
 @pytest.mark.parametrize("op", ["prefill", "decode"])
 def test_v_head_dim_above_256_refused(op):
+    """Its tile tables stop at 256: `supports` refuses a larger Dv, so "auto" takes another backend."""
     case = make_case([1], [3], v_head_dim=264)
     before = case.v_cache.clone()
-    with pytest.raises(hybrid_ops.HybridInputError, match="Dv <= 256, got 264"):
+    with pytest.raises(hybrid_ops.HybridInputError, match="does not support .* D = 16, Dv = 264"):
         getattr(torch.ops.hybrid, op)(*case.args, backend="triton")
     assert torch.equal(case.v_cache, before)
+    spec = hybrid_ops.backends.Spec(torch.device("cpu"), torch.float32, torch.float32, 16, 264, frozenset())
+    assert not hybrid_ops.get_backend("triton").supports(spec)
 
 
 def test_num_splits_from_static_sizes():
@@ -195,7 +189,8 @@ def test_import_without_triton():
 
 def test_auto_picks_the_native_kernels_on_cpu():
     """Not Triton's interpreter, even when it is on."""
-    assert hybrid_ops.get_backend("auto", torch.device("cpu"), torch.float32, 8).name == "cpu"
+    spec = hybrid_ops.backends.Spec(torch.device("cpu"), torch.float32, torch.float32, 8, 8, frozenset())
+    assert hybrid_ops.get_backend("auto", spec).name == "cpu"
 
 
 # -- fp8 caches --------------------------------------------------------------------------------------------------
@@ -253,7 +248,7 @@ def test_fp8_decode(name, cache_dtype):
     assert chunk >= 2 * block_n and visible > 2 * chunk, "splits of one KV block, or fewer than 3 non-empty"
 
     def attend(fp8, k_scale, v_scale):
-        return run_kernel("decode", fp8, options, num_splits=splits, k_scale=k_scale, v_scale=v_scale)
+        return run_kernel("decode", fp8, options | dict(k_scale=k_scale, v_scale=v_scale), num_splits=splits)
 
     run_fp8(case, cache_dtype, cache_dtype == torch.float8_e4m3fn, attend, **options)
 
@@ -284,7 +279,7 @@ def test_fp8_prefill(name, cache_dtype):
     assert q_lens[0] > tiles.block_rows and prefixes[0] > tiles.block_n
 
     def attend(fp8, k_scale, v_scale):
-        return run_kernel("prefill", fp8, options, k_scale=k_scale, v_scale=v_scale)
+        return run_kernel("prefill", fp8, options | dict(k_scale=k_scale, v_scale=v_scale))
 
     run_fp8(case, cache_dtype, cache_dtype == torch.float8_e4m3fn, attend, **options)
 
@@ -311,7 +306,7 @@ def test_fp8_v_head_dim(head_dim, v_head_dim, dtype, op):
 
     def attend(fp8, k_scale, v_scale):
         splits = dict(num_splits=3) if op == "decode" else {}
-        return run_kernel(op, fp8, dict(scale=0.15), k_scale=k_scale, v_scale=v_scale, **splits)
+        return run_kernel(op, fp8, dict(scale=0.15, k_scale=k_scale, v_scale=v_scale), **splits)
 
     run_fp8(case, torch.float8_e4m3fn, True, attend, scale=0.15)
 

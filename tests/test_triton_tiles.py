@@ -29,7 +29,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 @contextlib.contextmanager
 def launch_target(target):
-    backend = hybrid_ops.get_backend("triton", torch.device("cpu"), torch.float32, 16)
+    backend = hybrid_ops.get_backend("triton")
     saved, backend.target = backend.target, target
     try:
         yield

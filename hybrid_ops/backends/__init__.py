@@ -7,7 +7,7 @@ names to backends and picks one for "auto".
     flashinfer  FlashInfer's paged kernels on CUDA (flashinfer.py)
 """
 
-from .base import Backend
+from .base import Backend, Spec
 from .cpu import CpuBackend
 from .flashinfer import FlashInferBackend
 from .registry import Registration, Registry, registry
@@ -34,6 +34,7 @@ __all__ = [
     "Registration",
     "Registry",
     "registry",
+    "Spec",
     "TorchBackend",
     "TritonBackend",
     "unregister_backend",

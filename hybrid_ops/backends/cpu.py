@@ -29,7 +29,7 @@ import torch
 from ..errors import HybridInputError
 from ..modes import ROUTING, SPECULATIVE_ATTENTION_MODES
 from ..validation import FLOAT_DTYPES, check_metadata_values
-from .base import ALL_OPTIONS, Backend
+from .base import ALL_FEATURES, Backend
 from .registry import registry
 
 # ATen's compile flags for each CPU capability (cmake/Codegen.cmake); at::vec picks its implementation from the
@@ -125,7 +125,7 @@ class CpuBackend(Backend):
     name = "cpu"
     requirement = "a C++ compiler and ninja to build its kernels (pip install ninja)"
     checks_values = True  # the kernel checks the metadata's values before it writes anything (see `prefill`)
-    options = ALL_OPTIONS
+    features = ALL_FEATURES
 
     def __init__(self):
         self._module = None
@@ -153,21 +153,19 @@ class CpuBackend(Backend):
                 configure_entry_points(registry)
         return self._module is not None
 
-    def supports(self, device, dtype, head_dim) -> bool:
-        return device.type == "cpu" and dtype in FLOAT_DTYPES
+    def supports(self, spec) -> bool:
+        return spec.device.type == "cpu" and spec.dtype in FLOAT_DTYPES
 
-    def prefill(self, *args, sinks=None, attention_chunk=-1, decode=False, k_scale=None, v_scale=None):
-        """args: those of `Backend.prefill`; sinks: [Hq] float32 or None; k_scale, v_scale: [Hkv] float32 with fp8
-        caches (`fp8.per_head`), else None."""
-        out = self._module.forward(*args, sinks, attention_chunk, decode, k_scale, v_scale)
+    def prefill(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, options, decode=False):
+        metadata = (cu_seqlens_q, seq_lens, block_table)
+        out = self._module.forward(q, k, v, k_cache, v_cache, *metadata, **options.keywords(), decode=decode)
         if out is None:
-            q, k_cache, metadata = args[0], args[3], args[5:8]
             check_metadata_values(*metadata, q.shape[0], k_cache.shape[0], k_cache.shape[1], decode)
             raise HybridInputError("the metadata's values are inconsistent (cu_seqlens_q, seq_lens, block_table)")
         return out
 
-    def decode(self, *args, **options):
-        return self.prefill(*args, decode=True, **options)
+    def decode(self, *args):
+        return self.prefill(*args, decode=True)
 
 
 registry.subscribe(configure_entry_points)

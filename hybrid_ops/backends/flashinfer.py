@@ -79,7 +79,7 @@ class _Variant:
     logit_cap: float
 
     @classmethod
-    def of(cls, path, q_dtype, num_q_heads, k_cache, scale, sliding_window, logit_cap):
+    def of(cls, path, q_dtype, num_q_heads, k_cache, options):
         _, page_size, num_kv_heads, head_dim = k_cache.shape
         return cls(
             path,
@@ -90,9 +90,9 @@ class _Variant:
             num_kv_heads,
             head_dim,
             page_size,
-            scale,
-            sliding_window,
-            logit_cap,
+            options.scale,
+            options.sliding_window,
+            options.logit_cap,
         )
 
 
@@ -118,7 +118,7 @@ def _capturing() -> bool:
 class FlashInferBackend(Backend):
     name = "flashinfer"
     requirement = "flashinfer (pip install 'hybrid_ops[flashinfer]')"
-    options = frozenset({"fp8_kv"})
+    features = frozenset({"fp8_kv"})
     head_dims = (64, 128, 256)
 
     def __init__(self):
@@ -131,19 +131,22 @@ class FlashInferBackend(Backend):
     def is_available(self) -> bool:
         return importable("flashinfer")
 
-    def supports(self, device, dtype, head_dim) -> bool:
-        return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim in self.head_dims
+    def supports(self, spec) -> bool:
+        return (
+            spec.device.type == "cuda"
+            and spec.dtype in (torch.float16, torch.bfloat16)
+            and spec.head_dim == spec.v_head_dim
+            and spec.head_dim in self.head_dims
+        )
 
-    def plan(
-        self, path, q_dtype, num_q_heads, k_cache, cu_seqlens_q, seq_lens, block_table, *scalars, cuda_graph=False
-    ):
+    def plan(self, path, q_dtype, num_q_heads, k_cache, cu_seqlens_q, seq_lens, block_table, options, cuda_graph=False):
         """Plan one variant of this step; with `cuda_graph`, this batch shape takes CUDA-graph wrappers from now on.
 
         k_cache: [num_pages, page_size, Hkv, D] (its dtype, fp8 included, is the plan's kv_data_type); cu_seqlens_q:
         [B + 1], seq_lens: [B], block_table: [B, max_pages], int32 (our metadata). Reads T = cu_seqlens_q[-1] to the
         host, as FlashInfer's plan reads the metadata.
         """
-        variant = _Variant.of(path, q_dtype, num_q_heads, k_cache, *scalars)
+        variant = _Variant.of(path, q_dtype, num_q_heads, k_cache, options)
         num_tokens = int(cu_seqlens_q[-1])  # planning reads the metadata to the host anyway
         if cuda_graph:
             self._graph_shapes.add((path, variant.device, seq_lens.shape[0], num_tokens))
@@ -184,7 +187,7 @@ class FlashInferBackend(Backend):
             cu_seqlens_q, seq_lens, block_table, variant.page_size
         )
         sizes = (variant.num_q_heads, variant.num_kv_heads, variant.head_dim, variant.page_size)
-        options = dict(
+        kernel_options = dict(
             window_left=variant.sliding_window - 1 if variant.sliding_window > 0 else -1,
             logits_soft_cap=variant.logit_cap or None,
             sm_scale=variant.scale,
@@ -192,9 +195,10 @@ class FlashInferBackend(Backend):
             kv_data_type=variant.kv_dtype,
         )
         if variant.path == "decode":
-            wrapper.plan(kv_indptr, kv_indices, last_page_len, *sizes, q_len_per_req=num_tokens // batch, **options)
+            q_len = num_tokens // batch
+            wrapper.plan(kv_indptr, kv_indices, last_page_len, *sizes, q_len_per_req=q_len, **kernel_options)
         else:
-            wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, *sizes, causal=True, **options)
+            wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, *sizes, causal=True, **kernel_options)
         plans[key] = _Plan(wrapper, metadata, _versions(metadata))
         self.plans_made += 1
         return wrapper
@@ -242,11 +246,10 @@ class FlashInferBackend(Backend):
             max_total_num_rows=num_tokens,
         )
 
-    def _run(
-        self, path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *scalars, k_scale=None, v_scale=None
-    ):
-        """scalars: scale, sliding_window, logit_cap; k_scale, v_scale: [Hkv] float32 with fp8 caches
-        (`fp8.per_head`), else None. Returns [T, Hq, D] in q's dtype."""
+    def _run(self, path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, options):
+        """options: resolved (k_scale, v_scale [Hkv] float32 with fp8 caches, else None). Returns [T, Hq, D] in q's
+        dtype."""
+        k_scale, v_scale = options.k_scale, options.v_scale
         from ..kernels.kv_store import store_kv  # masked and sync-free
 
         if k_scale is not None:  # quantized here, then copied as bytes (Triton's fp8 types depend on the GPU)
@@ -255,7 +258,7 @@ class FlashInferBackend(Backend):
         num_tokens = q.shape[0]
         if num_tokens == 0:  # B = 0 or no new tokens: nothing to attend, nothing to plan
             return q.new_empty(q.shape)
-        variant = _Variant.of(path, q.dtype, q.shape[1], k_cache, *scalars)
+        variant = _Variant.of(path, q.dtype, q.shape[1], k_cache, options)
         metadata = (cu_seqlens_q, seq_lens, block_table)
         graph = self._graph_plans.get((variant, seq_lens.shape[0], num_tokens))
         if _capturing():
@@ -275,8 +278,8 @@ class FlashInferBackend(Backend):
         q = (q * k_scale.repeat_interleave(group)[:, None]).to(q.dtype)
         return wrapper.run(q, (k_cache, v_cache)).mul_(v_scale.repeat_interleave(group)[:, None])
 
-    def prefill(self, *args, **scales):
-        return self._run("prefill", *args, **scales)
+    def prefill(self, *args):
+        return self._run("prefill", *args)
 
-    def decode(self, *args, **scales):
-        return self._run("decode", *args, **scales)
+    def decode(self, *args):
+        return self._run("decode", *args)

@@ -1,11 +1,10 @@
 """The backend registry: one place maps a backend name to the `Backend` object that runs it.
 
 "auto" tries the preferred backends (`register(..., prefer=True)`, newest first), then a fixed order per device type,
-and takes the first that is available and supports the call's device, dtype and head dim. Listeners subscribed with
-`subscribe` hear of every change (the cpu backend's C++ entry points keep their own copy of the names they serve).
+and takes the first that is available and supports the call's `Spec` (device, dtypes, head dims, features). Listeners
+subscribed with `subscribe` hear of every change (the cpu backend's C++ entry points keep their own copy of the names
+they serve).
 """
-
-import torch
 
 from ..errors import HybridInputError
 
@@ -36,7 +35,7 @@ class Registry:
     def __init__(self):
         self._backends = {}
         self._preferred = []  # names "auto" tries first on every device, newest first
-        self._auto = {}  # (device type, dtype, head dim) -> the backend "auto" picked
+        self._auto = {}  # Spec -> the backend "auto" picked
         self._listeners = []
 
     def register(self, backend, prefer: bool = False) -> Registration:
@@ -86,54 +85,53 @@ class Registry:
         if name != "auto" and name not in self._backends:
             raise HybridInputError(f"{arg} must be 'auto' or one of {self.names()}, got {name!r}")
 
-    def get(
-        self,
-        name: str,
-        device: torch.device,
-        dtype: torch.dtype,
-        head_dim: int,
-        arg: str = "backend",
-        features: frozenset = frozenset(),
-    ):
-        """The backend that serves `name` for q on `device` of `dtype` and `head_dim`, with the `features` in use
-        (`Backend.options`); raises `HybridInputError` naming `arg` when that backend is not registered, not
-        installed or does not serve them."""
+    def get(self, name: str, spec=None, arg: str = "backend"):
+        """The backend that serves `name` for a call of `spec` (`base.Spec`); raises `HybridInputError` naming `arg`
+        when that backend is not registered, not installed or does not serve it. Without a spec: the backend
+        registered as `name` (not "auto"), its requirement installed and, for kernels built at first use, built."""
         if name == "auto":
-            key = (device.type, dtype, head_dim, features)
-            backend = self._auto.get(key)
+            if spec is None:
+                raise HybridInputError(f"{arg}='auto' names a backend only for a call: pass its Spec")
+            backend = self._auto.get(spec)
             if backend is None:
                 backend = next(
                     (
                         b
-                        for b in map(self._backends.get, self.auto_order(device.type))
-                        if b is not None
-                        and b.is_available()
-                        and b.supports(device, dtype, head_dim)
-                        and features <= b.options
+                        for b in map(self._backends.get, self.auto_order(spec.device.type))
+                        if b is not None and b.is_available() and b.supports(spec) and spec.features <= b.features
                     ),
                     None,
                 )
                 if backend is None:
                     raise HybridInputError(
-                        f"{arg}='auto' found no backend for q on {device} with dtype {dtype}, "
-                        f"head dim {head_dim} and {sorted(features)} (registered: {self.names()})"
+                        f"{arg}='auto' found no backend for {_describe(spec)} and {sorted(spec.features)} "
+                        f"(registered: {self.names()})"
                     )
-                self._auto[key] = backend
+                self._auto[spec] = backend
             return backend
         self.check_name(name, arg)
         backend = self._backends[name]
         if not backend.is_available():
             raise HybridInputError(f"{arg}={name!r} needs {backend.requirement}, which is not installed")
-        if not backend.supports(device, dtype, head_dim):
+        if spec is None:
+            return backend
+        if not backend.supports(spec):
+            raise HybridInputError(f"{arg}={name!r} does not support {_describe(spec)}")
+        if not spec.features <= backend.features:
             raise HybridInputError(
-                f"{arg}={name!r} does not support q on {device} with dtype {dtype} and head dim {head_dim}"
-            )
-        if not features <= backend.options:
-            raise HybridInputError(
-                f"{arg}={name!r} does not support {', '.join(sorted(features - backend.options))}: "
+                f"{arg}={name!r} does not support {', '.join(sorted(spec.features - backend.features))}: "
                 "use the torch backend or 'auto'"
             )
         return backend
+
+
+def _describe(spec) -> str:
+    """The call a `Spec` describes, for error messages."""
+    head_dims = f"head dim {spec.head_dim}"
+    if spec.v_head_dim != spec.head_dim:
+        head_dims = f"head dims D = {spec.head_dim}, Dv = {spec.v_head_dim}"
+    cache = f", {spec.cache_dtype} caches" if spec.cache_dtype != spec.dtype else ""
+    return f"q on {spec.device} with dtype {spec.dtype}{cache} and {head_dims}"
 
 
 registry = Registry()

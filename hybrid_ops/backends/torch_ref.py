@@ -3,7 +3,7 @@
 It reads the metadata to the host (one sync on CUDA), so it always checks the metadata's values and cannot be
 captured in a CUDA graph; on CUDA, "auto" prefers the Triton or FlashInfer backend.
 
-The layers of a step share one `StepPlan`: the first builds it (checked host lists, the new tokens' cache rows,
+The layers of a step share one `StepMetadata`: the first builds it (checked host lists, the new tokens' cache rows,
 gather indices, masks) and the others reuse it while the metadata holds the same values, which costs three
 `torch.equal`s. Small models spend most of an attention call on exactly this work, once per layer otherwise.
 
@@ -21,7 +21,7 @@ from ..fp8 import quantize, raw
 from ..metadata import new_token_slots
 from ..settings import deterministic_enabled
 from ..validation import FLOAT_DTYPES, check_metadata_values
-from .base import ALL_OPTIONS, Backend
+from .base import ALL_FEATURES, Backend
 
 # Decode batches whose padded K + V gather stays under this many bytes run as one batched call.
 BATCHED_DECODE_BYTES = 8 << 20
@@ -30,18 +30,18 @@ BATCHED_DECODE_BYTES = 8 << 20
 MATMUL_QUERY_ROWS = 32
 
 
-def _matmul_branch(batch, query_rows, logit_cap, sinks, head_dims):
+def _matmul_branch(batch, query_rows, options, head_dims):
     """Whether `attend` takes the matmul branch: SDPA has no soft-cap and no sinks, and is not used when the value
     head dim differs (head_dims: (D, Dv))."""
     return (
-        logit_cap > 0
-        or sinks is not None
+        options.logit_cap > 0
+        or options.sinks is not None
         or head_dims[0] != head_dims[1]
         or (batch == 1 and query_rows <= MATMUL_QUERY_ROWS)
     )
 
 
-class StepPlan:
+class StepMetadata:
     """What every layer of a step derives from the metadata alone.
 
     key: what else it depends on (T, the caches' shape, dtype and device, decode, determinism).
@@ -106,7 +106,7 @@ class StepPlan:
             self._requests[i] = (pages[0], None) if consecutive else (None, torch.tensor(pages, device=self.device))
         return self._requests[i]
 
-    def mask(self, request, num_queries, sliding_window, attention_chunk, matmul):
+    def mask(self, request, num_queries, options, matmul):
         """(bias, is_causal) for request `request`'s queries, or for the whole batch when `request` is None.
 
         bias: [B, 1, n, L] float32 (0 where a query sees a key, -inf elsewhere; L the longest sequence), or None
@@ -114,6 +114,7 @@ class StepPlan:
         causal case, which needs no mask unless `matmul`). A query at position p sees keys at positions
         max(p - sliding_window, p - p % attention_chunk) < ... <= p when those options are on.
         """
+        sliding_window, attention_chunk = options.sliding_window, options.attention_chunk
         key = (request, num_queries, sliding_window, attention_chunk, matmul)
         if key not in self._masks:
             lens = self.lens if request is None else [self.lens[request]]
@@ -159,24 +160,26 @@ class Workspace:
         return torch.index_select(cache, 0, index, out=self.get(role, cache, index.shape[0]))
 
 
-def attend(q, k, v, bias, is_causal, scale, logit_cap, sinks=None, k_scale=None, v_scale=None):
+def attend(q, k, v, bias, is_causal, options):
     """Attention of B requests' new tokens over their K/V, computed in fp32 at least.
 
     q: [B, n, Hq, D]; k: [B, L, Hkv, D]; v: [B, L, Hkv, Dv] (rows a query must not see are masked by `bias`);
     bias: [B, 1, n, L] float32 added to the scores, or None; is_causal: SDPA's plain causal mask instead (n == L;
-    the matmul branch takes its causal mask as a bias, see `StepPlan.mask`); sinks: [Hq] float32 or None;
-    k_scale, v_scale: [Hkv] float32 that k and v (fp8) are read with, or None. Returns [B, n, Hq, Dv] in q's dtype.
+    the matmul branch takes its causal mask as a bias, see `StepMetadata.mask`); options: resolved `Options` (its
+    scale, logit_cap, sinks, and the k_scale, v_scale that fp8 k and v are read with). Returns [B, n, Hq, Dv] in q's
+    dtype.
     """
+    scale, logit_cap, sinks = options.scale, options.logit_cap, options.sinks
     batch, n, num_q_heads, head_dim = q.shape
     num_kv_heads, v_head_dim = v.shape[2:]
     group = num_q_heads // num_kv_heads
     out_dtype, compute_dtype = q.dtype, torch.promote_types(q.dtype, torch.float32)
     k, v = (
         x.to(compute_dtype) if kv_scale is None else x.to(compute_dtype).mul_(kv_scale[:, None])
-        for x, kv_scale in ((k, k_scale), (v, v_scale))
+        for x, kv_scale in ((k, options.k_scale), (v, options.v_scale))
     )
     q, k_t, v_t = q.to(compute_dtype), k.transpose(1, 2), v.transpose(1, 2)
-    if _matmul_branch(batch, n * group, logit_cap, sinks, (head_dim, v_head_dim)):
+    if _matmul_branch(batch, n * group, options, (head_dim, v_head_dim)):
         # Each kv head serves its `group` query heads as extra rows: [B, Hkv, n * group, D], no K/V repeat.
         q_rows = (
             q.view(batch, n, num_kv_heads, group, head_dim).transpose(1, 2).reshape(batch, num_kv_heads, -1, head_dim)
@@ -203,17 +206,17 @@ def attend(q, k, v, bias, is_causal, scale, logit_cap, sinks=None, k_scale=None,
 class TorchBackend(Backend):
     name = "torch"  # always available: nothing to require
     checks_values = True
-    options = ALL_OPTIONS
+    features = ALL_FEATURES
 
     def __init__(self):
         self.workspace = Workspace()
-        self._plan = None
-        self.plans_made = 0
+        self._step = None
+        self.steps_derived = 0  # StepMetadata built: once per step, not per layer
 
-    def supports(self, device, dtype, head_dim) -> bool:
-        return dtype in FLOAT_DTYPES
+    def supports(self, spec) -> bool:
+        return spec.dtype in FLOAT_DTYPES
 
-    def step_plan(self, cu_seqlens_q, seq_lens, block_table, num_tokens, k_cache, v_cache, decode) -> StepPlan:
+    def step_metadata(self, cu_seqlens_q, seq_lens, block_table, num_tokens, k_cache, v_cache, decode) -> StepMetadata:
         """The plan for this metadata: the kept one when its values are the same, else a new one (which checks
         them, raising `HybridInputError` before anything is written)."""
         key = (
@@ -225,67 +228,47 @@ class TorchBackend(Backend):
             decode,
             deterministic_enabled(),
         )
-        plan = self._plan
-        if plan is None or not plan.matches(key, cu_seqlens_q, seq_lens, block_table):
-            plan = StepPlan(key, cu_seqlens_q, seq_lens, block_table, num_tokens, k_cache, v_cache, decode)
-            self._plan = plan
-            self.plans_made += 1
-        return plan
+        step = self._step
+        if step is None or not step.matches(key, cu_seqlens_q, seq_lens, block_table):
+            step = StepMetadata(key, cu_seqlens_q, seq_lens, block_table, num_tokens, k_cache, v_cache, decode)
+            self._step = step
+            self.steps_derived += 1
+        return step
 
-    def prefill(
-        self,
-        q,
-        k,
-        v,
-        k_cache,
-        v_cache,
-        cu_seqlens_q,
-        seq_lens,
-        block_table,
-        scale,
-        sliding_window,
-        logit_cap,
-        sinks=None,
-        attention_chunk=-1,
-        k_scale=None,
-        v_scale=None,
-        decode=False,
-    ):
+    def prefill(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, options, decode=False):
         _, page_size, num_kv_heads, head_dim = k_cache.shape
         head_dims = (head_dim, v_cache.shape[3])
-        plan = self.step_plan(cu_seqlens_q, seq_lens, block_table, q.shape[0], k_cache, v_cache, decode)
-        for cache, new, kv_scale in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
+        step = self.step_metadata(cu_seqlens_q, seq_lens, block_table, q.shape[0], k_cache, v_cache, decode)
+        for cache, new, kv_scale in ((k_cache, k, options.k_scale), (v_cache, v, options.v_scale)):
             if kv_scale is not None:
                 new = quantize(new, kv_scale, cache.dtype)
-            raw(cache).view(-1, num_kv_heads, cache.shape[3]).index_copy_(0, plan.slots, raw(new))
-        lens = plan.lens
+            raw(cache).view(-1, num_kv_heads, cache.shape[3]).index_copy_(0, step.slots, raw(new))
+        lens = step.lens
         out_shape = (*q.shape[:2], head_dims[1])
         if not lens or q.shape[0] == 0:
             return q.new_empty(out_shape)
         group = q.shape[1] // num_kv_heads
-        options = (scale, logit_cap, sinks, k_scale, v_scale)
-        if plan.batched:
+        if step.batched:
             n = q.shape[0] // len(lens)
-            index, longest = plan.gather_index(), max(lens)
+            index, longest = step.gather_index(), max(lens)
             k_padded, v_padded = (
                 self.workspace.gather(role, raw(cache), index)
                 .view(-1, num_kv_heads, cache.shape[3])
-                .index_fill_(0, plan.padding_rows(), 0)
+                .index_fill_(0, step.padding_rows(), 0)
                 .view(cache.dtype)
-                .view(len(lens), plan.max_pages * page_size, num_kv_heads, -1)[:, :longest]
+                .view(len(lens), step.max_pages * page_size, num_kv_heads, -1)[:, :longest]
                 for role, cache in (("k", k_cache), ("v", v_cache))
             )
-            matmul = _matmul_branch(len(lens), n * group, logit_cap, sinks, head_dims)
-            bias, is_causal = plan.mask(None, n, sliding_window, attention_chunk, matmul)
-            return attend(q.view(len(lens), n, *q.shape[1:]), k_padded, v_padded, bias, is_causal, *options).flatten(
-                0, 1
-            )
+            matmul = _matmul_branch(len(lens), n * group, options, head_dims)
+            bias, is_causal = step.mask(None, n, options, matmul)
+            q_batched = q.view(len(lens), n, *q.shape[1:])
+            return attend(q_batched, k_padded, v_padded, bias, is_causal, options).flatten(0, 1)
         out = q.new_empty(out_shape)
         for i, length in enumerate(lens):
-            start, end = plan.cu[i], plan.cu[i + 1]
+            start, end = step.cu[i], step.cu[i + 1]
             if start == end:
                 continue
-            first, index = plan.request(i)
+            first, index = step.request(i)
             kv = []
             for role, cache in (("k", k_cache), ("v", v_cache)):
                 if first is not None:  # consecutive pages: a view of the cache
@@ -293,10 +276,10 @@ class TorchBackend(Backend):
                 else:
                     rows = self.workspace.gather(role, raw(cache), index).view(cache.dtype).flatten(0, 1)[:length]
                 kv.append(rows[None])
-            matmul = _matmul_branch(1, (end - start) * group, logit_cap, sinks, head_dims)
-            bias, is_causal = plan.mask(i, end - start, sliding_window, attention_chunk, matmul)
-            out[start:end] = attend(q[None, start:end], *kv, bias, is_causal, *options)[0]
+            matmul = _matmul_branch(1, (end - start) * group, options, head_dims)
+            bias, is_causal = step.mask(i, end - start, options, matmul)
+            out[start:end] = attend(q[None, start:end], *kv, bias, is_causal, options)[0]
         return out
 
-    def decode(self, *args, **options):
-        return self.prefill(*args, **options, decode=True)
+    def decode(self, *args):
+        return self.prefill(*args, decode=True)

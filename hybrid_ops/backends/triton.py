@@ -10,10 +10,9 @@ import os
 
 import torch
 
-from ..errors import HybridInputError
 from ..settings import deterministic_enabled
 from ..validation import FLOAT_DTYPES
-from .base import ALL_OPTIONS, Backend
+from .base import ALL_FEATURES, Backend
 from .deps import importable
 
 
@@ -32,19 +31,16 @@ def _interpreting() -> bool:
 
 
 def _store(k, v, k_cache, v_cache, metadata, options):
-    """The new k, v into the caches, after the check of Dv: `supports` sees D only, and the tile tables stop at 256
-    for Dv as for D. metadata: (cu_seqlens_q, seq_lens, block_table)."""
+    """The new k, v into the caches. metadata: (cu_seqlens_q, seq_lens, block_table)."""
     from ..kernels import kv_store
 
-    if v_cache.shape[3] > 256:
-        raise HybridInputError(f"backend='triton' supports a value head dim Dv <= 256, got {v_cache.shape[3]}")
-    kv_store.store_kv(k, v, k_cache, v_cache, *metadata, options.get("k_scale"), options.get("v_scale"))
+    kv_store.store_kv(k, v, k_cache, v_cache, *metadata, options.k_scale, options.v_scale)
 
 
 class TritonBackend(Backend):
     name = "triton"
     requirement = "triton (pip install 'hybrid_ops[triton]')"
-    options = ALL_OPTIONS
+    features = ALL_FEATURES
 
     def __init__(self):
         self.target = None  # a kernels.config.Target that overrides the device's
@@ -52,30 +48,27 @@ class TritonBackend(Backend):
     def is_available(self) -> bool:
         return importable("triton")
 
-    def supports(self, device, dtype, head_dim) -> bool:
-        # Head dims below 16 are padded to 16 in the kernels (a 16-bit tl.dot needs K >= 16).
-        on_device = device.type == "cuda" or (device.type == "cpu" and _interpreting())
-        return on_device and dtype in FLOAT_DTYPES and head_dim <= 256
+    def supports(self, spec) -> bool:
+        # Head dims below 16 are padded to 16 in the kernels (a 16-bit tl.dot needs K >= 16); the tile tables stop
+        # at 256, for D and Dv alike.
+        on_device = spec.device.type == "cuda" or (spec.device.type == "cpu" and _interpreting())
+        return on_device and spec.dtype in FLOAT_DTYPES and max(spec.head_dim, spec.v_head_dim) <= 256
 
     def launch_target(self, q):
         """Where the kernels run (`kernels.config.Target`): `self.target` when set (the tests run the GPU's tiles
         in the interpreter), else q's device."""
         return self.target if self.target is not None else _device_target(q.device)
 
-    def prefill(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *scalars, **options):
-        """scalars: scale, sliding_window, logit_cap; options: those of sinks, attention_chunk, k_scale, v_scale in use
-        (`Backend`), which the kernels take as keywords."""
+    def prefill(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, options):
         from ..kernels import prefill
 
         metadata = (cu_seqlens_q, seq_lens, block_table)
         _store(k, v, k_cache, v_cache, metadata, options)
-        return prefill.prefill(q, k_cache, v_cache, *metadata, *scalars, self.launch_target(q), **options)
+        return prefill.prefill(q, k_cache, v_cache, *metadata, options, self.launch_target(q))
 
-    def decode(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *scalars, **options):
+    def decode(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, options):
         from ..kernels import decode
 
         _store(k, v, k_cache, v_cache, (cu_seqlens_q, seq_lens, block_table), options)
         target, invariant = self.launch_target(q), deterministic_enabled()
-        return decode.decode(
-            q, k_cache, v_cache, seq_lens, block_table, *scalars, target, batch_invariant=invariant, **options
-        )
+        return decode.decode(q, k_cache, v_cache, seq_lens, block_table, options, target, batch_invariant=invariant)
