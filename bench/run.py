@@ -13,6 +13,7 @@ import json
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 import hybrid_ops
 from hybrid_ops import PagedKVCache
 from hybrid_ops.fp8 import quantize
-from hybrid_ops.options import Options
+from hybrid_ops.options import Options, cpp_header
 
 RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parent.parent))  # the e2e and prefix sections import examples/generate.py
@@ -284,10 +285,11 @@ _BARE_OP = r"""
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
+#include "options.h"
+#define OPTION_TYPE(type, name) , type
 at::Tensor bare(const at::Tensor& q, const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
-                const at::Tensor&, const at::Tensor&, int64_t, std::optional<double>, int64_t, double,
-                const std::optional<at::Tensor>&, int64_t, const std::optional<at::Tensor>&,
-                const std::optional<at::Tensor>&, c10::string_view, c10::string_view, c10::string_view) {
+                const at::Tensor&, const at::Tensor&, int64_t HYBRID_OPTIONS(OPTION_TYPE), c10::string_view,
+                c10::string_view, c10::string_view) {
   return at::empty_like(q);
 }
 TORCH_LIBRARY_IMPL(hybrid_bench, CPU, m) { m.impl("attn", &bare); }
@@ -303,7 +305,15 @@ def bare_op():
     lib = torch.library.Library("hybrid_bench", "FRAGMENT")
     lib.define(SCHEMAS["attn"])
     torch.library.register_fake("hybrid_bench::attn", lambda q, *args, **kwargs: q.new_empty(q.shape), lib=lib)
-    cpp_extension.load_inline("hybrid_bench_bare_op", [_BARE_OP], is_python_module=False, extra_cflags=["-O2"])
+    include = Path(tempfile.mkdtemp())
+    (include / "options.h").write_text(cpp_header())
+    cpp_extension.load_inline(
+        "hybrid_bench_bare_op",
+        [_BARE_OP],
+        is_python_module=False,
+        extra_cflags=["-O2"],
+        extra_include_paths=[str(include)],
+    )
     bare_op.lib = lib  # keeps the registration alive
     return torch.ops.hybrid_bench.attn
 

@@ -28,6 +28,7 @@ import torch
 
 from ..errors import HybridInputError
 from ..modes import ROUTING, SPECULATIVE_ATTENTION_MODES
+from ..options import cpp_header
 from ..validation import FLOAT_DTYPES, check_metadata_values
 from .base import ALL_FEATURES, Backend
 from .registry import registry
@@ -98,13 +99,15 @@ def build():
     flags = _CAPABILITY_FLAGS.get(capability, [])
     name = f"hybrid_ops_cpu_{capability.lower()}"
     sources = [_path(n) for n in _SOURCES]
-    # One directory per source text and place: checkouts that share the build root never load each other's kernels,
-    # nor rebuild in turn (ninja's build file names the sources' paths).
+    # One directory per source text (the generated options.h included) and place: checkouts that share the build root
+    # never load each other's kernels, nor rebuild in turn (ninja's build file names the sources' paths).
     files = sources + [_path(n) for n in _HEADERS]
-    digest = hashlib.sha1(b"".join(Path(p).read_bytes() + os.fsencode(os.path.abspath(p)) for p in files))
+    header = cpp_header().encode()
+    digest = hashlib.sha1(b"".join(Path(p).read_bytes() + os.fsencode(os.path.abspath(p)) for p in files) + header)
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     build_dir = os.path.join(root, f"{name}_torch{torch.__version__.replace('+', '_')}_{digest.hexdigest()[:12]}")
-    os.makedirs(build_dir, exist_ok=True)
+    os.makedirs(os.path.join(build_dir, "generated"), exist_ok=True)
+    Path(build_dir, "generated", "options.h").write_bytes(header)
     fresh = not os.path.exists(os.path.join(build_dir, f"{name}.so"))
     if fresh:
         print(
@@ -114,7 +117,12 @@ def build():
         )
     start = time.perf_counter()
     module = cpp_extension.load(
-        name, sources, extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"], build_directory=build_dir
+        name,
+        sources,
+        extra_cflags=["-O3", "-fopenmp", *flags],
+        extra_ldflags=["-fopenmp"],
+        extra_include_paths=[os.path.join(build_dir, "generated")],
+        build_directory=build_dir,
     )
     if fresh:
         print(f"hybrid_ops: built in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)

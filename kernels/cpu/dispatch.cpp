@@ -3,7 +3,7 @@
 // The dispatcher's CPU kernels of hybrid::prefill, hybrid::decode and hybrid::attn (TORCH_LIBRARY_IMPL) take
 // precedence over the ops' Python implementation (hybrid_ops/ops.py, CompositeExplicitAutograd) for CPU tensors.
 // A call that the native kernel serves ("cpu", or "auto" while "auto" picks it) runs here without entering Python:
-// the checks of validation.args_ok, the routing of modes.ROUTING, the kernel; a few microseconds per call, eager or
+// the checks of validation.check_args, the routing of modes.ROUTING, the kernel; a few microseconds per call, eager or
 // from a compiled graph. Any other call (another backend, an argument that fails a check, a mode or backend name
 // not in the tables) goes to the Python implementation, which runs the other backends and raises the errors that
 // name the argument. Every option of the ops runs here: sinks, chunked attention, a value head dim other than q's,
@@ -24,9 +24,23 @@
 #include <tuple>
 #include <vector>
 
+#include "options.h"  // generated from hybrid_ops/options.py when the kernels build: HYBRID_OPTIONS(X)
 #include "paged_attention.h"
 
+// The ops' options, expanded from the table: as parameters (in schema order, each after a comma), as the fields of
+// `Options` (references to the call's arguments), as the values that initialise it, as keyword arguments to Python
+// and as pybind's names.
+#define OPTION_PARAMETER(type, name) , type name
+#define OPTION_FIELD(type, name) type name;
+#define OPTION_VALUE(type, name) name,
+#define OPTION_KEYWORD(type, name) , py::arg(#name) = name
+#define OPTION_NAME(type, name) , py::arg(#name)
+
 namespace {
+
+struct Options {
+  HYBRID_OPTIONS(OPTION_FIELD)
+};
 
 struct Tables {
   std::vector<std::tuple<int64_t, std::string, bool>> routes;  // (forward_mode, speculative mode, decode path?)
@@ -62,12 +76,10 @@ bool kv_scale_ok(const std::optional<at::Tensor>& kv_scale, int64_t num_kv_heads
           (kv_scale->dim() == 1 && (kv_scale->size(0) == 1 || kv_scale->size(0) == num_kv_heads)));
 }
 
-// validation.args_ok: true when validation.check_args would pass.
+// validation.check_args: true when it would pass (validation.tensors_ok, then every option's check).
 bool args_ok(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
              const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
-             const at::Tensor& block_table, std::optional<double> scale, int64_t sliding_window, double logit_cap,
-             const std::optional<at::Tensor>& sinks, int64_t attention_chunk, const std::optional<at::Tensor>& k_scale,
-             const std::optional<at::Tensor>& v_scale) {
+             const at::Tensor& block_table, const Options& o) {
   if (q.dim() != 3 || k.dim() != 3 || k_cache.dim() != 4 || v.dim() != 3 || v_cache.dim() != 4) return false;
   const int64_t num_kv_heads = k_cache.size(2);
   // v [T, Hkv, Dv] and v_cache [pages, page_size, Hkv, Dv]: k's and k_cache's sizes but for the head dim.
@@ -79,8 +91,8 @@ bool args_ok(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
       q.size(2) != k_cache.size(3) || q.size(1) % num_kv_heads != 0) {
     return false;
   }
-  if (sinks && !(sinks->scalar_type() == at::kFloat && sinks->dim() == 1 && sinks->size(0) == q.size(1) &&
-                 sinks->device().is_cpu())) {
+  if (o.sinks && !(o.sinks->scalar_type() == at::kFloat && o.sinks->dim() == 1 && o.sinks->size(0) == q.size(1) &&
+                   o.sinks->device().is_cpu())) {
     return false;
   }
   // k, v in q's dtype; both caches in q's dtype or both in one fp8 dtype, the scales only with fp8, both or neither.
@@ -88,8 +100,8 @@ bool args_ok(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
   if (dtype != at::kFloat && dtype != at::kHalf && dtype != at::kBFloat16) return false;
   if (k.scalar_type() != dtype || v.scalar_type() != dtype || v_cache.scalar_type() != cache_dtype) return false;
   if (cache_dtype != dtype && !is_fp8(cache_dtype)) return false;
-  if ((k_scale || v_scale) &&
-      !(is_fp8(cache_dtype) && kv_scale_ok(k_scale, num_kv_heads) && kv_scale_ok(v_scale, num_kv_heads))) {
+  if ((o.k_scale || o.v_scale) &&
+      !(is_fp8(cache_dtype) && kv_scale_ok(o.k_scale, num_kv_heads) && kv_scale_ok(o.v_scale, num_kv_heads))) {
     return false;
   }
   for (const at::Tensor* t : {&cu_seqlens_q, &seq_lens, &block_table}) {
@@ -103,9 +115,9 @@ bool args_ok(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
     if (!t->device().is_cpu()) return false;
   }
   constexpr double inf = std::numeric_limits<double>::infinity();
-  return k_cache.is_contiguous() && v_cache.is_contiguous() && (!scale || (*scale > 0 && *scale < inf)) &&
-         (sliding_window == -1 || sliding_window > 0) && logit_cap >= 0 && logit_cap < inf &&
-         (attention_chunk == -1 || attention_chunk > 0);
+  return k_cache.is_contiguous() && v_cache.is_contiguous() && (!o.scale || (*o.scale > 0 && *o.scale < inf)) &&
+         (o.sliding_window == -1 || o.sliding_window > 0) && o.logit_cap >= 0 && o.logit_cap < inf &&
+         (o.attention_chunk == -1 || o.attention_chunk > 0);
 }
 
 // validation.decode_shape_ok: the same query length for every request, T = B * (T // B).
@@ -113,21 +125,24 @@ bool decode_shape_ok(int64_t num_tokens, int64_t num_requests) {
   return num_requests > 0 ? num_tokens % num_requests == 0 : num_tokens == 0;
 }
 
+// The kernel's output, or an undefined tensor (nothing written) when the metadata's values are invalid; options
+// checked by the caller.
+at::Tensor attend(bool decode, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                  at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+                  const at::Tensor& block_table, const Options& o) {
+  const double scale = o.scale ? *o.scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
+  return hybrid_ops::paged_attention(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale,
+                                     o.sliding_window, o.logit_cap, o.sinks, o.attention_chunk, decode, o.k_scale,
+                                     o.v_scale);
+}
+
 // The kernel's output, or an undefined tensor (nothing written) when a check fails.
 at::Tensor run_native(bool decode, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                       at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
-                      const at::Tensor& block_table, std::optional<double> scale, int64_t sliding_window,
-                      double logit_cap, const std::optional<at::Tensor>& sinks, int64_t attention_chunk,
-                      const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
-  if (!args_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, logit_cap, sinks,
-               attention_chunk, k_scale, v_scale)) {
-    return {};
-  }
-  const int64_t num_tokens = q.size(0), num_requests = seq_lens.size(0);
-  if (decode && !decode_shape_ok(num_tokens, num_requests)) return {};
-  const double resolved_scale = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
-  return hybrid_ops::paged_attention(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, resolved_scale,
-                                     sliding_window, logit_cap, sinks, attention_chunk, decode, k_scale, v_scale);
+                      const at::Tensor& block_table, const Options& o) {
+  if (!args_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, o)) return {};
+  if (decode && !decode_shape_ok(q.size(0), seq_lens.size(0))) return {};
+  return attend(decode, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, o);
 }
 
 // call(ops.PYTHON_IMPLEMENTATIONS), with the GIL: the kernels run without it, and building the arguments' Python
@@ -143,51 +158,57 @@ at::Tensor call_python(F&& call) {
 template <bool Decode>
 at::Tensor path_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                     at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
-                    const at::Tensor& block_table, std::optional<double> scale, int64_t sliding_window,
-                    double logit_cap, const std::optional<at::Tensor>& sinks, int64_t attention_chunk,
-                    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
-                    c10::string_view backend) {
+                    const at::Tensor& block_table HYBRID_OPTIONS(OPTION_PARAMETER), c10::string_view backend) {
+  const Options options{HYBRID_OPTIONS(OPTION_VALUE)};
   const auto t = current_tables();
   if (t && Tables::has(t->native, backend)) {
-    auto out = run_native(Decode, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, sliding_window,
-                          logit_cap, sinks, attention_chunk, k_scale, v_scale);
+    auto out = run_native(Decode, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, options);
     if (out.defined()) return out;
   }
   return call_python([&](const py::object& impls) {
-    return impls[Decode ? "decode" : "prefill"](
-        q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, py::arg("scale") = scale,
-        py::arg("sliding_window") = sliding_window, py::arg("logit_cap") = logit_cap, py::arg("sinks") = sinks,
-        py::arg("attention_chunk") = attention_chunk, py::arg("k_scale") = k_scale, py::arg("v_scale") = v_scale,
-        py::arg("backend") = std::string(backend));
+    return impls[Decode ? "decode" : "prefill"](q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens,
+                                                block_table HYBRID_OPTIONS(OPTION_KEYWORD),
+                                                py::arg("backend") = std::string(backend));
   });
 }
 
 at::Tensor attn_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                     at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
-                    const at::Tensor& block_table, int64_t forward_mode, std::optional<double> scale,
-                    int64_t sliding_window, double logit_cap, const std::optional<at::Tensor>& sinks,
-                    int64_t attention_chunk, const std::optional<at::Tensor>& k_scale,
-                    const std::optional<at::Tensor>& v_scale, c10::string_view prefill_backend,
-                    c10::string_view decode_backend, c10::string_view speculative_attention_mode) {
+                    const at::Tensor& block_table, int64_t forward_mode HYBRID_OPTIONS(OPTION_PARAMETER),
+                    c10::string_view prefill_backend, c10::string_view decode_backend,
+                    c10::string_view speculative_attention_mode) {
+  const Options options{HYBRID_OPTIONS(OPTION_VALUE)};
   if (const auto t = current_tables()) {
     const int route = t->route(forward_mode, speculative_attention_mode);
     const bool decode = route == 1;
     if (route >= 0 && Tables::has(t->native, decode ? decode_backend : prefill_backend) &&
         Tables::has(t->known, decode ? prefill_backend : decode_backend)) {
-      auto out = run_native(decode, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale,
-                            sliding_window, logit_cap, sinks, attention_chunk, k_scale, v_scale);
+      auto out = run_native(decode, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, options);
       if (out.defined()) return out;
     }
   }
   return call_python([&](const py::object& impls) {
-    return impls["attn"](q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, forward_mode,
-                         py::arg("scale") = scale, py::arg("sliding_window") = sliding_window,
-                         py::arg("logit_cap") = logit_cap, py::arg("sinks") = sinks,
-                         py::arg("attention_chunk") = attention_chunk, py::arg("k_scale") = k_scale,
-                         py::arg("v_scale") = v_scale, py::arg("prefill_backend") = std::string(prefill_backend),
+    return impls["attn"](q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table,
+                         forward_mode HYBRID_OPTIONS(OPTION_KEYWORD),
+                         py::arg("prefill_backend") = std::string(prefill_backend),
                          py::arg("decode_backend") = std::string(decode_backend),
                          py::arg("speculative_attention_mode") = std::string(speculative_attention_mode));
   });
+}
+
+// The backend object's call (hybrid_ops/backends/cpu.py), its arguments checked by the ops.
+at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                   at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+                   const at::Tensor& block_table HYBRID_OPTIONS(OPTION_PARAMETER), bool decode) {
+  const Options options{HYBRID_OPTIONS(OPTION_VALUE)};
+  return attend(decode, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, options);
+}
+
+// The checks, for tests that hold them to validation.py's on the same inputs.
+bool args_ok_py(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+                const at::Tensor& block_table HYBRID_OPTIONS(OPTION_PARAMETER)) {
+  return args_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, Options{HYBRID_OPTIONS(OPTION_VALUE)});
 }
 
 void configure(std::vector<std::tuple<int64_t, std::string, bool>> routes, std::vector<std::string> native,
@@ -205,17 +226,11 @@ TORCH_LIBRARY_IMPL(hybrid, CPU, m) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &hybrid_ops::paged_attention,
-        "KV store, then paged attention; None when the metadata's values are invalid", py::arg("q"), py::arg("k"),
-        py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("cu_seqlens_q"), py::arg("seq_lens"),
-        py::arg("block_table"), py::arg("scale"), py::arg("sliding_window"), py::arg("logit_cap"), py::arg("sinks"),
-        py::arg("attention_chunk"), py::arg("decode"), py::arg("k_scale") = py::none(),
-        py::arg("v_scale") = py::none());
-  // The checks, for tests that hold them to validation.py's on the same inputs.
-  m.def("args_ok", &args_ok, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"),
-        py::arg("cu_seqlens_q"), py::arg("seq_lens"), py::arg("block_table"), py::arg("scale"),
-        py::arg("sliding_window"), py::arg("logit_cap"), py::arg("sinks") = py::none(), py::arg("attention_chunk") = -1,
-        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+  m.def("forward", &forward, "KV store, then paged attention; None when the metadata's values are invalid",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("cu_seqlens_q"),
+        py::arg("seq_lens"), py::arg("block_table") HYBRID_OPTIONS(OPTION_NAME), py::arg("decode"));
+  m.def("args_ok", &args_ok_py, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("cu_seqlens_q"), py::arg("seq_lens"), py::arg("block_table") HYBRID_OPTIONS(OPTION_NAME));
   m.def("decode_shape_ok", &decode_shape_ok);
   m.def("metadata_values_ok", &hybrid_ops::metadata_values_ok);
   m.def("multiplies_in_cache_dtype", &hybrid_ops::multiplies_in_cache_dtype,
