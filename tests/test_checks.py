@@ -2,22 +2,22 @@
 backend's entry points and kernel, which decide without Python whether a call may run). Both must accept exactly the
 same inputs: one that C++ accepted and Python would refuse would run unchecked; one C++ refused and Python accepts
 only costs a detour. Random batches (caches in q's dtype or fp8, with scale arguments good and bad, sinks, chunks),
-each with a random set of the bad inputs of test_errors.py and random metadata values, are put to both."""
+each with a random set of the bad inputs of helpers/bad_inputs.py and random metadata values, are put to both."""
 
 import math
 
 import pytest
 import torch
+from helpers.bad_inputs import BAD_INPUTS, VALUE_INPUTS, valid_case
+from helpers.reference import make_case
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from reference import make_case
-from test_errors import BAD_INPUTS, VALUE_INPUTS, valid_case
 
 import hybrid_ops
 from hybrid_ops import HybridInputError
 from hybrid_ops.validation import args_ok, check_args, check_metadata_values, decode_shape_ok
 
-# The mutations of test_errors.py that change the op's tensors or its options: scale, sliding_window, logit_cap
+# The mutations of helpers/bad_inputs.py that change the op's tensors or its options: scale, sliding_window, logit_cap
 # (positional arguments of args_ok), sinks, attention_chunk, k_scale and v_scale (keywords).
 SCALARS = ("scale", "sliding_window", "logit_cap")
 KEYWORDS = ("sinks", "attention_chunk", "k_scale", "v_scale")

@@ -6,13 +6,13 @@ import re
 
 import pytest
 import torch
-from models import hybrid_tokens, make_model, reference_tokens, tiny_config
+from helpers.models import NEW_TOKENS, PROMPTS, SIZES, hybrid_tokens, make_model, reference_tokens, tiny_config
 
 import hybrid_ops
 from hybrid_ops import HybridGenerator, HybridInputError
 from hybrid_ops.integrations import transformers as transformers_integration
 
-# model type -> what it covers; tiny configs (tests/models.py), 3 layers.
+# model type -> what it covers; tiny configs (helpers/models.py), 3 layers.
 IDENTICAL = {
     "llama": "plain GQA",
     "qwen3": "q/k norms",
@@ -24,7 +24,7 @@ IDENTICAL = {
     "opt": "no num_key_value_heads, learned positions",
     "gpt_neox": "no num_key_value_heads, partial rotary",
     "gpt_oss": "attention sinks (s_aux), sliding layers",
-    "llama4_text": "chunked attention layers (chunks of 5 tokens, prompts up to 17)",
+    "llama4_text": "chunked attention layers (chunks of 5 tokens, prompts up to 23)",
     "deepseek_v3": "MLA: q/k head dim 24, v head dim 16",
     "mimo_v2_flash": "per-layer KV layouts",
     "jetmoe": "K/V repeated to every head before the attention call",
@@ -91,14 +91,15 @@ def test_cache_sized_per_layer():
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["gpt_oss", "llama4_text", "deepseek_v3"])
 def test_compiled_features_never_recompile(model_type):
-    """Sinks, chunks and a separate value head dim in one compiled forward across EXTEND, MIXED and DECODE."""
+    """Sinks, chunks and a separate value head dim in one compiled forward across EXTEND, MIXED and DECODE. The
+    warm-up takes the prompts in reverse, whose first step prefills 8 tokens of one request alone: Dynamo gives
+    gpt-oss's batches of one of more than 5 tokens a graph of their own."""
     torch._dynamo.reset()
     config = tiny_config(model_type, num_hidden_layers=2)  # still a sliding and a full layer; a dense and a MoE one
     expected = reference_tokens(make_model(config))
-    generator = HybridGenerator(make_model(config), max_batch_size=3, max_seq_len=32, page_size=4, prefill_chunk=8)
+    generator = HybridGenerator(make_model(config), **SIZES)
     stats = hybrid_ops.GenerationStats()
-    prompts = [[(7 * i + 3 * j) % 90 + 3 for j in range(n)] for i, n in enumerate([11, 3, 17])]
-    assert generator.generate(prompts, 8, stats=stats) == expected
+    assert generator.generate(PROMPTS[::-1], NEW_TOKENS, stats=stats) == expected[::-1]
     assert set(stats.steps) == {"EXTEND", "MIXED", "DECODE"}
     with torch._dynamo.config.patch(error_on_recompile=True):
-        assert generator.generate(prompts[::-1], 8) == expected[::-1]
+        assert generator.generate(PROMPTS, NEW_TOKENS) == expected

@@ -10,7 +10,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from reference import (
+from helpers.reference import (
     assert_close,
     expected_cache,
     fp8_case,
