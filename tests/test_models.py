@@ -36,12 +36,11 @@ IDENTICAL = {
 }
 # check_servable's rules, in the order it applies them, and the cases that trigger each: layer types other than
 # attention (qwen3_next, falcon_h1, lfm2; jamba and bamba in transformers 5.24), a config field naming other blocks
-# (block_types), a drafter (gemma4_assistant), a chunk size without chunked layers (chunks_without_chunked_layers), a
-# module with state in the decoder (test_state_in_decoder_layers_refused_whatever_layer_types_say), no
-# AttentionInterface (bloom), logits_to_keep (whisper), positions (bart), decoder layers that drop the step (nemotron,
-# stablelm, blt), attention called twice per layer (diffllama), a layer that calls none (layer_without_attention),
-# attention that is not causal (bidirectional), a bias (doge), sinks not passed (unpassed_sinks), a window the calls
-# lack (phimoe).
+# (block_types), a drafter (gemma4_assistant), a chunk size without chunked layers (chunks_without_*), a module with
+# state in the decoder (test_state_in_decoder_layers_refused_whatever_layer_types_say), no AttentionInterface (bloom),
+# logits_to_keep (whisper), positions (bart), decoder layers that drop the step (nemotron, stablelm, blt), attention
+# called twice per layer (diffllama), a layer that calls none (layer_without_attention), attention that is not causal
+# (bidirectional), a bias (doge), sinks not passed (unpassed_sinks), a window the calls lack (phimoe).
 
 # model type -> words of the refusal.
 REFUSED = {
@@ -111,6 +110,11 @@ REFUSED_VARIANTS = {
         llama4_with_full_layers_only,
         "llama4_text cannot be served exactly: it sets attention_chunk_size without naming its chunked layers in "
         "layer_types",
+    ),
+    # A chunk size in a config that has no layer_types at all.
+    "chunks_without_layer_types": (
+        lambda: make_model(tiny_config("llama", attention_chunk_size=5)),
+        "llama cannot be served exactly: it sets attention_chunk_size without naming its chunked layers in layer_types",
     ),
     "layer_without_attention": (
         lambda: llama_with_no_op_attention(1),

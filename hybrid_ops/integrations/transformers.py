@@ -224,7 +224,8 @@ def check_servable(model) -> list:
     def refuse(reason):
         raise HybridInputError(f"{model_type} cannot be served exactly: {reason}")
 
-    other_types = sorted(set(getattr(config, "layer_types", None) or ()) - set(_ATTENTION_LAYER_TYPES))
+    layer_types = getattr(config, "layer_types", None) or ()  # a config may have no such field (Llama's)
+    other_types = sorted(set(layer_types) - set(_ATTENTION_LAYER_TYPES))
     if other_types:
         refuse(
             f"its layer_types include {other_types}, layers with state or attention other than the op's "
@@ -235,7 +236,7 @@ def check_servable(model) -> list:
             refuse(f"its config's {name} mixes attention with other blocks that keep state outside attention")
     if "shared_kv_states" in inspect.signature(model.forward).parameters:
         refuse("it drafts for another model, attending over that model's K/V (shared_kv_states)")
-    if getattr(config, "attention_chunk_size", None) and "chunked_attention" not in (config.layer_types or ()):
+    if getattr(config, "attention_chunk_size", None) and "chunked_attention" not in layer_types:
         refuse("it sets attention_chunk_size without naming its chunked layers in layer_types")
     stateful = {
         name: module
