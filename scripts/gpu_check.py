@@ -34,7 +34,7 @@ if "--smoke" in sys.argv and not os.environ.get("TRITON_INTERPRET"):
 sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
-from reference import (  # noqa: E402
+from helpers.reference import (  # noqa: E402
     TOLERANCE,
     assert_close,
     expected_cache,

@@ -1,5 +1,6 @@
 """Which of transformers' causal LMs `hybrid_ops.generate` serves: every type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-on a tiny random config (tests/models.py), greedy, eager, against transformers' own generate on each prompt alone.
+on a tiny random config (tests/helpers/models.py), greedy, eager, against transformers' own generate on each prompt
+alone.
 
 Results (bench/results/models.md):
     identical                 the same tokens for every prompt
@@ -25,7 +26,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from models import hybrid_tokens, make_model, reference_tokens, tiny_config  # noqa: E402
+from helpers.models import hybrid_tokens, make_model, reference_tokens, tiny_config  # noqa: E402
 
 import hybrid_ops  # noqa: E402
 
@@ -85,7 +86,7 @@ def main(model_types):
         "# transformers causal LMs through hybrid_ops.generate",
         "",
         f"transformers {transformers.__version__}, torch {torch.__version__}: {len(rows)} model types of "
-        "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, each on a tiny random config (tests/models.py), greedy, eager, "
+        "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, each on a tiny random config (tests/helpers/models.py), greedy, eager, "
         "against transformers' own generate on each prompt alone. Made by `python scripts/model_coverage.py`.",
         "",
         f"**Totals:** {summary}.",

@@ -2,9 +2,8 @@
 
 import pytest
 import torch
-from reference import BACKENDS, assert_close, expected_cache, make_case, reference
-from test_transformers import SMALL
-from transformers import AutoModelForCausalLM, LlamaConfig
+from helpers.models import tiny_model
+from helpers.reference import BACKENDS, assert_close, expected_cache, make_case, reference
 
 import hybrid_ops
 from hybrid_ops import (
@@ -164,16 +163,6 @@ def test_replay_pads_a_smaller_batch(backend, mode, q_len, bs):
     plain.init_forward_metadata_capture_cuda_graph(bs, bs * q_len, mode)
     with pytest.raises(HybridInputError, match="padding it needs PagedKVCache\\(reserve_scratch=True\\)"):
         plain.init_forward_metadata_replay_cuda_graph(bs, real)
-
-
-def tiny_model():
-    """A one-layer Llama at half test_transformers.SMALL's width and positions, with 64 token ids."""
-    wide = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "max_position_embeddings")
-    config = LlamaConfig(
-        **{**SMALL, **{name: SMALL[name] // 2 for name in wide}, "vocab_size": 64, "num_hidden_layers": 1}
-    )
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
 
 
 def count_shapes(generator):

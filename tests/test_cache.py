@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 import torch
-from reference import assert_close, dense_attention, from_fp8, to_fp8
+from helpers.reference import assert_close, dense_attention, from_fp8, to_fp8
 
 from hybrid_ops import ForwardMode, HybridInputError, OutOfPagesError, PagedKVCache
 

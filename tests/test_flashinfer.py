@@ -18,9 +18,8 @@ import dataclasses
 
 import pytest
 import torch
-from reference import assert_close, expected_cache, fp8_case, make_case, reference, slow_except
-from test_fp8 import CASES as FP8_CASES
-from test_fp8 import check_fp8_call, scales
+from helpers.cases import FP8_CASES, check_fp8_call, scales
+from helpers.reference import assert_close, expected_cache, fp8_case, make_case, reference, slow_except
 
 import hybrid_ops
 from hybrid_ops import AttentionLayer, ForwardMode, HybridAttnBackend, PagedKVCache, PhaseBackend

@@ -12,8 +12,8 @@ import threading
 import numpy as np
 import pytest
 import torch
-from test_buckets import tiny_model
-from test_examples import EXAMPLES, run_script
+from helpers.models import tiny_model
+from helpers.scripts import EXAMPLES, run_script
 
 import hybrid_ops
 from hybrid_ops import GenerationStats, HybridGenerator, HybridInputError, HybridOpsError

@@ -3,7 +3,7 @@ never leave the tokens they keep."""
 
 import pytest
 import torch
-from test_transformers import PROMPTS, make_model
+from helpers.models import PROMPTS, small_model
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinPLogitsWarper,
@@ -67,7 +67,7 @@ def test_frequencies_follow_the_distribution(sampling):
 
 def test_generate_passes_top_k_and_seed_through():
     """top_k = 1 leaves one token to draw: sampled generation gives greedy generation's tokens."""
-    model = make_model("llama", "sdpa")
+    model = small_model("llama", "sdpa")
     greedy = hybrid_ops.generate(model, PROMPTS, 6, compile=False)
     assert hybrid_ops.generate(model, PROMPTS, 6, compile=False, do_sample=True, top_k=1, seed=3) == greedy
     runs = [

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from reference import assert_close, fp8_case, make_case, reference
+from helpers.reference import assert_close, fp8_case, make_case, reference
 
 import hybrid_ops
 from hybrid_ops import AttentionLayer, ForwardMode, HybridAttnBackend, PagedKVCache, PhaseBackend, build_metadata

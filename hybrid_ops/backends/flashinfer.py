@@ -33,6 +33,7 @@ import torch
 
 from ..errors import HybridInputError
 from ..fp8 import quantize, raw
+from ..validation import decode_shape_ok
 from .base import Backend
 from .deps import importable
 
@@ -171,7 +172,8 @@ class FlashInferBackend(Backend):
         batch = seq_lens.shape[0]
         if batch == 0 or num_tokens == 0:
             return None  # FlashInfer cannot plan an empty batch; the layers return empty outputs
-        if variant.path == "decode" and num_tokens % batch:
+        # The ops' check of q's rows, here on T = cu_seqlens_q[-1]: a plan has no q.
+        if variant.path == "decode" and not decode_shape_ok(num_tokens, batch):
             raise HybridInputError(
                 f"decode needs the same query length for every request: cu_seqlens_q[-1] = "
                 f"{num_tokens} tokens for {batch} requests"
