@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (
 )
 
 import hybrid_ops
-from hybrid_ops.generator import _sample, _Sampling
+from hybrid_ops.generation.sampler import SamplingParams, sample
 
 DRAWS = 40_000  # per row: a frequency's standard deviation is at most 0.0025
 # Two rows with distinct values (no ties at the k-th largest), in different orders.
@@ -22,8 +22,12 @@ LOGITS = torch.tensor(
 )
 
 
-def expected_probs(logits, sampling):
-    """float64 probabilities after transformers' own warpers, as its generate(do_sample=True) applies them."""
+def sampled(temperature, top_k, top_p, min_p):
+    return SamplingParams(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+
+
+def transformers_warpers(sampling):
+    """transformers' own warpers, in the order its generate(do_sample=True) applies them."""
     warpers = LogitsProcessorList([TemperatureLogitsWarper(sampling.temperature)])
     if sampling.top_k:
         warpers.append(TopKLogitsWarper(sampling.top_k))
@@ -31,30 +35,35 @@ def expected_probs(logits, sampling):
         warpers.append(TopPLogitsWarper(sampling.top_p))
     if sampling.min_p:
         warpers.append(MinPLogitsWarper(sampling.min_p))
-    return warpers(None, logits.double()).softmax(-1)
+    return warpers
+
+
+def expected_probs(logits, sampling):
+    """float64 probabilities after transformers' own warpers."""
+    return transformers_warpers(sampling)(None, logits.double()).softmax(-1)
 
 
 @pytest.mark.parametrize(
     "sampling",
     [
-        _Sampling(1.0, 0, 1.0, 0.0),
-        _Sampling(0.5, 0, 1.0, 0.0),
-        _Sampling(2.0, 0, 1.0, 0.0),
-        _Sampling(1.0, 3, 1.0, 0.0),
-        _Sampling(0.7, 5, 1.0, 0.0),
-        _Sampling(1.3, 1, 1.0, 0.0),
-        _Sampling(1.0, 0, 0.8, 0.0),
-        _Sampling(1.5, 0, 0.5, 0.0),
-        _Sampling(1.0, 0, 1.0, 0.2),
-        _Sampling(2.0, 0, 1.0, 0.4),
-        _Sampling(1.2, 6, 0.9, 0.1),
+        sampled(1.0, 0, 1.0, 0.0),
+        sampled(0.5, 0, 1.0, 0.0),
+        sampled(2.0, 0, 1.0, 0.0),
+        sampled(1.0, 3, 1.0, 0.0),
+        sampled(0.7, 5, 1.0, 0.0),
+        sampled(1.3, 1, 1.0, 0.0),
+        sampled(1.0, 0, 0.8, 0.0),
+        sampled(1.5, 0, 0.5, 0.0),
+        sampled(1.0, 0, 1.0, 0.2),
+        sampled(2.0, 0, 1.0, 0.4),
+        sampled(1.2, 6, 0.9, 0.1),
     ],
-    ids=str,
+    ids=lambda s: f"t{s.temperature}-k{s.top_k}-p{s.top_p}-m{s.min_p}",
 )
 def test_frequencies_follow_the_distribution(sampling):
     rows, vocab = LOGITS.shape
     generator = torch.Generator().manual_seed(1234)
-    tokens = _sample(LOGITS.repeat_interleave(DRAWS, 0), sampling, generator).view(rows, DRAWS)
+    tokens = sample(LOGITS.repeat_interleave(DRAWS, 0), sampling, generator).view(rows, DRAWS)
     want = expected_probs(LOGITS, sampling)
     assert ((want > 0).sum(-1) < vocab).all() or sampling.top_k == sampling.min_p == 0 and sampling.top_p == 1
     for i in range(rows):
