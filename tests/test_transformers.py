@@ -178,7 +178,7 @@ def test_logits_match_eager_attention_with_scale_window_and_soft_cap():
         tokens = [t for c in chunks for t in c]
         positions = [s + j for c, s in zip(chunks, starts) for j in range(len(c))]
         with torch.inference_mode():
-            logits = generator.forward(
+            logits = generator.runner.forward(
                 torch.tensor([tokens]), torch.tensor([positions]), torch.arange(len(tokens)), int(mode), *batch.metadata
             )
         got[0].append(logits[: len(chunks[0])])
