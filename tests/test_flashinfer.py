@@ -974,6 +974,55 @@ def test_tree_cuda_graph_replays(flashinfer_on_cpu, monkeypatch, mode, spec, sha
     assert graph[0]["custom_mask"].data_ptr() != graph[1]["custom_mask"].data_ptr()  # each tree variant its own
 
 
+@pytest.mark.parametrize("cache_dtype", slow_except(E4M3, [torch.bfloat16, E4M3]))
+def test_tree_phase_backend_capture_and_replay(flashinfer_on_cpu, monkeypatch, cache_dtype):
+    """sglang's graph runner for verify steps of trees through HybridAttnBackend: the capture hook (tree=True) names
+    the batch shape and points the tree mask at its static buffer, the eager warm-up plans each layer variant into
+    its CUDA-graph wrapper, the captured layers only run; after each replay hook, with another tree (the last with
+    fewer requests, padded), the layers, run as the graph runs them, attend over that step's tree."""
+    backend, kernels = flashinfer_on_cpu
+    fp8 = cache_dtype == E4M3
+    layers = [AttentionLayer(0, logit_cap=2.0), AttentionLayer(1, sliding_window=3)]
+    cache = PagedKVCache(
+        60, 4, 2, D, num_layers=2, max_pages_per_request=8, dtype=cache_dtype, reserve_scratch=True, kv_scale=0.5
+    )
+    phases = [PhaseBackend(cache, "flashinfer") for _ in range(2)]
+    hybrid = HybridAttnBackend(*phases, speculative_attention_mode="decode", speculative=True)
+    hybrid.init_cuda_graph_state(max_bs=3, max_num_tokens=15)
+    hybrid.init_forward_metadata_capture_cuda_graph(3, 15, ForwardMode.TARGET_VERIFY, tree=True)
+    static = hybrid.decode_backend.forward_batch
+    q, k, v = (torch.zeros(15, h, D, dtype=torch.bfloat16) for h in (8, 2, 2))
+    for layer in layers:  # the warm-up
+        hybrid.forward_extend(q, k, v, layer, static)
+    with cuda_graph_capture(monkeypatch, kernels):
+        for layer in layers:
+            hybrid.forward_extend(q, k, v, layer, static)
+    for seed, num_requests in ((1, 3), (2, 3), (3, 2)):
+        shapes = [(2, 2)] * num_requests
+        case, tree_mask = tree_case(shapes, [4 + seed, 9, 2 * seed][:num_requests], 6, seed, torch.bfloat16, full=True)
+        read = case
+        if fp8:
+            case, read, _ = fp8_case(case, E4M3, cache.k_scales[0], cache.v_scales[0])
+        pages = case.k_cache.shape[0]
+        for k_layer, v_layer in zip(cache.k_caches, cache.v_caches):
+            k_layer[:pages], v_layer[:pages] = case.k_cache, case.v_cache
+        real = hybrid_ops.build_metadata(
+            case.q_lens, case.seq_lens.tolist(), case.pages, max_pages=8, forward_mode=ForwardMode.TARGET_VERIFY
+        )
+        real.tree_mask = tree_mask
+        hybrid.init_forward_metadata_replay_cuda_graph(3, real)
+        tokens = case.q.shape[0]
+        for static_input, value in zip((q, k, v), (case.q, case.k, case.v)):
+            static_input[:tokens].copy_(value)
+        for layer in layers:
+            with cuda_graph_capture(monkeypatch, kernels):
+                out = hybrid.forward_extend(q, k, v, layer, static)
+            options = dict(sliding_window=layer.sliding_window, logit_cap=layer.logit_cap)
+            assert_close(out[:tokens], reference(read, tree_mask=tree_mask, **options), torch.bfloat16)
+        assert backend.plans_made == 2 + 2 * seed
+    assert ran_trees(kernels)
+
+
 def test_clear_errors(flashinfer_on_cpu):
     case = make_case([2, 1], [3, 0], head_dim=D, dtype=torch.float16)
     with pytest.raises(hybrid_ops.HybridInputError, match="same query length for every request"):
