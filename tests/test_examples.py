@@ -44,6 +44,7 @@ def test_gpu_check_script_smoke(tmp_path):
     out = run_script(ROOT / "scripts" / "gpu_check.py", "--smoke", "--out", tmp_path)
     for cache in ("torch.bfloat16", "torch.float8_e4m3fn"):
         assert f"correct: triton q torch.bfloat16, cache {cache}, every mode" in out
+    assert "trees: torch, prefill and verify" in out
     assert (tmp_path / "gpu_check_smoke_cpu.md").exists()
 
 
