@@ -130,6 +130,13 @@ def _cumsum(xs):
         yield total
 
 
+def first_visible_key(pos, sliding_window=-1, attention_chunk=-1):
+    """The first key a query at position `pos` sees (it sees keys first_visible_key .. pos): the window's last
+    sliding_window positions, from the start of its attention_chunk-long chunk."""
+    lo = max(0, pos - sliding_window + 1) if sliding_window > 0 else 0
+    return max(lo, pos - pos % attention_chunk) if attention_chunk > 0 else lo
+
+
 def reference(case: Case, scale=None, sliding_window=-1, logit_cap=0.0, sinks=None, attention_chunk=-1):
     """float64 attention from the dense per-request K/V, written plainly: [T, Hq, Dv] float64.
 
@@ -147,9 +154,7 @@ def reference(case: Case, scale=None, sliding_window=-1, logit_cap=0.0, sinks=No
         values = torch.cat([case.prefix_v[i], case.v[start : start + n].cpu()]).double()
         for j in range(n):
             pos = prefix + j
-            lo = max(0, pos - sliding_window + 1) if sliding_window > 0 else 0
-            if attention_chunk > 0:
-                lo = max(lo, pos - pos % attention_chunk)
+            lo = first_visible_key(pos, sliding_window, attention_chunk)
             for h in range(num_q_heads):
                 s = keys[lo : pos + 1, h // group] @ q[start + j, h] * scale
                 if logit_cap > 0:

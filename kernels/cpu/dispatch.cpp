@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "paged_attention.h"
+#include "schedule.h"
 
 namespace {
 
@@ -218,6 +219,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   m.def("decode_shape_ok", &decode_shape_ok);
   m.def("metadata_values_ok", &hybrid_ops::metadata_values_ok);
+  // The work schedule and the sizes it cuts by, for tests of its properties.
+  m.def("schedule", &hybrid_ops::work_schedule,
+        "(units, merges, pack_jobs): int64 rows of (request, head, num_heads, t0, num_tokens, lo, hi, partial, "
+        "packed, packed_from), (request, head, num_tokens, num_splits, partial, split_stride), (request, head, j0, n)",
+        py::arg("cu_seqlens_q"), py::arg("seq_lens"), py::arg("num_kv_heads"), py::arg("group"), py::arg("head_dim"),
+        py::arg("v_head_dim"), py::arg("sliding_window") = -1, py::arg("attention_chunk") = -1);
+  m.attr("KV_SPLIT") = hybrid_ops::cpu::KV_SPLIT;
+  m.attr("KV_SPLIT_ALL_HEADS") = hybrid_ops::cpu::KV_SPLIT_ALL_HEADS;
+  m.attr("BLOCK_ROWS") = hybrid_ops::cpu::BLOCK_ROWS;
+  m.attr("GEMM_ROWS") = hybrid_ops::cpu::GEMM_ROWS;
+  m.attr("GEMM_BLOCK_N") = hybrid_ops::cpu::GEMM_BLOCK_N;
   m.def("multiplies_in_cache_dtype", &hybrid_ops::multiplies_in_cache_dtype,
         "Whether many query rows over a 16-bit cache multiply in 16 bits (AMX) rather than fp32");
   m.def("configure", &configure,

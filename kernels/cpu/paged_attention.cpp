@@ -31,6 +31,7 @@
 #include <ATen/ops/empty.h>
 
 #include <atomic>
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -156,6 +157,16 @@ struct Of {
   using type = X;
 };
 
+// Items of a struct of int64_t fields as the rows of an int64 tensor, their fields in order.
+template <typename S>
+at::Tensor as_rows(const std::vector<S>& items) {
+  static_assert(std::is_standard_layout_v<S> && sizeof(S) % sizeof(int64_t) == 0);
+  auto out = at::empty({static_cast<int64_t>(items.size()), static_cast<int64_t>(sizeof(S) / sizeof(int64_t))},
+                       at::TensorOptions().dtype(at::kLong));
+  std::memcpy(out.data_ptr<int64_t>(), items.data(), items.size() * sizeof(S));
+  return out;
+}
+
 }  // namespace
 }  // namespace hybrid_ops::cpu
 
@@ -215,6 +226,31 @@ bool metadata_values_ok(const at::Tensor& cu_seqlens_q, const at::Tensor& seq_le
                         int64_t num_tokens, int64_t num_pages, int64_t page_size, bool decode) {
   const auto cu = cu_seqlens_q.contiguous(), lens = seq_lens.contiguous(), table = block_table.contiguous();
   return cpu::metadata_ok(cpu::metadata_of(cu, lens, table), num_tokens, num_pages, page_size, decode);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> work_schedule(const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+                                                             int64_t num_kv_heads, int64_t group, int64_t head_dim,
+                                                             int64_t v_head_dim, int64_t window,
+                                                             int64_t attention_chunk) {
+  TORCH_CHECK(cu_seqlens_q.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt && cu_seqlens_q.dim() == 1 &&
+                  seq_lens.dim() == 1 && cu_seqlens_q.size(0) == seq_lens.size(0) + 1,
+              "cu_seqlens_q [B + 1] and seq_lens [B] must be int32");
+  TORCH_CHECK(num_kv_heads > 0 && group > 0 && head_dim > 0 && v_head_dim > 0, "sizes must be positive");
+  const auto cu = cu_seqlens_q.contiguous(), lens = seq_lens.contiguous();
+  const cpu::Metadata md{.cu = cu.data_ptr<int32_t>(),
+                         .lens = lens.data_ptr<int32_t>(),
+                         .table = nullptr,
+                         .table_stride = 0,
+                         .width = 0,
+                         .num_requests = lens.size(0)};
+  TORCH_CHECK(md.cu[0] == 0, "cu_seqlens_q[0] must be 0");
+  for (int64_t i = 0; i < md.num_requests; ++i) {
+    TORCH_CHECK(md.cu[i + 1] >= md.cu[i] && md.lens[i] >= md.cu[i + 1] - md.cu[i],
+                "each request needs a query length in [0, seq_lens]");
+  }
+  const cpu::Schedule work =
+      cpu::schedule(md, cpu::schedule_params(num_kv_heads, group, head_dim, v_head_dim, window, attention_chunk));
+  return {cpu::as_rows(work.units), cpu::as_rows(work.merges), cpu::as_rows(work.pack_jobs)};
 }
 
 }  // namespace hybrid_ops
