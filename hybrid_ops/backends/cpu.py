@@ -107,7 +107,9 @@ def build():
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     build_dir = os.path.join(root, f"{name}_torch{torch.__version__.replace('+', '_')}_{digest.hexdigest()[:12]}")
     os.makedirs(os.path.join(build_dir, "generated"), exist_ok=True)
-    Path(build_dir, "generated", "options.h").write_bytes(header)
+    generated = Path(build_dir, "generated", "options.h")
+    if not generated.exists() or generated.read_bytes() != header:  # a new mtime would have ninja rebuild its includers
+        generated.write_bytes(header)
     fresh = not os.path.exists(os.path.join(build_dir, f"{name}.so"))
     if fresh:
         print(
