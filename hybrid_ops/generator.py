@@ -37,6 +37,7 @@ from .cache import PagedKVCache
 from .errors import HybridInputError, HybridOpsError
 from .fp8 import FP8_DTYPES
 from .modes import ForwardMode
+from .state import StatePool
 
 # (tokens per request, logits rows, mode) of steps with one request, one token or one logits row: sizes that
 # Dynamo specialises, with a graph each.
@@ -134,6 +135,13 @@ class HybridGenerator:
     their pages freed; `generate` and `stream` drop all of their call's requests. The error propagates and the
     generator stays usable.
 
+    A hybrid model (layers with recurrent or convolution state: linear attention, state space, short convolutions;
+    `integrations/stateful.py`) keeps each running request's state in a slot of `states` (a `StatePool` of
+    `max_batch_size` slots), taken at admission and freed with the request's pages; a slot counts as `state_pages`
+    pages of the budget (the pages its bytes would fill), so admission and preemption see K/V and state together. A
+    preempted request's state is dropped and computed again from its tokens. Prefix caching and `cuda_graphs` are
+    refused for such models.
+
     A model sharded with `tp_plan` runs on every rank of its group with the same prompts (checked): the cache holds the
     rank's own KV heads, the scheduling depends only on the tokens, and rank 0's sampled tokens are broadcast.
     """
@@ -193,10 +201,28 @@ class HybridGenerator:
         if tensor_parallel_group(model) is not None:  # refuses KV heads split across ranks, before any forward
             head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
             kv_heads_per_rank(model, head_dim)
-        layer_shapes = check_servable(model)  # each layer's (Hkv, D, Dv) as its attention passes K and V
+        # Each layer's (Hkv, D, Dv) as its attention passes K and V; the layers that keep state.
+        layer_shapes, mixers = check_servable(model)
+        for option, on, reason in (
+            ("prefix_caching", prefix_caching, "a cached page holds no state to start from"),
+            ("cuda_graphs", cuda_graphs, "their state op reads each step's metadata on the host"),
+        ):
+            if mixers and on:
+                raise HybridInputError(
+                    f"{option}=True is not supported for a model whose layers keep recurrent or convolution state "
+                    f"({mixers[0].name}): {reason}"
+                )
         pages_per_request = -(-max_seq_len // page_size)
+        self.states, self.state_pages = None, 0
+        if mixers:
+            self.states = StatePool(
+                [[(s.shape, s.dtype) for s in m.states] for m in mixers], max_batch_size, param.device
+            )
+            # A slot costs the pages that its bytes would fill, so that the budget bounds K/V and state together.
+            bytes_per_page = page_size * kv_cache_dtype.itemsize * sum(h * (d + dv) for h, d, dv in layer_shapes)
+            self.state_pages = -(-self.states.bytes_per_slot // bytes_per_page)
         self.cache = PagedKVCache(
-            num_pages or max_batch_size * pages_per_request,
+            num_pages or max_batch_size * (pages_per_request + self.state_pages),
             page_size,
             *layer_shapes[0][:2],
             layer_shapes=layer_shapes,
@@ -238,6 +264,7 @@ class HybridGenerator:
         """`_forward` on the code object that this generator's model and shapes share (see _FORWARD_CODES)."""
         shapes = (
             tuple((t.shape, t.dtype) for t in self.cache.k_caches + self.cache.v_caches),
+            None if self.states is None else tuple((t.shape, t.dtype) for t in self.states.all_states),
             self.cache.max_pages_per_request,
             self._backends,
             self.cuda_graphs,
@@ -246,8 +273,19 @@ class HybridGenerator:
         code = _FORWARD_CODES.setdefault(self.model, {}).setdefault(shapes, fn.__code__.replace())
         return types.MethodType(types.FunctionType(code, fn.__globals__, fn.__name__), self)
 
-    def _forward(self, input_ids, position_ids, logits_index, forward_mode: int, cu_seqlens_q, seq_lens, block_table):
-        """input_ids, position_ids: [1, T]; logits_index: [n] token rows to project -> logits [n, vocab]."""
+    def _forward(
+        self,
+        input_ids,
+        position_ids,
+        logits_index,
+        forward_mode: int,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        state_slots=None,
+    ):
+        """input_ids, position_ids: [1, T]; logits_index: [n] token rows to project; state_slots: [B] int32 or None
+        (a model without state) -> logits [n, vocab]."""
         step = self._step_type(
             forward_mode,
             cu_seqlens_q,
@@ -258,6 +296,8 @@ class HybridGenerator:
             *self._backends,
             k_scales=self.cache.k_scales,
             v_scales=self.cache.v_scales,
+            state_slots=state_slots,
+            states=None if self.states is None else self.states.states,
         )
         out = self.model(
             input_ids=input_ids,
@@ -411,11 +451,12 @@ class HybridGenerator:
                 f"{name}: {len(prompt)} prompt tokens + max_new_tokens = {max_new_tokens} exceed "
                 f"max_seq_len = {self.max_seq_len}"
             )
-        pages = self._pages(len(prompt) + max_new_tokens)
+        pages = self._pages(len(prompt) + max_new_tokens) + self.state_pages
         if pages > self.cache.num_pages:
+            state = f" and {self.state_pages} for its state" if self.state_pages else ""
             raise HybridInputError(
                 f"{name}: {len(prompt)} prompt tokens + max_new_tokens = {max_new_tokens} need "
-                f"{pages} pages, more than num_pages = {self.cache.num_pages}"
+                f"{pages} pages{state}, more than num_pages = {self.cache.num_pages}"
             )
         if not isinstance(do_sample, bool):
             raise HybridInputError(f"do_sample must be a bool, got {do_sample!r}")
@@ -444,12 +485,22 @@ class HybridGenerator:
         self._requests.pop(request.id, None)
         if request in self._running:
             self._running.remove(request)
-            self.cache.free(request.id)
+            self._free(request.id)
         elif request in self._waiting:
             self._waiting.remove(request)
 
     def _pages(self, num_tokens) -> int:
         return -(-num_tokens // self.cache.page_size)
+
+    def _held_state(self) -> int:
+        """The pages that the running requests' state slots count for."""
+        return self.state_pages * len(self._running)
+
+    def _free(self, request_id):
+        """Frees a request's pages and state slot."""
+        self.cache.free(request_id)
+        if self.states is not None:
+            self.states.free(request_id)
 
     @contextmanager
     def _exclusive(self):
@@ -468,19 +519,21 @@ class HybridGenerator:
         """Moves waiting requests to running, oldest first, while a slot and the pages for their prefill are free.
         With prefix caching a request starts on the cached pages of its tokens, and waits while a running request's
         prefill computes the next page it could take."""
-        promised = sum(self._pages(r.prefill_end) - self._pages(r.cached) for r in self._running)
+        promised = sum(self._pages(r.prefill_end) - self._pages(r.cached) for r in self._running) + self._held_state()
         while self._waiting and len(self._running) < self.max_batch_size:
             request = self._waiting[0]
             # Never the last token from the cache: the step that prefills it samples from its logits.
             cached = self.cache.add(
                 request.id, request.tokens(0, request.num_tokens - 1) if self.prefix_caching else ()
             )
-            need = self._pages(request.num_tokens) - self._pages(cached)
+            need = self._pages(request.num_tokens) - self._pages(cached) + self.state_pages
             # Taking cached pages that no request held lowered num_free_pages already.
             if need > self.cache.num_free_pages - promised or self._computing(request, cached):
                 self.cache.free(request.id)
                 break
             self._waiting.popleft()
+            if self.states is not None:
+                self.states.add(request.id)
             request.cached, request.prefill_end = cached, request.num_tokens
             bisect.insort(self._running, request, key=lambda r: r.id)
             promised += need
@@ -510,7 +563,7 @@ class HybridGenerator:
                 else:
                     batch.append((request, 1, False))
             need = sum(self._pages(r.cached + n) - self._pages(r.cached) for r, n, _ in batch)
-            if need <= self.cache.num_free_pages:
+            if need <= self.cache.num_free_pages - self._held_state():
                 break
             self._preempt(self._running[-1], stats)
         prefills = sum(prefill for _, _, prefill in batch)
@@ -523,9 +576,10 @@ class HybridGenerator:
         return batch, mode
 
     def _preempt(self, request, stats):
-        """Frees a running request's pages and queues it first: its prompt and tokens are prefilled again."""
+        """Frees a running request's pages and state and queues it first: its prompt and tokens are prefilled again
+        (so its state is computed again from them)."""
         self._running.remove(request)
-        self.cache.free(request.id)
+        self._free(request.id)
         self._waiting.appendleft(request)
         if stats is not None:
             stats.preemptions += 1
@@ -590,6 +644,7 @@ class HybridGenerator:
             torch.tensor(rows, device=self.device),
             int(mode),
             *meta.metadata,
+            None if self.states is None else self.states.slots(request_ids),
         )
         return logits[:num_rows]
 
@@ -600,18 +655,20 @@ class HybridGenerator:
             if (
                 len(counts) > self.max_batch_size
                 or max(counts) > self.max_seq_len
-                or sum(map(self._pages, counts)) > self.cache.num_pages
+                or sum(map(self._pages, counts)) + self.state_pages * len(counts) > self.cache.num_pages
             ):
                 continue  # a step no run can take either
             ids = [("warm-up", i) for i in range(len(counts))]
             for rid in ids:
                 self.cache.add(rid)
+                if self.states is not None:
+                    self.states.add(rid)
             try:
                 positions = [p for n in counts for p in range(n)]
                 self._run(ids, counts, [0] * len(positions), positions, rows, mode)
             finally:
                 for rid in ids:
-                    self.cache.free(rid)
+                    self._free(rid)
         self._warm = True
         artifacts = torch.compiler.save_cache_artifacts() if self.compile_cache else None
         if artifacts is not None:
