@@ -8,14 +8,16 @@ Tiny random models hide a missing state in their greedy tokens (lfm2, lfm2_moe a
 it), so the logits are compared: without their state they differ by 2e-4 to 0.5, with it by under 1e-6.
 """
 
+import random
 import re
 
 import pytest
 import torch
-from models import PROMPTS, make_model, tiny_config
+from models import GENERATION, PROMPTS, make_model, preempting_pages, reference_tokens, tiny_config
+from models import NEW_TOKENS as REFERENCE_TOKENS
 from torch.library import opcheck
 
-from hybrid_ops import ForwardMode, HybridInputError, PagedKVCache
+from hybrid_ops import ForwardMode, GenerationStats, HybridGenerator, HybridInputError, PagedKVCache
 from hybrid_ops.integrations.transformers import HybridStep, check_servable
 from hybrid_ops.state import StatePool
 
@@ -168,3 +170,55 @@ def test_op_refuses_bad_calls(lfm2, change, message):
             hidden, cu, seq_lens, slots, states, change.get("forward_mode", int(ForwardMode.MIXED)), mixer.id
         )
     assert all(torch.equal(a, b) for a, b in zip(states, before))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "granitemoehybrid"])
+def test_compiled_never_recompiles(model_type, fresh_dynamo):
+    """The generator's compiled forward (fullgraph) with the state op in its stateful layer: transformers' tokens
+    through EXTEND, MIXED and DECODE steps and preemptions; a second call with other prompts compiles nothing. Two
+    layers (a stateful one, an attention one): each of the warm-up's four graphs compiles the whole model."""
+    config = tiny_config(model_type, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    model = make_model(config)
+    others = [[(5 * i + 7 * j) % 100 + 3 for j in range(n)] for i, n in enumerate([5, 20, 9])]
+    expected = [reference_tokens(make_model(config), prompts) for prompts in (PROMPTS, others)]
+    generator = HybridGenerator(model, **{**GENERATION, "compile": True}, num_pages=preempting_pages(model))
+    stats = GenerationStats()
+    assert generator.generate(PROMPTS, REFERENCE_TOKENS, stats=stats) == expected[0]
+    assert set(stats.steps) == {"EXTEND", "MIXED", "DECODE"} and stats.preemptions > 0
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert generator.generate(others, REFERENCE_TOKENS) == expected[1]
+    assert generator.states.num_free_slots == generator.states.num_slots
+    assert generator.cache.num_free_pages == generator.cache.num_pages
+
+
+def test_load_ragged_requests_through_a_small_budget():
+    """50 ragged requests on a hybrid model through a budget that preempts: added a few at a time between steps,
+    some aborted, greedy and seeded sampling mixed. Every finished request has the tokens of its solo run, an aborted
+    one a prefix of them, and every page and state slot is free at the end."""
+    rng = random.Random(0)
+    model = make_model(tiny_config("qwen3_5_text"))
+    sizes = dict(max_batch_size=4, max_seq_len=40, page_size=4, prefill_chunk=12, compile=False)
+    solo = HybridGenerator(model, **{**sizes, "max_batch_size": 1})
+    generator = HybridGenerator(model, **sizes, num_pages=3 * (solo.state_pages + 5))
+    requests = []  # (prompt, max_new_tokens, sampling options)
+    for i in range(50):
+        sampling = dict(do_sample=True, temperature=0.8, top_k=20, seed=i) if i % 4 == 0 else {}
+        prompt = [rng.randrange(1, 128) for _ in range(rng.randint(1, 28))]
+        requests.append((prompt, rng.randint(1, 12), sampling))
+    got, ids, aborted, stats, queue = {}, {}, set(), GenerationStats(), list(range(50))
+    while queue or generator.has_unfinished():
+        for i in queue[: rng.randint(0, 3)]:
+            ids[generator.add_request(requests[i][0], requests[i][1], **requests[i][2])], got[i] = i, []
+            queue.remove(i)
+        rid = rng.choice(list(ids)) if ids and rng.random() < 0.03 else None
+        if rid is not None and generator.abort(rid):
+            aborted.add(ids[rid])
+        for rid, tokens, _ in generator.step(stats):
+            got[ids[rid]] += tokens
+    assert stats.preemptions > 0 and aborted
+    assert generator.cache.num_free_pages == generator.cache.num_pages and generator.cache.requests == []
+    assert generator.states.num_free_slots == generator.states.num_slots and generator.states.requests == []
+    for i, (prompt, max_new_tokens, sampling) in enumerate(requests):
+        want = solo.generate([prompt], max_new_tokens, **sampling)[0]
+        assert got[i] == want[: len(got[i])] and (len(got[i]) == len(want) or i in aborted), f"request {i}"
