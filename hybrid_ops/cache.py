@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import HybridInputError, OutOfPagesError
-from .fp8 import FP8_DTYPES
+from .fp8 import FP8_DTYPES, raw
 from .metadata import ForwardBatch, build_metadata
 from .modes import ForwardMode
 
@@ -233,6 +233,45 @@ class PagedKVCache:
         del pages[keep:], self._tokens[request_id][length:]
         self._lengths[request_id] = length
 
+    def keep(self, request_id, num_new_tokens: int, indices) -> None:
+        """Keep, of the request's last `num_new_tokens` tokens, those at `indices` (increasing): their K/V move to the
+        slots right after the tokens before them, in every layer, and the others are dropped (a speculative tree's
+        accepted path: the tokens the target's verify step wrote at linear slots, a path such as 0, 2, 5 of them).
+
+        One gather and one scatter per cache tensor, whatever the number of tokens; pages that another request or the
+        prefix cache holds are copied before they are written (copy on write). The request's registered token ids
+        (`register_tokens`) stop before the last new tokens: register the kept ones again. Nothing changes on a bad
+        argument."""
+        length = self.seq_len(request_id)
+        if not (isinstance(num_new_tokens, int) and 0 <= num_new_tokens <= length):
+            raise HybridInputError(f"num_new_tokens must be an int in [0, {length}], got {num_new_tokens!r}")
+        indices = list(indices)
+        if not all(isinstance(i, int) and 0 <= i < num_new_tokens for i in indices) or any(
+            b <= a for a, b in zip(indices, indices[1:])
+        ):
+            raise HybridInputError(
+                f"indices must be increasing ints in [0, {num_new_tokens}) (of the last new tokens), got {indices}"
+            )
+        start = length - num_new_tokens
+        moves = [(start + i, start + k) for k, i in enumerate(indices) if i != k]
+        if moves:
+            written = sorted({dst // self.page_size for _, dst in moves})
+            shared = [p for p in written if self._shared(self._pages[request_id][p])]
+            if len(shared) > self.num_free_pages:
+                raise OutOfPagesError(
+                    f"keeping these tokens copies {len(shared)} shared pages, only {self.num_free_pages} are free"
+                )
+            for index in shared:
+                self._copy_page(request_id, index)
+            pages = torch.tensor(self._pages[request_id], device=self.device)
+            src, dst = (torch.tensor(positions, device=self.device) for positions in zip(*moves))
+            src, dst = (pages[p // self.page_size] * self.page_size + p % self.page_size for p in (src, dst))
+            for cache in self.k_caches + self.v_caches:
+                rows = raw(cache).view(-1, *cache.shape[2:])
+                rows.index_copy_(0, dst, rows.index_select(0, src))
+        del self._tokens[request_id][start:]
+        self.truncate(request_id, start + len(indices))
+
     def _release(self, pages):
         """Drops one hold on each page; a page no request holds goes back to the allocator (a keyed one stays
         cached). Callers release a request's last pages first, so those are evicted before the pages they follow."""
@@ -254,17 +293,20 @@ class PagedKVCache:
         self._refs[page] = 1
         return page
 
+    def _shared(self, page) -> bool:
+        """Whether another request or the prefix cache holds the page (a request must not write it)."""
+        return self._refs[page] > 1 or page in self._cached
+
     def _shared_write(self, request_id, num_new_tokens) -> bool:
         """Whether the request's new tokens start inside a page that another request or the prefix cache holds."""
         length = self._lengths[request_id]
         if num_new_tokens == 0 or length % self.page_size == 0:
             return False
-        page = self._pages[request_id][length // self.page_size]
-        return self._refs[page] > 1 or page in self._cached
+        return self._shared(self._pages[request_id][length // self.page_size])
 
-    def _copy_on_write(self, request_id):
-        """Gives the request its own copy of the page its next token goes to."""
-        pages, index = self._pages[request_id], self._lengths[request_id] // self.page_size
+    def _copy_page(self, request_id, index):
+        """Gives the request its own copy of its page `index` (in its page list), in every layer."""
+        pages = self._pages[request_id]
         page = self._allocate()
         for cache in self.k_caches + self.v_caches:
             cache[page] = cache[pages[index]]
@@ -300,7 +342,7 @@ class PagedKVCache:
             raise OutOfPagesError(f"the step needs {pages_needed} new pages, only {self.num_free_pages} are free")
         for rid, n, length in zip(request_ids, num_new_tokens, new_lens):
             if self._shared_write(rid, n):  # asked again: a request that copied a page first left it to this one
-                self._copy_on_write(rid)
+                self._copy_page(rid, self._lengths[rid] // self.page_size)
             pages = self._pages[rid]
             while len(pages) * self.page_size < length:
                 pages.append(self._allocate())

@@ -12,6 +12,25 @@ schema text, defaults and checks, and the backend features they need, all come f
 them, with what each means). v and v_cache may have a head dim Dv other than q's and k's D (MLA-style models); the
 output is then [T, Hq, Dv]. The routing keywords of `attn` and `plan` are `ROUTE_DEFAULTS`, also declared once.
 
+Speculative trees: `tree_mask` ([T, Q] bool, Q the largest query length in the batch) replaces the causal order of
+each request's new tokens by a tree's ancestry. Row t (token j of request i) says which of request i's new tokens
+0..q_len_i - 1 token j sees; the cached prefix is seen in full. A token always sees itself, and only earlier new tokens
+(a tree laid out parents first, as EAGLE and Medusa lay it out): entries on and above the diagonal, and columns past
+q_len_i, are not read. The K/V of the new tokens still go to the linear slots seq_lens[i] - q_len_i + j; what changes
+is positions: token j's is prefix + depth_j, where depth_j is the number of earlier new tokens it sees (for an
+ancestry, its depth in the tree), and `sliding_window` and `attention_chunk` compare these positions, as they would in
+a plain sequence holding only the token's ancestors. With validation on (and in the backends that read the metadata),
+a row that does not see its own token, sees a later one, or a Q below a request's q_len is refused.
+
+    new tokens   0 1 2 3 4        tree: 0 -> 1 -> 3, 0 -> 2 -> 4     positions: prefix + (0 1 1 2 2)
+    token 3      x x . x .        sees its ancestors 0, 1 and itself
+    token 4      x . x . x
+
+It is named for what it describes rather than after FlashInfer's `custom_mask`, which is another layout (packed bits
+over the whole KV, prefix included, one ragged block per request); its fixed size lets a CUDA graph read the current
+tree from a static buffer. None is today's causal attention, and a causal tree gives the same output bit for bit on
+the torch and cpu backends: the tree only removes keys from the same computation.
+
 The dispatcher passes a keyword to the implementations only where it differs from its default, so they take the
 options as `**keywords` and build `Options(**keywords)`: the dataclass fills in the rest. A call runs as: the checks
 (`validation`: tensors, then every option in use), the route (`attn`: `modes.select_path`), the backend (the
@@ -82,9 +101,8 @@ def _run(path, tensors, backend, arg, options):
     spec = Spec(q.device, q.dtype, k_cache.dtype, q.shape[-1], v.shape[-1], options.features())
     impl = get_backend(backend, spec, arg)
     if validation_enabled() and not impl.checks_values:
-        check_metadata_values(
-            cu_seqlens_q, seq_lens, block_table, q.shape[0], k_cache.shape[0], k_cache.shape[1], path == "decode"
-        )
+        sizes = (q.shape[0], k_cache.shape[0], k_cache.shape[1], path == "decode")
+        check_metadata_values(cu_seqlens_q, seq_lens, block_table, *sizes, options.tree_mask)
     return getattr(impl, path)(*tensors, options)
 
 

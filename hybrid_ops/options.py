@@ -62,6 +62,16 @@ def _sinks(name, value, options, q, k_cache):
     check_input(value.shape[0] == q.shape[1], lambda: f"{name} must have q's {q.shape[1]} heads, got {value.shape[0]}")
 
 
+def _tree_mask(name, value, options, q, k_cache):
+    if value.dtype != torch.bool or value.dim() != 2 or value.device != q.device:
+        raise HybridInputError(
+            f"{name} must be a [T, Q] bool tensor on q's device {q.device}, got "
+            f"{value.dtype} of shape {tuple(value.shape)} on {value.device}"
+        )
+    check_input(value.shape[0] == q.shape[0], lambda: f"{name} must have q's {q.shape[0]} rows, got {value.shape[0]}")
+    check_input(value.shape[1] > 0, lambda: f"{name} must have Q >= 1 columns, got shape {tuple(value.shape)}")
+
+
 def _kv_scale(name, value, options, q, k_cache):
     if k_cache.dtype not in FP8_DTYPES:
         raise HybridInputError(f"{name} applies to float8 caches only; k_cache is {k_cache.dtype}")
@@ -99,6 +109,10 @@ class Options:
         None, _kv_scale, "fp8_kv", "fp8 caches: [], [1] or [Hkv] float32, the cache holds k / k_scale; None: 1.0"
     )
     v_scale: torch.Tensor | None = option(None, _kv_scale, "fp8_kv", "as k_scale, for v")
+    # A tensor of fixed size, so that a CUDA graph reads the current tree from a static buffer (see TREE_MASK).
+    tree_mask: torch.Tensor | None = option(
+        None, _tree_mask, "tree_mask", "[T, Q] bool: which of its request's new tokens each token sees; None: causal"
+    )
 
     def resolve(self, head_dim: int, k_cache) -> "Options":
         """The options as backends receive them, for q's head dim and the cache (fp8: its scales [Hkv] each)."""

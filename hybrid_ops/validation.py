@@ -164,8 +164,10 @@ def check_decode_shape(q, seq_lens):
     )
 
 
-def check_metadata_values(cu_seqlens_q, seq_lens, block_table, num_tokens, num_pages, page_size, decode):
-    """Value checks of the metadata. Reads the values to the host (a sync on CUDA).
+def check_metadata_values(
+    cu_seqlens_q, seq_lens, block_table, num_tokens, num_pages, page_size, decode, tree_mask=None
+):
+    """Value checks of the metadata (and of a tree mask). Reads the values to the host (a sync on CUDA).
 
     Returns `(cu_seqlens_q, seq_lens)` as Python lists, for callers that loop over requests.
     """
@@ -197,4 +199,32 @@ def check_metadata_values(cu_seqlens_q, seq_lens, block_table, num_tokens, num_p
         raise HybridInputError(
             f"block_table[{i}, {j}] = {int(block_table[i, j])} is not a page of the cache (0 <= id < {num_pages})"
         )
+    if tree_mask is not None:
+        check_tree_values(tree_mask, cu)
     return cu, lens
+
+
+def check_tree_values(tree_mask, cu):
+    """tree_mask: [T, Q] bool; cu: cu_seqlens_q as a host list. Each request's block of new tokens must fit in Q, and
+    each row see itself and no later token (the rows of a tree laid out parents first)."""
+    q_lens = [b - a for a, b in zip(cu, cu[1:])]
+    longest = max(q_lens, default=0)
+    if longest > tree_mask.shape[1]:
+        raise HybridInputError(
+            f"tree_mask has Q = {tree_mask.shape[1]} columns, fewer than the longest request's {longest} new tokens"
+        )
+    device, rows = tree_mask.device, torch.tensor(q_lens)
+    local = torch.arange(tree_mask.shape[0]) - torch.tensor(cu[:-1]).repeat_interleave(rows)  # [T]: token t is j
+    column = torch.arange(tree_mask.shape[1])
+    own = (column == local[:, None]).to(device)
+    later = ((column > local[:, None]) & (column < rows.repeat_interleave(rows)[:, None])).to(device)
+    blind = (~tree_mask & own).any(1)
+    if bool(blind.any()):
+        t = int(blind.nonzero()[0])
+        raise HybridInputError(f"tree_mask[{t}, {int(local[t])}] is False: a token always sees itself")
+    ahead = tree_mask & later
+    if bool(ahead.any()):
+        t, c = (int(x) for x in ahead.nonzero()[0])
+        raise HybridInputError(
+            f"tree_mask[{t}, {c}] is True: a token sees only earlier new tokens (lay the tree out parents first)"
+        )

@@ -130,11 +130,20 @@ def _cumsum(xs):
         yield total
 
 
-def reference(case: Case, scale=None, sliding_window=-1, logit_cap=0.0, sinks=None, attention_chunk=-1):
+def tree_sees(tree_mask, start, n):
+    """Which new tokens each of a request's n new tokens sees under a tree mask (rows start .. start + n - 1):
+    itself, and the earlier ones its row names; all earlier ones without a mask. A list of n lists of n bools."""
+    return [
+        [c == j or (c < j and (tree_mask is None or bool(tree_mask[start + j, c]))) for c in range(n)] for j in range(n)
+    ]
+
+
+def reference(case: Case, scale=None, sliding_window=-1, logit_cap=0.0, sinks=None, attention_chunk=-1, tree_mask=None):
     """float64 attention from the dense per-request K/V, written plainly: [T, Hq, Dv] float64.
 
     sinks: [Hq] logits, each one more term exp(sink) in its head's softmax denominator; attention_chunk: a query at
-    position p sees keys from p - p % attention_chunk on.
+    position p sees keys from p - p % attention_chunk on; tree_mask: [T, Q] bool, a token sees the new tokens its
+    row names (`tree_sees`), and a new token's position is prefix + the number of earlier new tokens it sees.
     """
     q = case.q.double().cpu()
     num_q_heads, head_dim = q.shape[1:]
@@ -145,20 +154,23 @@ def reference(case: Case, scale=None, sliding_window=-1, logit_cap=0.0, sinks=No
     for i, (n, prefix) in enumerate(zip(case.q_lens, case.prefix_lens)):
         keys = torch.cat([case.prefix_k[i], case.k[start : start + n].cpu()]).double()
         values = torch.cat([case.prefix_v[i], case.v[start : start + n].cpu()]).double()
+        sees = tree_sees(tree_mask, start, n)
+        positions = list(range(prefix)) + [prefix + sum(row) - 1 for row in sees]  # of every key
         for j in range(n):
-            pos = prefix + j
+            pos = positions[prefix + j]
             lo = max(0, pos - sliding_window + 1) if sliding_window > 0 else 0
             if attention_chunk > 0:
                 lo = max(lo, pos - pos % attention_chunk)
+            seen = [s for s in range(prefix + n) if (s < prefix or sees[j][s - prefix]) and lo <= positions[s] <= pos]
             for h in range(num_q_heads):
-                s = keys[lo : pos + 1, h // group] @ q[start + j, h] * scale
+                s = keys[seen, h // group] @ q[start + j, h] * scale
                 if logit_cap > 0:
                     s = logit_cap * torch.tanh(s / logit_cap)
                 weights = torch.exp(s - s.max())
                 denominator = weights.sum()
                 if sinks is not None:
                     denominator += torch.exp(sinks[h].double() - s.max())
-                out[start + j, h] = weights / denominator @ values[lo : pos + 1, h // group]
+                out[start + j, h] = weights / denominator @ values[seen, h // group]
         start += n
     return out
 
@@ -277,3 +289,39 @@ def fp8_store_case(cache_dtype, k_scale, v_scale, head_dim=64):
     case.k.copy_(values * k_scale[:, None])
     case.v.copy_(values * v_scale[:, None])
     return case
+
+
+def random_tree(depth, width, rng, full=False):
+    """An EAGLE-style draft tree laid out level by level: the root, then up to `width` nodes per level (`full`:
+    exactly `width`) for `depth` levels, each node's parent on the level above. Returns its [n, n] bool rows (a node
+    sees itself and its ancestors) and its depths."""
+    parents, levels = [-1], [[0]]
+    for _ in range(depth):
+        level = []
+        for _ in range(width if full else rng.randint(1, width)):
+            parents.append(rng.choice(levels[-1]))
+            level.append(len(parents) - 1)
+        levels.append(level)
+    n = len(parents)
+    rows = torch.zeros(n, n, dtype=torch.bool)
+    for j in range(n):
+        node = j
+        while node >= 0:
+            rows[j, node] = True
+            node = parents[node]
+    return rows, rows.sum(1) - 1
+
+
+def tree_mask_for(trees, width, rng, above=False):
+    """[T, width] bool of per-request tree rows (`random_tree`'s), the columns past each request's tokens random (the
+    ops never read them); with `above`, the entries above the diagonal too (read by no kernel, but refused by the value
+    checks)."""
+    blocks = []
+    for rows in trees:
+        n = rows.shape[0]
+        block = torch.tensor([[rng.random() < 0.5 for _ in range(width)] for _ in range(n)], dtype=torch.bool)
+        block = block.view(n, width)
+        upper = torch.ones(n, n, dtype=torch.bool).triu(1)
+        block[:, :n] = rows | (block[:, :n] & upper) if above else rows
+        blocks.append(block)
+    return torch.cat(blocks) if blocks else torch.zeros(0, width, dtype=torch.bool)

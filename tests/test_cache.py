@@ -456,3 +456,103 @@ def test_random_requests_share_pages_and_never_write_what_another_reads():
     for rid in tokens:
         cache.free(rid)
     assert cache.num_free_pages == cache.num_pages and check_pages(cache) == Counter()
+
+
+# Speculative trees: the accepted path's K/V kept in place of the tree's.
+
+
+def filled_cache(dtype, num_pages=24):
+    """A cache of three layers of different shapes, its pages filled with random rows (fp8: random bytes)."""
+    cache = PagedKVCache(
+        num_pages=num_pages,
+        page_size=4,
+        num_kv_heads=2,
+        head_dim=8,
+        layer_shapes=[(2, 8, 8), (1, 16, 4), (2, 8, 8)],
+        max_pages_per_request=8,
+        dtype=dtype,
+    )
+    for t in cache.k_caches + cache.v_caches:
+        t.view(torch.uint8).copy_(torch.randint(0, 120, t.view(torch.uint8).shape, dtype=torch.uint8))
+    return cache
+
+
+def rows_of(cache, request_id):
+    """Per cache tensor, the request's rows in position order: [seq_len, Hkv, D] as bytes."""
+    pages = torch.tensor(cache.pages(request_id), dtype=torch.long)
+    positions = torch.arange(cache.seq_len(request_id))
+    return [
+        t.view(torch.uint8)[pages[positions // cache.page_size], positions % cache.page_size]
+        for t in cache.k_caches + cache.v_caches
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("prefix, num_new, indices", [(6, 9, [0, 2, 5]), (8, 5, [0, 1, 2, 3, 4]), (3, 12, [0, 4, 11]),
+                                                      (5, 7, [0]), (0, 6, [0, 1, 3])])  # fmt: skip
+def test_keep_matches_a_cache_of_the_accepted_tokens_only(dtype, prefix, num_new, indices):
+    """The path's rows end at consecutive slots after the prefix, in every layer, as in a cache where only they were
+    written; the pages past them return to the allocator; a request forked before the step (sharing the prefix's
+    pages) and one forked after it (sharing the tree's) read what they read before."""
+    cache = filled_cache(dtype)
+    cache.add("a")
+    cache.step(["a"], [prefix])
+    cache.fork("a", "before")
+    cache.step(["a"], [num_new])  # the verify step: its tokens' rows are the random ones written above
+    cache.fork("a", "after")
+    rows, others = rows_of(cache, "a"), {rid: rows_of(cache, rid) for rid in ("before", "after")}
+    cache.keep("a", num_new, indices)
+
+    kept = list(range(prefix)) + [prefix + i for i in indices]
+    assert cache.seq_len("a") == prefix + len(indices)
+    for got, before in zip(rows_of(cache, "a"), rows):
+        assert torch.equal(got, before[kept])
+    for rid, before in others.items():
+        assert all(torch.equal(got, old) for got, old in zip(rows_of(cache, rid), before)), rid
+    held = check_pages(cache)
+    assert len(cache.pages("a")) == -(-(prefix + len(indices)) // 4)
+    for rid in ("a", "before", "after"):
+        cache.free(rid)
+    assert cache.num_free_pages == cache.num_pages and check_pages(cache) == Counter() and held
+
+
+def test_keep_then_register_serves_the_path_as_a_prefix():
+    """After `keep`, the kept tokens are registered again; a later request with that prompt starts on the pages
+    holding the path's rows, and the pages keyed before (the tree's) are never written."""
+    cache = filled_cache(torch.float32)
+    cache.add("a")
+    cache.step(["a"], [4])
+    cache.register_tokens("a", [1, 2, 3, 4])
+    cache.step(["a"], [8])
+    cache.register_tokens("a", [5, 6, 7, 8, 9, 10, 11, 12])  # the tree's tokens, keyed as a chain: pages 2 and 3
+    tree_pages = cache.pages("a")[1:]
+    keyed = {page: [t[page].clone() for t in cache.k_caches + cache.v_caches] for page in tree_pages}
+    rows = rows_of(cache, "a")
+    cache.keep("a", 8, [0, 3, 4, 6])  # tokens 5, 8, 9, 11
+    cache.register_tokens("a", [5, 8, 9, 11])
+    for page, before in keyed.items():
+        assert all(torch.equal(t[page], old) for t, old in zip(cache.k_caches + cache.v_caches, before))
+    assert cache.add("b", [1, 2, 3, 4, 5, 8, 9, 11, 0]) == 8
+    for got, old in zip(rows_of(cache, "b"), rows):
+        assert torch.equal(got, old[[0, 1, 2, 3, 4, 7, 8, 10]])
+    check_pages(cache)
+
+
+@pytest.mark.parametrize(
+    "num_new, indices, message",
+    [
+        (9, [0, 2, 5], r"num_new_tokens must be an int in \[0, 8\], got 9"),
+        (4, [0, 2, 2], r"indices must be increasing ints in \[0, 4\) \(of the last new tokens\), got \[0, 2, 2\]"),
+        (4, [0, 4], r"indices must be increasing ints in \[0, 4\)"),
+        (4, [1, 0], r"indices must be increasing ints"),
+        (4, [0, 1.0], r"indices must be increasing ints"),
+    ],
+)
+def test_bad_keep_changes_nothing(num_new, indices, message):
+    cache = filled_cache(torch.float32)
+    cache.add("a")
+    cache.step(["a"], [8])
+    rows, pages = rows_of(cache, "a"), cache.pages("a")
+    with pytest.raises(HybridInputError, match=message):
+        cache.keep("a", num_new, indices)
+    assert cache.pages("a") == pages and all(torch.equal(a, b) for a, b in zip(rows_of(cache, "a"), rows))

@@ -104,6 +104,10 @@ def inputs(draw, first=None):
         args[3:5] = (cache.to(dtype) for cache, dtype in zip(args[3:5], cache_dtypes))
     options |= dict(zip(KV_SCALE_ARGS_OF, KV_SCALE_ARGS[draw(st.sampled_from(list(KV_SCALE_ARGS)))]()))
     options["sinks"] = torch.randn(case.q.shape[1]) if draw(st.booleans()) else None
+    width = max(q_lens, default=0) + draw(st.integers(0, 2))
+    options["tree_mask"] = None
+    if draw(st.booleans()):
+        options["tree_mask"] = torch.cat([torch.ones(n, width).tril() for n in [0, *q_lens]]).bool()
     bad_option = st.sampled_from([(name, value) for name, values in BAD_OPTIONS.items() for value in values])
     for mutation in [first or (lambda *a: a)] + draw(
         st.lists(st.one_of(st.sampled_from(list(MUTATIONS.values())), bad_option), max_size=2)
@@ -132,7 +136,7 @@ def test_cpp_and_python_checks_agree(first, data):
     args, options, decode = data.draw(inputs(MUTATIONS.get(first)))
     accepted = python_accepts(check_args, args, Options(**options))
     assert tensors_ok(*args) == python_accepts(check_tensors, *args)
-    assert native().args_ok(*args, **options) == accepted
+    assert native().args_ok(*args, **Options(**options).keywords()) == accepted
     event(f"arguments accepted: {accepted}")
     if not accepted:
         return

@@ -26,10 +26,10 @@ class TestContract(expecttest.TestCase):
         self.assertExpectedInline(
             schemas,
             """\
-hybrid::prefill(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, *, float? scale=None, int sliding_window=-1, float logit_cap=0., Tensor? sinks=None, int attention_chunk=-1, Tensor? k_scale=None, Tensor? v_scale=None, str backend="auto") -> Tensor
-hybrid::decode(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, *, float? scale=None, int sliding_window=-1, float logit_cap=0., Tensor? sinks=None, int attention_chunk=-1, Tensor? k_scale=None, Tensor? v_scale=None, str backend="auto") -> Tensor
-hybrid::attn(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, SymInt forward_mode, *, float? scale=None, int sliding_window=-1, float logit_cap=0., Tensor? sinks=None, int attention_chunk=-1, Tensor? k_scale=None, Tensor? v_scale=None, str prefill_backend="auto", str decode_backend="auto", str speculative_attention_mode="prefill") -> Tensor
-hybrid::plan(Tensor k_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, SymInt forward_mode, *, ScalarType q_dtype, int num_q_heads, float? scale=None, int sliding_window=-1, float logit_cap=0., Tensor? sinks=None, int attention_chunk=-1, Tensor? k_scale=None, Tensor? v_scale=None, str prefill_backend="auto", str decode_backend="auto", str speculative_attention_mode="prefill", bool cuda_graph=False) -> ()""",
+hybrid::prefill(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, *, float? scale=None, int sliding_window=-1, float logit_cap=0., Tensor? sinks=None, int attention_chunk=-1, Tensor? k_scale=None, Tensor? v_scale=None, Tensor? tree_mask=None, str backend="auto") -> Tensor
+hybrid::decode(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, *, float? scale=None, int sliding_window=-1, float logit_cap=0., Tensor? sinks=None, int attention_chunk=-1, Tensor? k_scale=None, Tensor? v_scale=None, Tensor? tree_mask=None, str backend="auto") -> Tensor
+hybrid::attn(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, SymInt forward_mode, *, float? scale=None, int sliding_window=-1, float logit_cap=0., Tensor? sinks=None, int attention_chunk=-1, Tensor? k_scale=None, Tensor? v_scale=None, Tensor? tree_mask=None, str prefill_backend="auto", str decode_backend="auto", str speculative_attention_mode="prefill") -> Tensor
+hybrid::plan(Tensor k_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, SymInt forward_mode, *, ScalarType q_dtype, int num_q_heads, float? scale=None, int sliding_window=-1, float logit_cap=0., Tensor? sinks=None, int attention_chunk=-1, Tensor? k_scale=None, Tensor? v_scale=None, Tensor? tree_mask=None, str prefill_backend="auto", str decode_backend="auto", str speculative_attention_mode="prefill", bool cuda_graph=False) -> ()""",
         )
 
     def test_bad_input_messages(self):
@@ -64,6 +64,10 @@ v_head_dim: v head dim must equal its cache's 16, got 8
 sinks_heads: sinks must have q's 4 heads, got 3
 sinks_dtype: sinks must be a [Hq] float32 tensor on q's device cpu, got torch.bfloat16 of shape (4,) on cpu
 zero_chunk: attention_chunk must be -1 (no chunking) or a positive int, got 0
+tree_dtype: tree_mask must be a [T, Q] bool tensor on q's device cpu, got torch.uint8 of shape (7, 4) on cpu
+tree_rank: tree_mask must be a [T, Q] bool tensor on q's device cpu, got torch.bool of shape (1, 3, 1) on cpu
+tree_rows: tree_mask must have q's 7 rows, got 6
+tree_columns: tree_mask must have Q >= 1 columns, got shape (7, 0)
 cache_not_contiguous: k_cache must be a contiguous [num_pages, page_size, Hkv, D] tensor, got strides (32, 256, 16, 1)
 cu_seqlens_len: cu_seqlens_q must have B + 1 = 3 entries (B = len(seq_lens)), got 2
 block_table_rows: block_table must have B = 2 rows (B = len(seq_lens)), got 1
@@ -92,5 +96,8 @@ block_id_high: block_table[0, 0] = 10000 is not a page of the cache (0 <= id < 8
 block_id_negative: block_table[1, 0] = -1 is not a page of the cache (0 <= id < 7)
 table_too_short: seq_lens[1] = 400 exceeds block_table's capacity of 4 pages x 4 = 16 tokens
 table_one_short: seq_lens[1] = 17 exceeds block_table's capacity of 4 pages x 4 = 16 tokens
+tree_narrow: tree_mask has Q = 3 columns, fewer than the longest request's 4 new tokens
+tree_blind: tree_mask[5, 2] is False: a token always sees itself
+tree_later: tree_mask[3, 1] is True: a token sees only earlier new tokens (lay the tree out parents first)
 decode_ragged_lengths: decode needs the same query length for every request, got [1, 0, 2]""",
         )

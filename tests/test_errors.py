@@ -43,6 +43,12 @@ def set_value(index, value):
     return fn
 
 
+def chain(*q_lens, width=None):
+    """A causal tree_mask for requests of `q_lens` new tokens: [T, width or the longest] bool."""
+    width = width or max(q_lens)
+    return torch.cat([torch.ones(n, width).tril() for n in q_lens]).bool()
+
+
 # name -> (op, mutation, expected error type, words the message must contain). Metadata-only ones also run
 # under torch.compile (the fake implementations raise them); value ones need the data.
 BAD_INPUTS = {
@@ -105,6 +111,10 @@ BAD_INPUTS = {
         "sinks must be a [Hq] float32 tensor",
     ),
     "zero_chunk": ("decode", replace(attention_chunk=lambda _: 0), "attention_chunk must be -1"),
+    "tree_dtype": ("prefill", replace(tree_mask=lambda _: chain(3, 4).byte()), "tree_mask must be a [T, Q] bool"),
+    "tree_rank": ("decode", replace(tree_mask=lambda _: chain(1, 1, 1)[None]), "tree_mask must be a [T, Q] bool"),
+    "tree_rows": ("prefill", replace(tree_mask=lambda _: chain(3, 3)), "tree_mask must have q's"),
+    "tree_columns": ("prefill", replace(tree_mask=lambda _: chain(3, 4)[:, :0]), "tree_mask must have Q >= 1"),
     "cache_not_contiguous": (
         "prefill",
         replace(k_cache=lambda t: t.transpose(0, 1).contiguous().transpose(0, 1)),
@@ -143,6 +153,21 @@ VALUE_INPUTS = {
         "prefill",
         replace(seq_lens=set_value(1, 17)),
         "seq_lens[1] = 17 exceeds block_table's capacity of 4 pages x 4 = 16 tokens",
+    ),
+    "tree_narrow": (
+        "prefill",
+        replace(tree_mask=lambda _: chain(3, 4)[:, :3]),
+        "tree_mask has Q = 3 columns, fewer than the longest request's 4 new tokens",
+    ),
+    "tree_blind": (
+        "prefill",
+        replace(tree_mask=lambda _: set_value((5, 2), False)(chain(3, 4))),
+        "tree_mask[5, 2] is False: a token always sees itself",
+    ),
+    "tree_later": (
+        "prefill",
+        replace(tree_mask=lambda _: set_value((3, 1), True)(chain(3, 4))),
+        "tree_mask[3, 1] is True: a token sees only earlier new tokens",
     ),
     "decode_ragged_lengths": (
         "decode",
@@ -290,4 +315,6 @@ def test_bad_values_in_validation_mode_for_backends_that_mask(name, backend_name
     check its values for them, before the cache is written."""
     op, mutation, words = VALUE_INPUTS[name]
     assert not hybrid_ops.get_backend(backend_named).checks_values
+    if name.startswith("tree_") and "tree_mask" not in hybrid_ops.get_backend(backend_named).features:
+        pytest.skip(f"{backend_named} has no tree_mask yet")
     check_rejected(op, lambda args, kwargs: mutation(args, {**kwargs, "backend": backend_named}), words)

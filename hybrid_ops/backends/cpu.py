@@ -135,7 +135,7 @@ class CpuBackend(Backend):
     name = "cpu"
     requirement = "a C++ compiler and ninja to build its kernels (pip install ninja)"
     checks_values = True  # the kernel checks the metadata's values before it writes anything (see `prefill`)
-    features = ALL_FEATURES
+    features = ALL_FEATURES - {"tree_mask"}
 
     def __init__(self):
         self._module = None

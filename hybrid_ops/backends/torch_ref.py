@@ -42,17 +42,19 @@ def _matmul_branch(batch, query_rows, options, head_dims):
 
 
 class StepMetadata:
-    """What every layer of a step derives from the metadata alone.
+    """What every layer of a step derives from the metadata (and the tree mask, if any) alone.
 
     key: what else it depends on (T, the caches' shape, dtype and device, decode, determinism).
     """
 
-    def __init__(self, key, cu_seqlens_q, seq_lens, block_table, num_tokens, k_cache, v_cache, decode):
+    def __init__(self, key, metadata, num_tokens, k_cache, v_cache, decode):
+        """metadata: (cu_seqlens_q, seq_lens, block_table, tree_mask or None)."""
         num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
+        cu_seqlens_q, seq_lens, block_table, tree_mask = metadata
         self.key = key
-        self.metadata = (cu_seqlens_q.clone(), seq_lens.clone(), block_table.clone())
+        self.metadata = tuple(None if t is None else t.clone() for t in metadata)
         self.cu, self.lens = check_metadata_values(
-            cu_seqlens_q, seq_lens, block_table, num_tokens, num_pages, page_size, decode
+            cu_seqlens_q, seq_lens, block_table, num_tokens, num_pages, page_size, decode, tree_mask
         )
         self.slots = new_token_slots(cu_seqlens_q, seq_lens, block_table, num_tokens, page_size)  # [T] int64
         self.page_size = page_size
@@ -64,9 +66,10 @@ class StepMetadata:
         self.device = block_table.device
         self._masks, self._requests, self._tables, self._gather_index, self._padding_rows = {}, {}, None, None, None
 
-    def matches(self, key, cu_seqlens_q, seq_lens, block_table) -> bool:
+    def matches(self, key, metadata) -> bool:
         return key == self.key and all(
-            torch.equal(a, b) for a, b in zip((cu_seqlens_q, seq_lens, block_table), self.metadata)
+            a is b is None or (a is not None and b is not None and torch.equal(a, b))
+            for a, b in zip(metadata, self.metadata)
         )
 
     def gather_index(self):
@@ -106,13 +109,27 @@ class StepMetadata:
             self._requests[i] = (pages[0], None) if consecutive else (None, torch.tensor(pages, device=self.device))
         return self._requests[i]
 
+    def tree(self, request, num_queries):
+        """[B, n, n] bool: which new tokens each new token sees (itself and the earlier ones its tree row names), for
+        request `request` or for the whole batch (request None, n new tokens each); None for causal rows."""
+        tree_mask, n = self.metadata[3], num_queries
+        if tree_mask is None:
+            return None
+        start, stop = (0, len(self.lens) * n) if request is None else (self.cu[request], self.cu[request] + n)
+        rows = tree_mask[start:stop, :n].view(-1, n, n)
+        causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+        rows = (rows & causal) | torch.eye(n, dtype=torch.bool, device=self.device)
+        return None if torch.equal(rows, causal.expand_as(rows)) else rows
+
     def mask(self, request, num_queries, options, matmul):
         """(bias, is_causal) for request `request`'s queries, or for the whole batch when `request` is None.
 
         bias: [B, 1, n, L] float32 (0 where a query sees a key, -inf elsewhere; L the longest sequence), or None
         when every query sees every key, or when `is_causal` (the queries are the whole sequence, SDPA's plain
         causal case, which needs no mask unless `matmul`). A query at position p sees keys at positions
-        max(p - sliding_window, p - p % attention_chunk) < ... <= p when those options are on.
+        max(p - sliding_window, p - p % attention_chunk) < ... <= p when those options are on; a tree's token
+        sees only the new tokens its row names, and positions count only those (`ops`: prefix + depth). A causal
+        tree takes the same way as none, so its output is the same bit for bit.
         """
         sliding_window, attention_chunk = options.sliding_window, options.attention_chunk
         key = (request, num_queries, sliding_window, attention_chunk, matmul)
@@ -120,21 +137,38 @@ class StepMetadata:
             lens = self.lens if request is None else [self.lens[request]]
             length = max(lens)
             windowed = 0 < sliding_window < length or 0 < attention_chunk < length
-            is_causal = len(lens) == 1 and num_queries == length and not windowed and not matmul
-            if is_causal or (num_queries == 1 and min(lens) == length and not windowed):
+            tree = self.tree(request, num_queries)
+            plain = tree is None and not windowed
+            is_causal = plain and len(lens) == 1 and num_queries == length and not matmul
+            if is_causal or (plain and num_queries == 1 and min(lens) == length):
                 self._masks[key] = None, is_causal
             else:
-                seq_lens = torch.tensor(lens, device=self.device)
-                query_pos = seq_lens[:, None] - num_queries + torch.arange(num_queries, device=self.device)
-                key_pos = torch.arange(length, device=self.device)
-                visible = key_pos <= query_pos[:, :, None]  # causal; also hides the padding of shorter requests
-                if sliding_window > 0:
-                    visible &= key_pos > query_pos[:, :, None] - sliding_window
-                if attention_chunk > 0:
-                    visible &= key_pos >= (query_pos - query_pos % attention_chunk)[:, :, None]
+                visible = self._visible(lens, num_queries, tree, sliding_window, attention_chunk)
                 bias = torch.zeros(visible.shape, device=self.device).masked_fill_(~visible, float("-inf"))
                 self._masks[key] = bias[:, None], False
         return self._masks[key]
+
+    def _visible(self, lens, n, tree, sliding_window, attention_chunk):
+        """[B, n, L] bool: which of the L keys each of the n queries of each request sees."""
+        device = self.device
+        prefix = torch.tensor(lens, device=device)[:, None] - n  # [B, 1]
+        slot = torch.arange(max(lens), device=device)
+        column = slot - prefix  # [B, L]: a new key's index among the new tokens, negative in the prefix
+        visible = column[:, None, :] <= torch.arange(n, device=device)[:, None]  # causal; hides shorter requests' pads
+        depth = torch.arange(n, device=device).expand(len(lens), n)
+        key_pos = slot.expand(len(lens), -1)
+        if tree is not None:
+            new = column >= 0
+            index = column.clamp(0, n - 1)
+            visible &= ~new[:, None, :] | tree.gather(2, index[:, None, :].expand(-1, n, -1))
+            depth = tree.sum(-1) - 1
+            key_pos = torch.where(new, prefix + depth.gather(1, index), slot)
+        query_pos = prefix + depth  # [B, n]
+        if sliding_window > 0:
+            visible &= key_pos[:, None, :] > query_pos[:, :, None] - sliding_window
+        if attention_chunk > 0:
+            visible &= key_pos[:, None, :] >= (query_pos - query_pos % attention_chunk)[:, :, None]
+        return visible
 
 
 class Workspace:
@@ -216,9 +250,10 @@ class TorchBackend(Backend):
     def supports(self, spec) -> bool:
         return spec.dtype in FLOAT_DTYPES
 
-    def step_metadata(self, cu_seqlens_q, seq_lens, block_table, num_tokens, k_cache, v_cache, decode) -> StepMetadata:
-        """The plan for this metadata: the kept one when its values are the same, else a new one (which checks
-        them, raising `HybridInputError` before anything is written)."""
+    def step_metadata(self, metadata, num_tokens, k_cache, v_cache, decode) -> StepMetadata:
+        """The step's derived metadata: the kept one when the values of `metadata` (cu_seqlens_q, seq_lens,
+        block_table, tree_mask or None) are the same, else a new one (which checks them, raising `HybridInputError`
+        before anything is written)."""
         key = (
             num_tokens,
             k_cache.shape,
@@ -229,8 +264,8 @@ class TorchBackend(Backend):
             deterministic_enabled(),
         )
         step = self._step
-        if step is None or not step.matches(key, cu_seqlens_q, seq_lens, block_table):
-            step = StepMetadata(key, cu_seqlens_q, seq_lens, block_table, num_tokens, k_cache, v_cache, decode)
+        if step is None or not step.matches(key, metadata):
+            step = StepMetadata(key, metadata, num_tokens, k_cache, v_cache, decode)
             self._step = step
             self.steps_derived += 1
         return step
@@ -238,7 +273,8 @@ class TorchBackend(Backend):
     def prefill(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, options, decode=False):
         _, page_size, num_kv_heads, head_dim = k_cache.shape
         head_dims = (head_dim, v_cache.shape[3])
-        step = self.step_metadata(cu_seqlens_q, seq_lens, block_table, q.shape[0], k_cache, v_cache, decode)
+        metadata = (cu_seqlens_q, seq_lens, block_table, options.tree_mask)
+        step = self.step_metadata(metadata, q.shape[0], k_cache, v_cache, decode)
         for cache, new, kv_scale in ((k_cache, k, options.k_scale), (v_cache, v, options.v_scale)):
             if kv_scale is not None:
                 new = quantize(new, kv_scale, cache.dtype)

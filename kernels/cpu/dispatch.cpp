@@ -95,6 +95,11 @@ bool args_ok(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
                    o.sinks->device().is_cpu())) {
     return false;
   }
+  if (o.tree_mask &&
+      !(o.tree_mask->scalar_type() == at::kBool && o.tree_mask->dim() == 2 && o.tree_mask->size(0) == q.size(0) &&
+        o.tree_mask->size(1) > 0 && o.tree_mask->device().is_cpu())) {
+    return false;
+  }
   // k, v in q's dtype; both caches in q's dtype or both in one fp8 dtype, the scales only with fp8, both or neither.
   const auto dtype = q.scalar_type(), cache_dtype = k_cache.scalar_type();
   if (dtype != at::kFloat && dtype != at::kHalf && dtype != at::kBFloat16) return false;
@@ -141,6 +146,7 @@ at::Tensor run_native(bool decode, const at::Tensor& q, const at::Tensor& k, con
                       at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
                       const at::Tensor& block_table, const Options& o) {
   if (!args_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, o)) return {};
+  if (o.tree_mask) return {};  // served by the other backends (CpuBackend.features)
   if (decode && !decode_shape_ok(q.size(0), seq_lens.size(0))) return {};
   return attend(decode, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, o);
 }
