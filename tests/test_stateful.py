@@ -172,6 +172,21 @@ def test_op_refuses_bad_calls(lfm2, change, message):
     assert all(torch.equal(a, b) for a, b in zip(states, before))
 
 
+@pytest.mark.parametrize("slots, running", [(1, 1), (2, 2)])
+def test_state_counts_in_the_page_budget(slots, running):
+    """A running request's slot counts as `state_pages` pages: a budget of two requests' pages and one slot's admits
+    one of them at a time (not both, to preempt one), with two slots' both."""
+    model = make_model(tiny_config("lfm2"))
+    sizes = dict(max_batch_size=2, max_seq_len=10, page_size=4, compile=False)
+    state_pages = HybridGenerator(model, **sizes).state_pages
+    generator = HybridGenerator(model, **sizes, num_pages=2 * 2 + slots * state_pages)
+    for prompt in ([1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]):
+        generator.add_request(prompt, 2)
+    stats = GenerationStats()
+    generator.step(stats)  # both prompts (2 pages each) prefilled, or one
+    assert state_pages > 0 and len(generator.states.requests) == running and stats.preemptions == 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "granitemoehybrid"])
 def test_compiled_never_recompiles(model_type, fresh_dynamo):
@@ -216,6 +231,9 @@ def test_load_ragged_requests_through_a_small_budget():
             aborted.add(ids[rid])
         for rid, tokens, _ in generator.step(stats):
             got[ids[rid]] += tokens
+        # The running requests' pages and slots within the budget, after every step.
+        used = generator.cache.num_pages - generator.cache.num_free_pages
+        assert used + generator.state_pages * len(generator.states.requests) <= generator.cache.num_pages
     assert stats.preemptions > 0 and aborted
     assert generator.cache.num_free_pages == generator.cache.num_pages and generator.cache.requests == []
     assert generator.states.num_free_slots == generator.states.num_slots and generator.states.requests == []
