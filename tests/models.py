@@ -244,9 +244,13 @@ def hybrid_tokens(model, prompts=PROMPTS, new_tokens=NEW_TOKENS, **kwargs):
     return hybrid_ops.generate(model, prompts, new_tokens, **{**GENERATION, **kwargs})
 
 
+def state_pages(model) -> int:
+    """The pages that a request's state slot counts for in `hybrid_tokens`' budget; 0 for a model without state."""
+    return hybrid_ops.HybridGenerator(model, **GENERATION, max_seq_len=8).state_pages
+
+
 def preempting_pages(model, prompts=PROMPTS, new_tokens=NEW_TOKENS) -> int:
     """A page budget for `hybrid_tokens` that holds the longest request, with two requests' state slots (a model with
     state: their cost in pages), but not two long requests at once: requests are preempted."""
     longest = max(map(len, prompts)) + new_tokens
-    generator = hybrid_ops.HybridGenerator(model, **GENERATION, max_seq_len=longest)
-    return -(-longest // GENERATION["page_size"]) + 2 * generator.state_pages
+    return -(-longest // GENERATION["page_size"]) + 2 * state_pages(model)

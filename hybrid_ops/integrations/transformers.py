@@ -7,9 +7,10 @@ transformers builds neither a cache nor a mask (no cache keyword is passed, whic
 `past_key_values=` to `cache=`). A call without it, such as plain `model.generate()`, attends densely over the
 cache and mask that transformers passes, so a model switched to "hybrid" still works everywhere.
 
-`check_servable` refuses, before any generation, a model this forward cannot serve exactly: layers that keep state
-outside attention (transformers keeps it in the cache object, which this forward does not use), and attention that
-does not reach the op once per layer with the step (`probe_attention`). It also reads each layer's cache shape from
+`check_servable` refuses, before any generation, a model this forward cannot serve exactly: state that no served
+stateful layer holds (transformers keeps it in the cache object, which this forward does not use; the stateful
+layers it knows are served with state slots, `stateful.py`), and attention that does not reach the op once per layer
+with the step (`probe_attention`). It also reads each layer's cache shape from
 the K and V the layers actually pass, so per-layer head counts and head dims (MLA's qk vs v dims) are sized right.
 
 A model loaded with `tp_plan="auto"` holds a slice of the attention heads on each rank: the probe sees that slice's
