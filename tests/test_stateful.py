@@ -149,7 +149,8 @@ def test_op_contract(lfm2):
 
 
 BAD_CALLS = [  # (change to the arguments, the message)
-    (dict(forward_mode=int(ForwardMode.TARGET_VERIFY)), "forward_mode TARGET_VERIFY verifies draft tokens, but "),
+    (dict(forward_mode=int(ForwardMode.TARGET_VERIFY)), "forward_mode TARGET_VERIFY is a speculative mode, but "),
+    (dict(forward_mode=int(ForwardMode.DRAFT_EXTEND)), "forward_mode DRAFT_EXTEND is a speculative mode, but "),
     (dict(slots=[1, 1]), "state_slots must be distinct slots in [0, 4), got [1, 1]"),
     (dict(slots=[0, 4]), "state_slots must be distinct slots in [0, 4), got [0, 4]"),
     (dict(slots=[0]), "state_slots must have one slot per request (2), got 1"),
@@ -157,7 +158,7 @@ BAD_CALLS = [  # (change to the arguments, the message)
 ]
 
 
-@pytest.mark.parametrize("change, message", BAD_CALLS, ids=[m.split(" ")[0] for _, m in BAD_CALLS])
+@pytest.mark.parametrize("change, message", BAD_CALLS, ids=["-".join(m.split(" ")[:2]) for _, m in BAD_CALLS])
 def test_op_refuses_bad_calls(lfm2, change, message):
     """Every refusal before any state is written."""
     mixer = lfm2

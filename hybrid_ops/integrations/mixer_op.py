@@ -12,8 +12,8 @@ flattened after the tokens and concatenated: [1, T, F] (one tensor: torch cannot
 returns a list).
 
 Request i continues its state when it has a prefix (seq_lens[i] > its q_len) and starts from no state otherwise, so
-a slot is never read before the request's first forward writes it. The verify modes (TARGET_VERIFY, DRAFT_EXTEND)
-are refused: a recurrent state cannot be rolled back to drop the rejected draft tokens.
+a slot is never read before the request's first forward writes it. The speculative modes (TARGET_VERIFY,
+DRAFT_EXTEND) are refused: a recurrent state cannot be rolled back to drop rejected draft tokens.
 
 Like the attention ops, the op routes each call to a backend: the first of `MIXER_BACKENDS` that supports it. The
 torch backend runs the layer's own transformers code once per request (the requests that decode one token together,
@@ -114,8 +114,8 @@ def _mixer(hidden, cu_seqlens_q, seq_lens, state_slots, states, forward_mode, mi
     _check(hidden, cu_seqlens_q, seq_lens, state_slots, states, layer)
     if forward_mode in _REFUSED_MODES:
         raise HybridInputError(
-            f"forward_mode {ForwardMode(forward_mode).name} verifies draft tokens, but {layer.name} keeps a "
-            f"recurrent state, which cannot be rolled back to drop the rejected ones"
+            f"forward_mode {ForwardMode(forward_mode).name} is a speculative mode, but {layer.name} keeps a "
+            f"recurrent state, which cannot be rolled back to drop rejected draft tokens"
         )
     slots = state_slots.tolist()
     num_slots = states[0].shape[0] if states else 0
