@@ -9,7 +9,7 @@ from . import ops  # noqa: F401  (registers torch.ops.hybrid.*)
 from .backends import Backend, backend_names, get_backend, register_backend, unregister_backend
 from .cache import PagedKVCache
 from .errors import HybridInputError, HybridOpsError, OutOfPagesError
-from .generator import GenerationStats, HybridGenerator, generate
+from .generation import GenerationStats, HybridGenerator, SamplingParams, generate
 from .integrations.sglang import AttentionLayer, HybridAttnBackend, PhaseBackend
 from .metadata import ForwardBatch, build_metadata
 from .modes import ROUTING, ForwardMode, select_path
@@ -33,6 +33,7 @@ __all__ = [
     "OutOfPagesError",
     "PagedKVCache",
     "PhaseBackend",
+    "SamplingParams",
     "register_backend",
     "ROUTING",
     "select_path",

@@ -20,10 +20,11 @@ import torch
 
 from .errors import HybridInputError
 from .metadata import ForwardBatch
-from .modes import ForwardMode
+from .modes import ROUTING, ForwardMode
 
-# Modes whose requests all have the same query length (what `decode` needs): padding requests copy it.
-UNIFORM_MODES = (ForwardMode.DECODE, ForwardMode.IDLE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
+# The modes that ROUTING may send to the decode path (under either speculative_attention_mode): `decode` needs the
+# same query length for every request, so their batches have one, and padding requests copy it.
+UNIFORM_MODES = tuple(mode for mode, paths in ROUTING.items() if "decode" in paths)
 
 
 def _capped(sizes, maximum):

@@ -126,7 +126,7 @@ class PagedKVCache:
         return len(self._free_pages) + len(self._evictable)
 
     @property
-    def num_cached_pages(self) -> int:
+    def num_evictable_pages(self) -> int:
         """Of `num_free_pages`, those keeping a cached prefix until the allocator needs them."""
         return len(self._evictable)
 

@@ -26,12 +26,13 @@ from .modes import ForwardMode
 
 @dataclass
 class ForwardBatch:
-    """One step's batch: its mode and metadata tensors."""
+    """One step's batch: its mode and metadata tensors, and the tree mask of a speculative tree step."""
 
     forward_mode: ForwardMode
     cu_seqlens_q: torch.Tensor  # [B + 1] int32
     seq_lens: torch.Tensor  # [B] int32
     block_table: torch.Tensor  # [B, max_pages] int32
+    tree_mask: torch.Tensor | None = None  # [T, Q] bool: the ops' `tree_mask`; None: causal
 
     @property
     def batch_size(self) -> int:

@@ -18,15 +18,9 @@ class ForwardMode(enum.IntEnum):
     TARGET_VERIFY = 5  # the target model checks draft tokens, the same number per request
     DRAFT_EXTEND = 6  # the draft model extends over accepted tokens
 
-    # The groups sglang's code asks about; a single mode is a comparison (`mode == ForwardMode.DECODE`).
-    def is_extend(self) -> bool:
-        return self in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND, ForwardMode.TARGET_VERIFY)
-
+    # The group sglang's backend interface asks about; a single mode is a comparison (`mode == ForwardMode.DECODE`).
     def is_decode_or_idle(self) -> bool:
         return self in (ForwardMode.DECODE, ForwardMode.IDLE)
-
-    def is_speculative(self) -> bool:
-        return self in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
 
 
 def check_speculative_attention_mode(speculative_attention_mode: str) -> None:

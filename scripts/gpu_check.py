@@ -7,6 +7,9 @@
    window and soft-cap, over caches of q's dtype and fp8 caches (e4m3, e5m2, per kv head scales; exact cache bytes);
    prefill queries up to 100 tokens (FlashInfer's FA3 kernels on an H100/H200 past 64). Triton with fp8 caches also
    over long prefixes, and its store's bytes against torch's conversion where an approximate division would show.
+   Speculative trees (`tree_mask`) on every backend that serves them: random trees of depths 1-6 and widths 1-4,
+   prefill and verify, with a window shorter than their depths and a soft-cap, bf16 and e4m3 caches (FlashInfer: its
+   fa2 kernel reading the custom mask that kernels/custom_mask.py packs on the GPU).
 2. torch.compile(mode="reduce-overhead") of a module calling torch.ops.hybrid.plan(cuda_graph=True) then
    torch.ops.hybrid.attn with EXTEND, DECODE and TARGET_VERIFY alternating: CUDA-graph trees must replay it (no
    "skipping cudagraphs"), with correct outputs and the KV writes landing in the caller's cache.
@@ -24,6 +27,7 @@ import json
 import logging
 import logging.handlers
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -34,18 +38,21 @@ if "--smoke" in sys.argv and not os.environ.get("TRITON_INTERPRET"):
 sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
-from reference import (  # noqa: E402
+from helpers.reference import (  # noqa: E402
     TOLERANCE,
     assert_close,
     expected_cache,
     fp8_case,
     fp8_store_case,
     make_case,
+    random_tree,
     reference,
+    tree_mask_for,
 )
 
 import hybrid_ops  # noqa: E402
 from hybrid_ops import ForwardMode  # noqa: E402
+from hybrid_ops.backends import registry  # noqa: E402
 from hybrid_ops.backends.deps import importable  # noqa: E402
 
 
@@ -125,6 +132,46 @@ def check_correctness(device, smoke, report):
                 f"correct: {backend} q {dtype}, cache {cache_dtype or dtype}, every mode, both speculative settings"
             )
             print(report[-1], flush=True)
+
+
+def check_trees(device, smoke, report):
+    """Every backend here that serves `tree_mask`: trees over ragged prefill (with a request of one token) and over
+    verify (as many nodes in every tree), against float64 over the same tree; bf16 q over bf16 and e4m3 caches."""
+    rng = random.Random(0)
+    shapes = [(3, 2)] if smoke else [(1, 1), (3, 2), (6, 4), (4, 3)]
+    options = dict(sliding_window=3, logit_cap=20.0)  # the window shorter than the trees' depths
+    kv_scales = {"k_scale": torch.tensor([0.3, 1.7], device=device), "v_scale": torch.tensor([2.5, 0.6], device=device)}
+    for backend in [b for b in available_backends(device) if "tree_mask" in registry.lookup(b).features]:
+        for cache_dtype in (None, torch.float8_e4m3fn):
+            for op in ("prefill", "decode"):
+                for depth, width in shapes:
+                    trees = [random_tree(depth, width, rng, full=op == "decode")[0] for _ in range(4)]
+                    if op == "prefill":
+                        trees[1] = trees[1][:1, :1]
+                    case = make_case(
+                        [t.shape[0] for t in trees],
+                        [30, 0, 65, 12],
+                        num_q_heads=8,
+                        num_kv_heads=2,
+                        head_dim=128,
+                        page_size=16,
+                        dtype=torch.bfloat16,
+                        device=device,
+                        seed=depth,
+                    )
+                    tree_mask = tree_mask_for(trees, 64, rng)
+                    read, (k_ref, v_ref), scales = case, expected_cache(case), {}
+                    if cache_dtype is not None:
+                        case, read, (k_ref, v_ref) = fp8_case(case, cache_dtype, *kv_scales.values())
+                        scales = kv_scales
+                    out = getattr(torch.ops.hybrid, op)(
+                        *case.args, tree_mask=tree_mask.to(device), backend=backend, **options, **scales
+                    )
+                    assert_close(out.cpu(), reference(read, tree_mask=tree_mask, **options), torch.bfloat16)
+                    raw = (lambda t: t.cpu().view(torch.uint8)) if cache_dtype else (lambda t: t.cpu())
+                    assert torch.equal(raw(case.k_cache), k_ref.cpu()) and torch.equal(raw(case.v_cache), v_ref.cpu())
+        report.append(f"trees: {backend}, prefill and verify, (depth, width) {shapes}, bf16 and e4m3 caches")
+        print(report[-1], flush=True)
 
 
 def check_triton_fp32(device, report):
@@ -418,6 +465,7 @@ def main():
         [],
     )
     check_correctness(device, args.smoke, report)
+    check_trees(device, args.smoke, report)
     check_triton_fp32(device, report)
     check_triton_many_rows(device, report)
     check_triton_fp8(device, args.smoke, report)

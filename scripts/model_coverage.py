@@ -1,6 +1,6 @@
 """Which of transformers' causal LMs `hybrid_ops.generate` serves: every type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-on a tiny random config (tests/models.py), greedy, eager, through a page budget that preempts, against transformers'
-own generate on each prompt alone.
+on a tiny random config (tests/helpers/models.py), greedy, eager, through a page budget that preempts, against
+transformers' own generate on each prompt alone.
 
 Results (bench/results/models.md):
     identical                 the same tokens for every prompt (detail: the preemptions; a model with state: what
@@ -27,7 +27,14 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from models import hybrid_tokens, make_model, preempting_pages, reference_tokens, state_pages, tiny_config  # noqa: E402
+from helpers.models import (  # noqa: E402
+    hybrid_tokens,
+    make_model,
+    preempting_pages,
+    reference_tokens,
+    state_pages,
+    tiny_config,
+)
 
 import hybrid_ops  # noqa: E402
 
@@ -93,9 +100,9 @@ def main(model_types):
         "# transformers causal LMs through hybrid_ops.generate",
         "",
         f"transformers {transformers.__version__}, torch {torch.__version__}: {len(rows)} model types of "
-        "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, each on a tiny random config (tests/models.py), greedy, eager, through "
-        "a page budget that preempts (the longest request's pages and two state slots), against transformers' own "
-        "generate on each prompt alone. Made by `python scripts/model_coverage.py`.",
+        "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, each on a tiny random config (tests/helpers/models.py), greedy, eager, "
+        "through a page budget that preempts (the longest request's pages and two state slots), against "
+        "transformers' own generate on each prompt alone. Made by `python scripts/model_coverage.py`.",
         "",
         f"**Totals:** {summary}.",
         "",

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from reference import BACKENDS, assert_close, expected_cache, make_case, reference
+from helpers.reference import BACKENDS, assert_close, expected_cache, make_case, reference
 
 import hybrid_ops
 from hybrid_ops import ForwardMode

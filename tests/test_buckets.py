@@ -2,9 +2,8 @@
 
 import pytest
 import torch
-from reference import BACKENDS, assert_close, expected_cache, make_case, reference
-from test_transformers import SMALL
-from transformers import AutoModelForCausalLM, LlamaConfig
+from helpers.models import tiny_model
+from helpers.reference import BACKENDS, assert_close, expected_cache, make_case, reference
 
 import hybrid_ops
 from hybrid_ops import (
@@ -166,25 +165,15 @@ def test_replay_pads_a_smaller_batch(backend, mode, q_len, bs):
         plain.init_forward_metadata_replay_cuda_graph(bs, real)
 
 
-def tiny_model():
-    """A one-layer Llama at half test_transformers.SMALL's width and positions, with 64 token ids."""
-    wide = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "max_position_embeddings")
-    config = LlamaConfig(
-        **{**SMALL, **{name: SMALL[name] // 2 for name in wide}, "vocab_size": 64, "num_hidden_layers": 1}
-    )
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-
-
 def count_shapes(generator):
     """Wraps the generator's forward to collect the input shapes of every call; returns the list."""
-    shapes, forward = [], generator.forward
+    shapes, forward = [], generator.runner.forward
 
     def forward_counting(*args):
         shapes.append(tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))
         return forward(*args)
 
-    generator.forward = forward_counting
+    generator.runner.forward = forward_counting
     return shapes
 
 
@@ -201,7 +190,7 @@ def test_generator_pads_every_step_to_a_bucket(fresh_dynamo):
     plain_shapes = count_shapes(plain)
     want = plain.generate(prompts, 8)
     padded = HybridGenerator(model, cuda_graphs=True, **options)
-    assert padded.token_counts == [1, 2, 4, 8, 14] and padded.batch_sizes == [1, 2, 4, 5]
+    assert padded.runner.token_counts == [1, 2, 4, 8, 14] and padded.runner.batch_sizes == [1, 2, 4, 5]
     shapes, stats = count_shapes(padded), GenerationStats()
     assert padded.generate(prompts, 8, stats=stats) == want
     assert set(stats.steps) == {"EXTEND", "MIXED", "DECODE"}
@@ -209,7 +198,7 @@ def test_generator_pads_every_step_to_a_bucket(fresh_dynamo):
     for ids, positions, rows, cu_seqlens_q, seq_lens, block_table in shapes:
         num_tokens, bs = ids[1], seq_lens[0]
         assert positions == ids and rows == seq_lens and cu_seqlens_q == (bs + 1,) and block_table == (bs, 10)
-        assert bs in padded.batch_sizes and (num_tokens in padded.token_counts or num_tokens == bs)
+        assert bs in padded.runner.batch_sizes and (num_tokens in padded.runner.token_counts or num_tokens == bs)
         used.add((num_tokens, bs))
     assert len(set(shapes)) == len(used) < len(set(plain_shapes))
     assert padded.cache.num_free_pages == padded.cache.num_pages

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 import torch
-from reference import assert_close, dense_attention, from_fp8, to_fp8
+from helpers.reference import assert_close, dense_attention, from_fp8, to_fp8
 
 from hybrid_ops import ForwardMode, HybridInputError, OutOfPagesError, PagedKVCache
 
@@ -142,7 +142,7 @@ def check_pages(cache):
     assert sorted([*held, *unused, *cached]) == list(range(cache.num_pages))
     assert [cache._refs[page] for page in range(cache.num_pages)] == [held[page] for page in range(cache.num_pages)]
     assert cache.num_free_pages == len(unused) + len(cached) == cache.num_pages - len(held)
-    assert cache.num_cached_pages == len(cached)
+    assert cache.num_evictable_pages == len(cached)
     return held
 
 
@@ -273,9 +273,9 @@ def test_truncating_into_a_shared_or_cached_page_copies_it_before_writing():
     cache.free("b")
 
     cache.truncate("a", 6)  # "a" alone, but its second page is a cached prefix page: it stays as it is
-    assert cache.num_cached_pages == 1  # the third page, no longer held
+    assert cache.num_evictable_pages == 1  # the third page, no longer held
     write_tokens(cache, "a", 1)
-    assert cache.pages("a")[1] not in pages and cache.num_cached_pages == 2
+    assert cache.pages("a")[1] not in pages and cache.num_evictable_pages == 2
     assert cache.match(tokens) == pages
     assert torch.equal(k_cache[pages[1]], k[4:8]) and torch.equal(v_cache[pages[2]], v[8:12])
     check_pages(cache)
@@ -298,9 +298,9 @@ def test_a_finished_requests_pages_serve_a_later_prefix_until_evicted():
     prompt = list(range(1, 12))  # two full pages and 3 tokens
     pages = run_and_free(cache, "a", prompt)
     k = cache.layer(0)[0][pages[:2]].clone()
-    assert cache.num_free_pages == 6 and cache.num_cached_pages == 2
+    assert cache.num_free_pages == 6 and cache.num_evictable_pages == 2
     assert cache.add("b", prompt + [20, 21]) == 8 and cache.pages("b") == pages[:2]
-    assert cache.num_free_pages == 4 and cache.num_cached_pages == 0 and cache.seq_len("b") == 8
+    assert cache.num_free_pages == 4 and cache.num_evictable_pages == 0 and cache.seq_len("b") == 8
     write_tokens(cache, "b", 3)
     assert cache.pages("b")[:2] == pages[:2]
     assert torch.equal(cache.layer(0)[0][pages[:2]], k)
@@ -310,9 +310,9 @@ def test_a_finished_requests_pages_serve_a_later_prefix_until_evicted():
 
     cache.add("d")
     write_tokens(cache, "d", 17)  # 5 pages: the 4 unused ones, then the second cached page (released first)
-    assert cache.match(prompt) == pages[:1] and cache.num_cached_pages == 1
+    assert cache.match(prompt) == pages[:1] and cache.num_evictable_pages == 1
     write_tokens(cache, "d", 4)
-    assert cache.match(prompt) == [] and cache.num_cached_pages == 0 and cache.num_free_pages == 0
+    assert cache.match(prompt) == [] and cache.num_evictable_pages == 0 and cache.num_free_pages == 0
     with pytest.raises(OutOfPagesError):
         write_tokens(cache, "d", 4)
     cache.free("d")
@@ -340,7 +340,7 @@ def test_keys_are_exact_token_chains():
     b_pages = cache.pages("b")
     cache.free("b")
     cache.free("c")
-    assert cache.match([7, 8, 9, 10]) == b_pages and cache.num_cached_pages == 4
+    assert cache.match([7, 8, 9, 10]) == b_pages and cache.num_evictable_pages == 4
     check_pages(cache)
 
 
@@ -412,14 +412,14 @@ def test_random_requests_share_pages_and_never_write_what_another_reads():
                 for rid in ids
             }
             before = {rid: (cache.pages(rid), cache.seq_len(rid)) for rid in live}
-            cached = cache.num_cached_pages
+            cached = cache.num_evictable_pages
             try:
                 batch = cache.step(ids, [len(new[rid]) for rid in ids])
             except OutOfPagesError:
                 assert {rid: (cache.pages(rid), cache.seq_len(rid)) for rid in live} == before
                 seen["refused"] += 1
                 continue
-            seen["evicted"] += cache.num_cached_pages < cached
+            seen["evicted"] += cache.num_evictable_pages < cached
             held = check_pages(cache)
             for i, rid in enumerate(ids):
                 table = batch.block_table[i].tolist()

@@ -2,16 +2,16 @@
 backend's entry points and kernel, which decide without Python whether a call may run). Both must accept exactly the
 same inputs: one that C++ accepted and Python would refuse would run unchecked; one C++ refused and Python accepts
 only costs a detour. Random batches (caches in q's dtype or fp8, with scale arguments good and bad, sinks, chunks),
-each with a random set of the bad inputs of test_errors.py and random metadata values, are put to both."""
+each with a random set of the bad inputs of helpers/bad_inputs.py and random metadata values, are put to both."""
 
 import math
 
 import pytest
 import torch
+from helpers.bad_inputs import BAD_INPUTS, VALUE_INPUTS, valid_case
+from helpers.reference import make_case
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from reference import make_case
-from test_errors import BAD_INPUTS, VALUE_INPUTS, valid_case
 
 import hybrid_ops
 from hybrid_ops import HybridInputError
@@ -19,7 +19,7 @@ from hybrid_ops.options import FIELDS, Options
 from hybrid_ops.validation import check_args, check_metadata_values, check_tensors, decode_shape_ok, tensors_ok
 
 OPTION_NAMES = {f.name for f in FIELDS}
-# The mutations of test_errors.py that change the op's tensors or its options.
+# The mutations of helpers/bad_inputs.py that change the op's tensors or its options.
 MUTATIONS = {
     name: mutation
     for name, (op, mutation, _) in {**BAD_INPUTS, **VALUE_INPUTS}.items()

@@ -4,7 +4,7 @@ import random
 
 import pytest
 import torch
-from reference import assert_close, make_case, reference
+from helpers.reference import assert_close, make_case, reference
 from torch._dynamo.testing import CompileCounter
 from torch._inductor.utils import run_and_get_code
 

@@ -3,7 +3,7 @@ either shows here as a diff (`EXPECTTEST_ACCEPT=1 pytest tests/test_contract.py`
 
 import expecttest
 import torch
-from test_errors import BAD_INPUTS, VALUE_INPUTS, call, valid_case
+from helpers.bad_inputs import BAD_INPUTS, VALUE_INPUTS, call, valid_case
 
 import hybrid_ops
 

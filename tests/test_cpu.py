@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from reference import expected_cache, fp8_case, fp8_store_case, make_case, reference
+from helpers.reference import expected_cache, fp8_case, fp8_store_case, make_case, reference
 
 import hybrid_ops
 from hybrid_ops import ForwardMode, select_path

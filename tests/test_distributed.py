@@ -3,25 +3,23 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-import torch
-from test_transformers import MODELS, NEW_TOKENS, PROMPTS, SIZES, SMALL, make_model, reference_tokens
-from transformers import AutoModelForCausalLM, LlamaConfig
+from helpers.models import MODELS, NEW_TOKENS, PROMPTS, SIZES, SMALL, make_model, reference_tokens, small_model
+from helpers.scripts import ROOT
+from transformers import LlamaConfig
 
 import hybrid_ops
 
 pytestmark = pytest.mark.slow
 
-TESTS = Path(__file__).resolve().parent
 SHARDED = ["llama", "mistral_window"]
 
 
 def torchrun(*args):
     """Runs `args` on 2 ranks (a free port: `--standalone`); returns the finished process."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *map(str, args)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=TESTS.parent)
+    return subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +28,12 @@ def ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp")
     models = {}
     for name in SHARDED:
-        make_model(name, "sdpa").save_pretrained(tmp / name)
+        small_model(name).save_pretrained(tmp / name)
         models[name] = str(tmp / name)
-    torch.manual_seed(0)
-    one_kv_head = LlamaConfig(**{**SMALL, "num_key_value_heads": 1})
-    AutoModelForCausalLM.from_config(one_kv_head).save_pretrained(tmp / "one_kv_head")
+    make_model(LlamaConfig(**{**SMALL, "num_key_value_heads": 1})).save_pretrained(tmp / "one_kv_head")
     models["one_kv_head"] = str(tmp / "one_kv_head")
     (tmp / "spec.json").write_text(json.dumps({"models": models, "prompts": PROMPTS, "new_tokens": NEW_TOKENS}))
-    result = torchrun(TESTS / "tp_worker.py", tmp / "spec.json", tmp)
+    result = torchrun(ROOT / "tests" / "tp_worker.py", tmp / "spec.json", tmp)
     assert result.returncode == 0, result.stderr[-5000:]
     return [json.loads((tmp / f"rank{rank}.json").read_text()) for rank in range(2)]
 
@@ -45,7 +41,7 @@ def ranks(tmp_path_factory):
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
 @pytest.mark.parametrize("name", SHARDED)
 def test_ranks_generate_one_process_tokens(ranks, name, mode):
-    expected = reference_tokens(name)
+    expected = reference_tokens(small_model(name))
     for results in ranks:
         assert results[f"{name}/{mode}"] == expected
 
@@ -62,7 +58,7 @@ def test_ranks_sample_rank_zeros_tokens(ranks, name):
 
     def sampled(seed):
         """As tp_worker.py samples on the rank seeded with `seed`."""
-        model = make_model(name, "sdpa")
+        model = small_model(name)
         return hybrid_ops.generate(
             model, PROMPTS, NEW_TOKENS, compile=False, **SIZES, do_sample=True, top_k=20, seed=seed
         )
@@ -89,7 +85,7 @@ def test_kv_heads_that_do_not_divide_are_refused(ranks):
 
 
 def test_tensor_parallel_example():
-    result = torchrun(TESTS.parent / "examples" / "tensor_parallel.py", "--max-new-tokens", "4", "--prompts", "3")
+    result = torchrun(ROOT / "examples" / "tensor_parallel.py", "--max-new-tokens", "4", "--prompts", "3")
     assert result.returncode == 0, result.stderr[-5000:]
     assert "1 of 2 KV heads on each of 2 ranks" in result.stdout
     assert "tokens equal on every rank: True" in result.stdout

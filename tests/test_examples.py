@@ -3,27 +3,17 @@
 import os
 import re
 import runpy
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from reference import assert_close, dense_attention
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+from helpers.reference import assert_close, dense_attention
+from helpers.scripts import EXAMPLES, ROOT, run_script
 
 
 def run_example(name, monkeypatch, argv=()):
     monkeypatch.setattr(sys, "argv", [name, *argv])
     runpy.run_path(str(EXAMPLES / name), run_name="__main__")
-
-
-def run_script(*args, **kwargs):
-    """`python args...` in a process of its own (kwargs: subprocess.run's); its stdout, once it has exited with 0."""
-    result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=600, **kwargs)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
 
 
 def test_direct_op(monkeypatch, capsys):
@@ -51,16 +41,17 @@ def test_generate_demo():
 @pytest.mark.slow
 def test_gpu_check_script_smoke(tmp_path):
     """The GPU check script's logic, at tiny sizes on the CPU, so it is ready whenever a GPU is."""
-    out = run_script(EXAMPLES.parent / "scripts" / "gpu_check.py", "--smoke", "--out", tmp_path)
+    out = run_script(ROOT / "scripts" / "gpu_check.py", "--smoke", "--out", tmp_path)
     for cache in ("torch.bfloat16", "torch.float8_e4m3fn"):
         assert f"correct: triton q torch.bfloat16, cache {cache}, every mode" in out
+    assert "trees: torch, prefill and verify" in out
     assert (tmp_path / "gpu_check_smoke_cpu.md").exists()
 
 
 @pytest.mark.slow
 def test_bench_runs(tmp_path):
     """The benchmark script runs (its dispatch section, quick); it asserts no timings, it only must not rot."""
-    out = run_script("-m", "bench", "dispatch", "--quick", cwd=EXAMPLES.parent)
+    out = run_script("-m", "bench", "dispatch", "--quick", cwd=ROOT)
     assert "| compiled decode (T = 1), cpu backend |" in out
 
 
@@ -78,7 +69,7 @@ def test_bench_full_run_needs_matplotlib_first(monkeypatch, capsys):
 
 def test_readme_example():
     """The README's first Python block runs as written and attends causally (float64 reference)."""
-    readme = (EXAMPLES.parent / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
     scope = {}
     exec(re.search(r"```python\n(.*?)```", readme, re.S).group(1), scope)
     assert_close(scope["out"], dense_attention(scope["q"], scope["k"], scope["v"], prefix=0), torch.float32)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from expecttest import assert_expected_inline
-from reference import assert_close, expected_cache, make_case, reference
+from helpers.reference import assert_close, expected_cache, make_case, reference
 from torch._inductor import aoti_compile_and_package, aoti_load_package
 from torch.export import Dim
 

@@ -15,12 +15,24 @@ scripts/gpu_check.py.
 
 import contextlib
 import dataclasses
+import random
+import sys
 
+import numpy
 import pytest
 import torch
-from reference import assert_close, expected_cache, fp8_case, make_case, reference, slow_except
-from test_fp8 import CASES as FP8_CASES
-from test_fp8 import check_fp8_call, scales
+from helpers.cases import FP8_CASES, check_fp8_call, scales
+from helpers.reference import (
+    assert_close,
+    expected_cache,
+    fp8_case,
+    make_case,
+    random_tree,
+    reference,
+    slow_except,
+    tree_mask_for,
+    tree_sees,
+)
 
 import hybrid_ops
 from hybrid_ops import AttentionLayer, ForwardMode, HybridAttnBackend, PagedKVCache, PhaseBackend
@@ -70,13 +82,28 @@ def test_metadata_conversion(q_lens, seq_lens, page_size, padding):
 
 
 def paged_attention(
-    q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, last_page_len, out, causal, window_left, logit_cap, scale
+    q,
+    k_cache,
+    v_cache,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    last_page_len,
+    out,
+    causal,
+    window_left,
+    logit_cap,
+    scale,
+    custom_mask=None,
+    mask_indptr=None,
 ):
     """FlashInfer's paged attention as its arguments define it, in float64, into `out`.
 
     Request i's queries q[qo_indptr[i]:qo_indptr[i + 1]] attend its kv_len = (pages - 1) * page_size +
     last_page_len[i] positions on pages kv_indices[kv_indptr[i]:kv_indptr[i + 1]]. Query j of n sits at position
     kv_len - n + j; causal rows see positions up to their own, `window_left` w >= 0 keeps the last w + 1 of those.
+    A custom mask (MaskMode CUSTOM, uint8) replaces causality, read as FlashInfer's `variants.cuh` reads it: query j
+    sees key c if bit (j * kv_len + c) % 8 of byte mask_indptr[i] + (j * kv_len + c) // 8 is set.
     """
     page_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
     for i in range(last_page_len.shape[0]):
@@ -95,17 +122,21 @@ def paged_attention(
         position = torch.arange(kv_len - n, kv_len)[:, None]
         key = torch.arange(kv_len)[None, :]
         seen = key <= position if causal else torch.ones(n, kv_len, dtype=torch.bool)
+        if custom_mask is not None:
+            bit = torch.arange(n * kv_len).view(n, kv_len)
+            seen = (custom_mask[int(mask_indptr[i]) + bit // 8].long() >> (bit % 8)) & 1 == 1
         if window_left >= 0:
             seen &= key >= position - window_left
         out[q0:q1] = torch.einsum("hnl,lhd->nhd", s.masked_fill(~seen, float("-inf")).softmax(-1), values).to(out.dtype)
 
 
 class Kernels:
-    """FlashInfer's compiled batch-prefill module (its tensor-core decode runs it too), replaced.
+    """FlashInfer's compiled batch-prefill module (its tensor-core decode runs it too) and its mask packing, replaced.
 
     `module` stands for `get_batch_prefill_module` and records the kernel variant asked for; `plan` refuses to run
     under CUDA-graph capture (its host-to-device copies) and returns its integer arguments as the plan info;
-    `paged_run` records its arguments and computes `paged_attention` from them.
+    `paged_run` records its arguments and computes `paged_attention` from them; `segment_packbits` (the
+    quantization module's) packs as numpy does.
     """
 
     def __init__(self):
@@ -123,6 +154,12 @@ class Kernels:
         if capturing():
             raise RuntimeError("operation not permitted when stream is capturing")
         return list(plan_info)
+
+    def segment_packbits(self, x, indptr, indptr_new, bitorder, y):
+        """Each segment x[indptr[i]:indptr[i + 1]] (bool) packed into y[indptr_new[i]:indptr_new[i + 1]]."""
+        for i in range(indptr.shape[0] - 1):
+            segment = x[indptr[i] : indptr[i + 1]].numpy()
+            y[indptr_new[i] : indptr_new[i + 1]] = torch.from_numpy(numpy.packbits(segment, bitorder=bitorder))
 
     def paged_run(
         self,
@@ -161,7 +198,9 @@ class Kernels:
     ):
         from flashinfer.utils import MaskMode, TensorLayout
 
-        assert layout == TensorLayout.NHD.value and maybe_custom_mask is None
+        assert layout == TensorLayout.NHD.value
+        assert mask_mode in (MaskMode.NON_CAUSAL.value, MaskMode.CAUSAL.value, MaskMode.CUSTOM.value)
+        assert (maybe_custom_mask is not None) == (mask_mode == MaskMode.CUSTOM.value)
         assert q.dtype in HALF, "FlashInfer's fa2 kernels take an fp16 or bf16 q, fp8 caches included"
         call = dict(
             q=q,
@@ -176,6 +215,8 @@ class Kernels:
             window_left=window_left,
             logit_cap=logits_soft_cap,
             scale=sm_scale,
+            custom_mask=maybe_custom_mask,
+            mask_indptr=maybe_mask_indptr,
         )
         self.runs.append(dict(call, plan_info=list(plan_info_vec)))
         self.computing = True
@@ -220,6 +261,7 @@ def flashinfer_on_cpu(monkeypatch):
     import flashinfer.prefill
     import flashinfer.utils
 
+    packbits = sys.modules["flashinfer.quantization.packbits"]  # the name in flashinfer.quantization is a function
     kernels = Kernels()
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *args, pin_memory=False, **kwargs: empty(*args, **kwargs))
@@ -229,6 +271,7 @@ def flashinfer_on_cpu(monkeypatch):
     monkeypatch.setattr(flashinfer.utils, "is_sm90a_supported", lambda device: True)
     for module in (flashinfer.decode, flashinfer.prefill):
         monkeypatch.setattr(module, "get_batch_prefill_module", kernels.module)
+    monkeypatch.setattr(packbits, "get_quantization_module", lambda: kernels)
     monkeypatch.setattr(
         flashinfer.decode.BatchDecodeWithPagedKVCacheWrapper, "_auto_prefers_cudnn", lambda self, *args, **kwargs: False
     )
@@ -679,6 +722,304 @@ def test_fp8_fp32_q_goes_to_another_backend(flashinfer_on_cpu):
             hybrid_ops.HybridInputError, match="'flashinfer' does not support q on cpu with dtype torch.float32"
         ):
             torch.ops.hybrid.prefill(*fp8.args, k_scale=torch.ones(2), v_scale=torch.ones(2), backend="flashinfer")
+
+
+# -- speculative trees: FlashInfer's custom mask ---------------------------------------------------------------------
+
+TREE_OPTIONS = {
+    "plain": {},
+    "window": dict(sliding_window=3),  # shorter than the trees' depths: positions, not slots, decide
+    "softcap_scale": dict(logit_cap=2.0, scale=0.2),
+    "window_softcap": dict(sliding_window=5, logit_cap=2.0),
+}
+
+
+def tree_case(shapes, prefixes, width, seed, dtype=torch.float16, full=False, unread=False):
+    """A batch of random EAGLE-style trees: shapes[i] = (depth, width) of request i's tree (`full`: exactly that
+    many nodes a level), None for a request without new tokens. Returns (case, tree_mask [T, width] bool), whose
+    columns past a request's tokens are random; with `unread`, so are the entries above the diagonal, and the
+    diagonal is False (the ops read neither)."""
+    rng = random.Random(seed)
+    empty = torch.zeros(0, 0, dtype=torch.bool)
+    trees = [empty if shape is None else random_tree(*shape, rng, full=full)[0] for shape in shapes]
+    q_lens = [tree.shape[0] for tree in trees]
+    case = make_case(q_lens, prefixes, num_q_heads=8, num_kv_heads=2, head_dim=D, dtype=dtype, seed=seed)
+    tree_mask = tree_mask_for(trees, width, rng, above=unread)
+    if unread:
+        for start, n in zip(case.cu_seqlens_q.tolist(), q_lens):
+            tree_mask[start + torch.arange(n), torch.arange(n)] = False
+    return case, tree_mask
+
+
+def flashinfer_mask_reference(case, tree_mask, sliding_window):
+    """FlashInfer's custom mask as its documentation lays it out: per request a [q_len, kv_len] bool block, row j
+    the keys its new token j sees (the prefix, the new tokens `tree_sees` names; with a window, keys at positions
+    within it, a new token's position prefix + the earlier new tokens it sees). A list of blocks."""
+    blocks, start = [], 0
+    for n, prefix in zip(case.q_lens, case.prefix_lens):
+        sees = tree_sees(tree_mask, start, n)
+        position = list(range(prefix)) + [prefix + sum(row) - 1 for row in sees]
+        block = torch.zeros(n, prefix + n, dtype=torch.bool)
+        for j in range(n):
+            for key in range(prefix + n):
+                in_window = sliding_window <= 0 or position[key] > position[prefix + j] - sliding_window
+                block[j, key] = (key < prefix or sees[j][key - prefix]) and in_window
+        blocks.append(block)
+        start += n
+    return blocks
+
+
+@pytest.mark.parametrize("sliding_window", [-1, 3])
+@pytest.mark.parametrize(
+    "shapes, prefixes", [([(6, 4), None, (1, 1), (3, 2)], [30, 5, 0, 17]), ([(2, 3)] * 5, [1, 9, 40, 0, 7])]
+)
+def test_custom_mask_layout(shapes, prefixes, sliding_window):
+    """`kernels.custom_mask` against FlashInfer's documented layout: packed, each request's block flattened row-major
+    and packed little-endian (numpy.packbits) from byte indptr[i], request after request; unpacked, the flat bools
+    FlashInfer's plan takes. Bytes past the mask are left as they were; the tree's entries on and above the diagonal
+    are not read."""
+    from hybrid_ops.kernels.custom_mask import custom_mask
+
+    case, tree_mask = tree_case(shapes, prefixes, 64, seed=len(shapes), unread=True)
+    blocks = flashinfer_mask_reference(case, tree_mask, sliding_window)
+    packed = [numpy.packbits(block.flatten().numpy(), bitorder="little") for block in blocks]
+    want = torch.from_numpy(numpy.concatenate(packed))
+    indptr = torch.empty(len(shapes) + 1, dtype=torch.int32)
+    out = torch.full((want.numel() + 40,), 0xA5, dtype=torch.uint8)
+    custom_mask(tree_mask, case.cu_seqlens_q, case.seq_lens, sliding_window, out, indptr)
+    assert indptr.tolist() == [0, *numpy.cumsum([p.size for p in packed]).tolist()]
+    assert torch.equal(out[: want.numel()], want) and (out[want.numel() :] == 0xA5).all()
+    flat = torch.cat([block.flatten() for block in blocks])
+    out = torch.zeros(flat.numel() + 40, dtype=torch.bool)
+    custom_mask(tree_mask, case.cu_seqlens_q, case.seq_lens, sliding_window, out, indptr)
+    assert torch.equal(out[: flat.numel()], flat) and not out[flat.numel() :].any()
+    assert indptr.tolist() == [0, *numpy.cumsum([block.numel() for block in blocks]).tolist()]
+
+
+def ran_trees(kernels):
+    """Whether FlashInfer planned fa2's prefill kernel without its sliding window (the window is in the mask) for
+    every run, and every run read a custom mask."""
+    # get_batch_prefill_module(backend, q, kv, o, index dtype, head dims, pos encoding, window, ...)
+    return (
+        bool(kernels.runs)
+        and all(m[0] == "fa2" and not m[8] for m in kernels.modules)
+        and all(run["custom_mask"] is not None and run["window_left"] == -1 for run in kernels.runs)
+    )
+
+
+TREE_CASES = {  # op, trees (depth, width) per request, the tree mask's width Q
+    "prefill-ragged": ("prefill", [(1, 1), None, (3, 2), (6, 4)], 64),  # a request without new tokens, Q = 64
+    "prefill": ("prefill", [(4, 3), (2, 4)], 30),
+    "verify": ("decode", [(3, 2)] * 3, 9),  # the decode path: as many nodes in every tree
+    "verify-chains": ("decode", [(6, 1)] * 2, 7),
+}
+
+
+@pytest.mark.parametrize("option", TREE_OPTIONS)
+@pytest.mark.parametrize("name", TREE_CASES)
+def test_trees(flashinfer_on_cpu, name, option):
+    """Random trees through FlashInfer's prefill wrapper on both paths, against the float64 reference over the same
+    tree: the output checks the custom mask's values, read as FlashInfer's kernels read them."""
+    backend, kernels = flashinfer_on_cpu
+    op, shapes, width = TREE_CASES[name]
+    dtype = HALF[len(name) % 2]
+    rng = random.Random(width)
+    prefixes = [rng.randint(0, 40) for _ in shapes]
+    case, tree_mask = tree_case(shapes, prefixes, width, len(option), dtype, full=op == "decode", unread=True)
+    options = TREE_OPTIONS[option]
+    k_want, v_want = expected_cache(case)
+    out = getattr(torch.ops.hybrid, op)(*case.args, tree_mask=tree_mask, backend="flashinfer", **options)
+    assert_close(out, reference(case, tree_mask=tree_mask, **options), dtype)
+    assert torch.equal(case.k_cache, k_want) and torch.equal(case.v_cache, v_want)
+    assert backend.plans_made == 1 and ran_trees(kernels)
+
+
+@pytest.mark.parametrize("spec", ["prefill", "decode"])
+@pytest.mark.parametrize(
+    "mode",
+    [ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND],
+)
+def test_tree_every_mode(flashinfer_on_cpu, mode, spec):
+    backend, kernels = flashinfer_on_cpu
+    dtype = HALF[int(mode) % 2]
+    decode_path = hybrid_ops.select_path(mode, spec) == "decode"
+    shapes = [(0, 1)] * 3 if mode == ForwardMode.DECODE else [(2, 2)] * 3 if decode_path else [(3, 2), (1, 3), (2, 1)]
+    case, tree_mask = tree_case(shapes, [9, 0, 21], 8, seed=int(mode), dtype=dtype, full=decode_path)
+    options = attn_options(spec=spec, sliding_window=4, logit_cap=2.0)
+    out = torch.ops.hybrid.attn(*case.args, int(mode), tree_mask=tree_mask, **options)
+    assert_close(out, reference(case, tree_mask=tree_mask, sliding_window=4, logit_cap=2.0), dtype)
+    assert backend.plans_made == 1 and ran_trees(kernels)
+
+
+@pytest.mark.parametrize("cache_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("op", ["prefill", "decode"])
+def test_tree_fp8_cache(flashinfer_on_cpu, op, cache_dtype):
+    """fp8 caches under a tree: FlashInfer's fp8 kernels with the custom mask, the scales applied around them."""
+    _, kernels = flashinfer_on_cpu
+    shapes = [(3, 2)] * 2 if op == "decode" else [(4, 3), (2, 2), None]
+    case, tree_mask = tree_case(
+        shapes, [13, 0, 6][: len(shapes)], 12, seed=3, dtype=torch.bfloat16, full=op == "decode"
+    )
+    options = dict(tree_mask=tree_mask, sliding_window=4, logit_cap=2.0)
+    check_fp8_call(getattr(torch.ops.hybrid, op), case, cache_dtype, "per_head", options, backend="flashinfer")
+    assert planned_fp8(kernels, torch.bfloat16, cache_dtype) and ran_trees(kernels)
+
+
+def test_tree_plans(flashinfer_on_cpu):
+    """Layers of a variant share its plan while the tree mask is the same tensor at the same version; a tree written
+    in place, or another tensor, plans again. Tree variants (two windows) and a causal one plan apart, and each layer
+    attends with its own."""
+    backend, kernels = flashinfer_on_cpu
+    layers = [dict(tree=True), dict(tree=True, sliding_window=3), dict(tree=False), dict(tree=True)]
+    case, tree_mask = tree_case([(3, 2), (2, 3)], [11, 4], 8, seed=0, full=True)
+    for step in range(3):
+        if step:  # new trees, in the same tensor and then in a new one
+            new = tree_case([(3, 2), (2, 3)], [11, 4], 8, seed=step, full=True)[1]
+            tree_mask = tree_mask.copy_(new) if step == 1 else new
+        for layer in layers:
+            options = dict(sliding_window=layer.get("sliding_window", -1), scale=0.2)
+            tree = tree_mask if layer["tree"] else None
+            out = backend.prefill(*case.args, Options(tree_mask=tree, **options))
+            assert_close(out, reference(case, tree_mask=tree, **options), torch.float16)
+        assert backend.plans_made == 3 + 2 * step
+    assert sum(run["custom_mask"] is None for run in kernels.runs) == 3  # the causal layer's
+
+
+def test_tree_plan_op(flashinfer_on_cpu):
+    """`hybrid::plan` with a tree plans the tree variant: the layers after it plan nothing."""
+    backend, _ = flashinfer_on_cpu
+    case, tree_mask = tree_case([(2, 2)] * 2, [6, 11], 6, seed=4, full=True)
+    options = attn_options(spec="decode", sliding_window=2)
+    mode = int(ForwardMode.TARGET_VERIFY)
+    torch.ops.hybrid.plan(
+        case.k_cache, *case.args[5:], mode, q_dtype=torch.float16, num_q_heads=8, tree_mask=tree_mask, **options
+    )
+    for _ in range(2):
+        out = torch.ops.hybrid.attn(*case.args, mode, tree_mask=tree_mask, **options)
+        assert_close(out, reference(case, tree_mask=tree_mask, sliding_window=2), torch.float16)
+    assert backend.plans_made == 1
+
+
+TREE_GRAPH_STEPS = {  # (mode, speculative_attention_mode, tree shapes): the same B and T at every step
+    "verify-decode": (ForwardMode.TARGET_VERIFY, "decode", [(2, 2)] * 3),
+    "verify-prefill": (ForwardMode.TARGET_VERIFY, "prefill", [(2, 2)] * 3),
+    "draft-extend": (ForwardMode.DRAFT_EXTEND, "prefill", [(3, 2), None, (1, 1)]),  # ragged
+}
+TREE_GRAPH_STEP_CASES = slow_except(TREE_GRAPH_STEPS["verify-decode"], TREE_GRAPH_STEPS.values())
+
+
+@pytest.mark.parametrize("mode, spec, shapes", TREE_GRAPH_STEP_CASES, ids=list(TREE_GRAPH_STEPS))
+def test_tree_cuda_graph_replays(flashinfer_on_cpu, monkeypatch, mode, spec, shapes):
+    """reduce-overhead's sequence with trees: `hybrid::plan(cuda_graph=True)` per variant (two tree variants and a
+    causal one, of one batch shape), an eager warm-up, a capture that must not plan (a tree variant planned for no
+    graph is refused), then steps with other trees, batches and pages that plan outside the graph and replay the
+    captured calls: those read the tree variants' own mask buffers, packed with each step's tree."""
+    backend, kernels = flashinfer_on_cpu
+    variants = [(True, -1), (True, 5), (False, -1)]  # (tree, window)
+    width = 24
+    k_cache = torch.zeros(60, 4, 2, D, dtype=torch.float16)
+    v_cache = torch.zeros_like(k_cache)
+
+    def load(seed):
+        case, tree_mask = tree_case(shapes, [3 + 4 * seed, 9, 5 + seed], 8, seed=seed, full=True)
+        k_new, v_new = expected_cache(case)
+        k_cache[: k_new.shape[0]], v_cache[: v_new.shape[0]] = k_new, v_new
+        table = torch.full((len(shapes), width), -1, dtype=torch.int32)
+        for i, pages in enumerate(case.pages):
+            table[i, : len(pages)] = torch.tensor(pages)
+        return case, (case.cu_seqlens_q, case.seq_lens, table), tree_mask
+
+    def keywords(tree_mask, tree, window):
+        return dict(
+            attn_options(spec=spec, sliding_window=window, logit_cap=2.0), tree_mask=tree_mask if tree else None
+        )
+
+    def plan(metadata, tree_mask, variant):
+        options = keywords(tree_mask, *variant)
+        torch.ops.hybrid.plan(
+            k_cache, *metadata, int(mode), q_dtype=torch.float16, num_q_heads=8, cuda_graph=True, **options
+        )
+
+    def attn(case, metadata, tree_mask, variant):
+        options = keywords(tree_mask, *variant)
+        return torch.ops.hybrid.attn(case.q, case.k, case.v, k_cache, v_cache, *metadata, int(mode), **options)
+
+    def want(case, tree_mask, tree, window):
+        return reference(case, tree_mask=tree_mask if tree else None, sliding_window=window, logit_cap=2.0)
+
+    case, metadata, tree_mask = load(0)
+    for variant in variants:
+        plan(metadata, tree_mask, variant)
+    for variant in variants:  # the warm-up
+        assert_close(attn(case, metadata, tree_mask, variant), want(case, tree_mask, *variant), torch.float16)
+    captured = len(kernels.runs)
+    with cuda_graph_capture(monkeypatch, kernels):
+        copies = tuple(t.clone() for t in metadata)  # as CUDA-graph trees hand them to the captured partition
+        outs = [attn(case, copies, tree_mask.clone(), variant) for variant in variants]
+        with pytest.raises(hybrid_ops.HybridInputError, match="no CUDA-graph plan"):
+            attn(case, copies, tree_mask, (True, 3))
+    graph = kernels.runs[captured:]
+    assert backend.plans_made == 3 and len(graph) == 3
+    for seed in (1, 2):
+        case, metadata, tree_mask = load(seed)
+        for variant in variants:
+            plan(metadata, tree_mask, variant)
+        graph[0]["q"].copy_(case.q)
+        replay(graph)
+        for out, variant in zip(outs, variants):
+            assert_close(out, want(case, tree_mask, *variant), torch.float16)
+        assert backend.plans_made == 3 + 3 * seed
+    assert [run["custom_mask"] is not None for run in graph] == [True, True, False]
+    assert graph[0]["custom_mask"].data_ptr() != graph[1]["custom_mask"].data_ptr()  # each tree variant its own
+
+
+@pytest.mark.parametrize("cache_dtype", slow_except(E4M3, [torch.bfloat16, E4M3]))
+def test_tree_phase_backend_capture_and_replay(flashinfer_on_cpu, monkeypatch, cache_dtype):
+    """sglang's graph runner for verify steps of trees through HybridAttnBackend: the capture hook (tree=True) names
+    the batch shape and points the tree mask at its static buffer, the eager warm-up plans each layer variant into
+    its CUDA-graph wrapper, the captured layers only run; after each replay hook, with another tree (the last with
+    fewer requests, padded), the layers, run as the graph runs them, attend over that step's tree."""
+    backend, kernels = flashinfer_on_cpu
+    fp8 = cache_dtype == E4M3
+    layers = [AttentionLayer(0, logit_cap=2.0), AttentionLayer(1, sliding_window=3)]
+    cache = PagedKVCache(
+        60, 4, 2, D, num_layers=2, max_pages_per_request=8, dtype=cache_dtype, reserve_scratch=True, kv_scale=0.5
+    )
+    phases = [PhaseBackend(cache, "flashinfer") for _ in range(2)]
+    hybrid = HybridAttnBackend(*phases, speculative_attention_mode="decode", speculative=True)
+    hybrid.init_cuda_graph_state(max_bs=3, max_num_tokens=15)
+    hybrid.init_forward_metadata_capture_cuda_graph(3, 15, ForwardMode.TARGET_VERIFY, tree=True)
+    static = hybrid.decode_backend.forward_batch
+    q, k, v = (torch.zeros(15, h, D, dtype=torch.bfloat16) for h in (8, 2, 2))
+    for layer in layers:  # the warm-up
+        hybrid.forward_extend(q, k, v, layer, static)
+    with cuda_graph_capture(monkeypatch, kernels):
+        for layer in layers:
+            hybrid.forward_extend(q, k, v, layer, static)
+    for seed, num_requests in ((1, 3), (2, 3), (3, 2)):
+        shapes = [(2, 2)] * num_requests
+        case, tree_mask = tree_case(shapes, [4 + seed, 9, 2 * seed][:num_requests], 6, seed, torch.bfloat16, full=True)
+        read = case
+        if fp8:
+            case, read, _ = fp8_case(case, E4M3, cache.k_scales[0], cache.v_scales[0])
+        pages = case.k_cache.shape[0]
+        for k_layer, v_layer in zip(cache.k_caches, cache.v_caches):
+            k_layer[:pages], v_layer[:pages] = case.k_cache, case.v_cache
+        real = hybrid_ops.build_metadata(
+            case.q_lens, case.seq_lens.tolist(), case.pages, max_pages=8, forward_mode=ForwardMode.TARGET_VERIFY
+        )
+        real.tree_mask = tree_mask
+        hybrid.init_forward_metadata_replay_cuda_graph(3, real)
+        tokens = case.q.shape[0]
+        for static_input, value in zip((q, k, v), (case.q, case.k, case.v)):
+            static_input[:tokens].copy_(value)
+        for layer in layers:
+            with cuda_graph_capture(monkeypatch, kernels):
+                out = hybrid.forward_extend(q, k, v, layer, static)
+            options = dict(sliding_window=layer.sliding_window, logit_cap=layer.logit_cap)
+            assert_close(out[:tokens], reference(read, tree_mask=tree_mask, **options), torch.bfloat16)
+        assert backend.plans_made == 2 + 2 * seed
+    assert ran_trees(kernels)
 
 
 def test_clear_errors(flashinfer_on_cpu):

@@ -8,8 +8,8 @@ import random
 
 import pytest
 import torch
-from reference import BACKENDS, assert_close, fp8_case, make_case, reference
-from test_ops import mode_batch
+from helpers.cases import FP8_CASES, check_fp8_call, mode_batch, scales
+from helpers.reference import BACKENDS, assert_close, fp8_case, make_case, reference
 from torch._dynamo.testing import CompileCounter
 
 import hybrid_ops
@@ -18,70 +18,11 @@ from hybrid_ops import ForwardMode
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 
-def scales(kind, num_kv_heads, seed=0):
-    """(k_scale, v_scale): one per kv head, one for all, or none (1.0)."""
-    gen = torch.Generator().manual_seed(seed)
-    if kind == "per_head":  # spread over [0.05, 4]: a backend that takes another head's scale is off by far
-        return tuple(torch.exp(torch.empty(num_kv_heads).uniform_(-3, 1.4, generator=gen)) for _ in range(2))
-    if kind == "one":
-        return torch.tensor(0.3), torch.tensor([2.5])
-    return None, None
-
-
-# The conformance cases: chunked prefill over cached prefixes (page and tile boundaries), GQA with a window,
-# soft-cap, decode and verify; each with a q dtype and a kind of scale.
-CASES = {
-    "prefill": ("prefill", dict(q_lens=[6, 13, 2, 0], prefix_lens=[4, 0, 11, 3]), {}, torch.bfloat16, "per_head"),
-    "long_prefix": (
-        "prefill",
-        dict(q_lens=[70, 3], prefix_lens=[90, 140], head_dim=64, page_size=16),
-        {},
-        torch.float32,
-        "per_head",
-    ),
-    "gqa_window": (
-        "prefill",
-        dict(q_lens=[9, 5], prefix_lens=[7, 12], num_q_heads=8),
-        {"sliding_window": 5},
-        torch.float16,
-        "one",
-    ),
-    "softcap": ("prefill", dict(q_lens=[4, 8], prefix_lens=[3, 0]), {"logit_cap": 2.0}, torch.float32, "none"),
-    "decode": (
-        "decode",
-        dict(q_lens=[1] * 4, prefix_lens=[0, 5, 17, 90], num_q_heads=8, head_dim=32),
-        {},
-        torch.bfloat16,
-        "per_head",
-    ),
-    "verify": (
-        "decode",
-        dict(q_lens=[3] * 2, prefix_lens=[9, 20]),
-        {"sliding_window": 7, "logit_cap": 3.0},
-        torch.float32,
-        "per_head",
-    ),
-}
-
-
-def check_fp8_call(op, case, cache_dtype, kind, options, **kwargs):
-    k_scale, v_scale = scales(kind, case.k.shape[1])
-    fp8, read, (k_expected, v_expected) = fp8_case(
-        case, cache_dtype, *(s if s is not None else torch.tensor(1.0) for s in (k_scale, v_scale))
-    )
-    if k_scale is not None:
-        kwargs.update(k_scale=k_scale, v_scale=v_scale)
-    out = op(*fp8.args, **options, **kwargs)
-    assert_close(out, reference(read, **options), case.q.dtype)
-    assert torch.equal(fp8.k_cache.view(torch.uint8), k_expected), "k_cache differs from the quantized values"
-    assert torch.equal(fp8.v_cache.view(torch.uint8), v_expected), "v_cache differs from the quantized values"
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("cache_dtype", FP8)
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", FP8_CASES)
 def test_fp8_cache(backend, cache_dtype, name):
-    op, case_kwargs, options, dtype, kind = CASES[name]
+    op, case_kwargs, options, dtype, kind = FP8_CASES[name]
     case = make_case(**case_kwargs, dtype=dtype)
     check_fp8_call(getattr(torch.ops.hybrid, op), case, cache_dtype, kind, options, backend=backend)
 

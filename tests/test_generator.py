@@ -12,8 +12,8 @@ import threading
 import numpy as np
 import pytest
 import torch
-from test_buckets import tiny_model
-from test_examples import EXAMPLES, run_script
+from helpers.models import tiny_model
+from helpers.scripts import EXAMPLES, run_script
 
 import hybrid_ops
 from hybrid_ops import GenerationStats, HybridGenerator, HybridInputError, HybridOpsError
@@ -236,9 +236,10 @@ def test_a_failing_step_frees_every_request_of_the_call(model, monkeypatch, wher
         return wrapper
 
     if where == "forward":
-        monkeypatch.setattr(generator, "forward", fail_at_step(generator.forward))
+        monkeypatch.setattr(generator.runner, "forward", fail_at_step(generator.runner.forward))
     elif where == "sampling":
-        monkeypatch.setattr(hybrid_ops.generator, "_next_tokens", fail_at_step(hybrid_ops.generator._next_tokens))
+        api = hybrid_ops.generation.api
+        monkeypatch.setattr(api, "next_tokens", fail_at_step(api.next_tokens))
     with pytest.raises(error, match="injected"):
         for _event in generator.stream(prompts, 8, do_sample=True, top_k=3, seed=1):
             if where == "consumer":
@@ -254,7 +255,7 @@ def test_a_failing_step_drops_its_requests_and_keeps_the_rest(model, monkeypatch
     prompts = random_prompts(3, lengths=(1, 5))  # two fit one step's prefill budget
     generator = HybridGenerator(model, **{**SIZES, "max_batch_size": 2}, compile=False)
     ids = [generator.add_request(p, 5) for p in prompts]
-    monkeypatch.setattr(generator, "forward", lambda *args: 1 / 0)
+    monkeypatch.setattr(generator.runner, "forward", lambda *args: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         generator.step()
     monkeypatch.undo()
@@ -277,14 +278,14 @@ def test_closing_a_stream_early_frees_its_requests(model):
 
 def test_concurrent_use_from_two_threads_is_refused(model, monkeypatch):
     generator = HybridGenerator(model, **SIZES, compile=False)
-    inside, release, forward = threading.Event(), threading.Event(), generator.forward
+    inside, release, forward = threading.Event(), threading.Event(), generator.runner.forward
 
     def blocking_forward(*args):
         inside.set()
         release.wait(30)
         return forward(*args)
 
-    monkeypatch.setattr(generator, "forward", blocking_forward)
+    monkeypatch.setattr(generator.runner, "forward", blocking_forward)
     prompt = random_prompts(1)[0]
     results = []
     worker = threading.Thread(target=lambda: results.append(generator.generate([prompt], 3)))
@@ -465,18 +466,18 @@ def test_prefix_caching_prefills_a_shared_prefix_once_and_keeps_every_token(mode
     want = [solo(model, p, 8) for p in prompts]
     plain = GenerationStats()
     assert HybridGenerator(model, **SIZES, compile=False).generate(prompts, 8, stats=plain) == want
-    assert plain.prompt_tokens == sum(map(len, prompts)) and plain.cached_tokens == 0
+    assert plain.prompt_tokens == sum(map(len, prompts)) and plain.prefix_cache_hit_tokens == 0
     generator = HybridGenerator(model, **SIZES, compile=False, prefix_caching=True)
     stats = GenerationStats()
     assert generator.generate(prompts, 8, stats=stats) == want
-    assert stats.cached_tokens == sum(reusable_tokens(prompts)) > 0
-    assert stats.prompt_tokens == plain.prompt_tokens - stats.cached_tokens
+    assert stats.prefix_cache_hit_tokens == sum(reusable_tokens(prompts)) > 0
+    assert stats.prompt_tokens == plain.prompt_tokens - stats.prefix_cache_hit_tokens
     assert_empty(generator)
-    assert generator.cache.num_cached_pages > 0
+    assert generator.cache.num_evictable_pages > 0
 
     again = GenerationStats()
     assert generator.generate(prompts, 8, stats=again) == want
-    assert again.cached_tokens == sum((len(p) - 1) // 4 * 4 for p in prompts)
+    assert again.prefix_cache_hit_tokens == sum((len(p) - 1) // 4 * 4 for p in prompts)
     assert_empty(generator)
 
 
@@ -491,7 +492,7 @@ def test_prefix_caching_keeps_tokens_through_preemption_and_padding(model, optio
     stats = GenerationStats()
     assert on.generate(prompts, 8, stats=stats) == off.generate(prompts, 8)
     assert on.generate(prompts, 8, **sampled) == off.generate(prompts, 8, **sampled)
-    assert stats.cached_tokens > 0 and (stats.preemptions > 0) == ("num_pages" in options)
+    assert stats.prefix_cache_hit_tokens > 0 and (stats.preemptions > 0) == ("num_pages" in options)
     assert_empty(on)
 
 
@@ -512,7 +513,7 @@ def test_generate_forwards_prefix_caching(model):
     stats = GenerationStats()
     tokens = hybrid_ops.generate(model, prompts, 5, compile=False, page_size=4, prefix_caching=True, stats=stats)
     assert tokens == hybrid_ops.generate(model, prompts, 5, compile=False, page_size=4)
-    assert stats.cached_tokens > 0
+    assert stats.prefix_cache_hit_tokens > 0
 
 
 def test_generate_forwards_kv_cache_dtype(model, monkeypatch):
@@ -577,9 +578,9 @@ def test_warm_up_fits_any_budget(model):
         dict(SIZES, num_pages=1),
     ):
         generator = HybridGenerator(model, **sizes, compile=False)
-        generator._warm = False
+        generator.runner.warmed_up = False
         assert generator.generate([[7]], 1) == [solo(model, [7], 1)]
-        assert generator._warm
+        assert generator.runner.warmed_up
         assert_empty(generator)
 
 

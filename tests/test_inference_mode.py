@@ -1,7 +1,7 @@
 """The ops under `torch.inference_mode` (as `HybridGenerator` runs them) and outside it, in either order."""
 
 import torch
-from reference import assert_close, make_case, reference
+from helpers.reference import assert_close, make_case, reference
 
 import hybrid_ops  # noqa: F401  (registers the ops)
 

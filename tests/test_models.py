@@ -7,14 +7,23 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from models import hybrid_tokens, make_model, preempting_pages, reference_tokens, tiny_config
+from helpers.models import (
+    NEW_TOKENS,
+    PROMPTS,
+    SIZES,
+    hybrid_tokens,
+    make_model,
+    preempting_pages,
+    reference_tokens,
+    tiny_config,
+)
 
 import hybrid_ops
 from hybrid_ops import HybridGenerator, HybridInputError
 from hybrid_ops.integrations import stateful
 from hybrid_ops.integrations.transformers import HybridStep, hybrid_attention
 
-# model type -> what it covers; tiny configs (tests/models.py), 3 layers.
+# model type -> what it covers; tiny configs (helpers/models.py), 3 layers.
 IDENTICAL = {
     "llama": "plain GQA",
     "qwen3": "q/k norms",
@@ -26,7 +35,7 @@ IDENTICAL = {
     "opt": "no num_key_value_heads, learned positions",
     "gpt_neox": "no num_key_value_heads, partial rotary",
     "gpt_oss": "attention sinks (s_aux), sliding layers",
-    "llama4_text": "chunked attention layers (chunks of 5 tokens, prompts up to 17)",
+    "llama4_text": "chunked attention layers (chunks of 5 tokens, prompts up to 23)",
     "deepseek_v3": "MLA: q/k head dim 24, v head dim 16",
     "mimo_v2_flash": "per-layer KV layouts",
     "jetmoe": "K/V repeated to every head before the attention call",
@@ -52,6 +61,15 @@ STATEFUL = {
     "recurrent_gemma": "state in module attributes",
     "zaya": "q, k, v from a convolution with state, in a decoder layer that does not pass the step",
 }
+# check_servable's rules, in the order it applies them, and the cases that trigger each: layer types of attention
+# other than the op's (deepseek_v32), a drafter (gemma4_assistant), a chunk size without chunked layers
+# (chunks_without_*), a stateful layer of a class not verified (zamba2, test_unverified_state_refused), a config field
+# naming other blocks where no stateful layer is found (block_types), attention beside state that the op cannot serve
+# (test_attention_beside_state_refused), no AttentionInterface (bloom),
+# logits_to_keep (whisper), positions (bart), decoder layers that drop the step (nemotron, stablelm, blt), attention
+# called twice per layer (diffllama), a layer that calls none (layer_without_attention), attention that is not causal
+# (bidirectional), a bias (doge), sinks not passed (unpassed_sinks), a window the calls lack (phimoe).
+
 # model type -> words of the refusal.
 REFUSED = {
     "nemotron": "nemotron cannot be served exactly: the decoder layers [0, 1, 2] do not pass hybrid_step",
@@ -69,6 +87,72 @@ REFUSED = {
     "blt": "blt cannot be served exactly: the decoder layers [0, 1, 2] do not pass hybrid_step",
     "gemma4_assistant": "gemma4_assistant cannot be served exactly: it drafts for another model, attending over that "
     "model's K/V (shared_kv_states)",
+    "bloom": "bloom cannot be served exactly: its attention does not run through transformers' AttentionInterface",
+}
+
+
+class NoOpAttention(torch.nn.Module):
+    """An attention block that adds nothing and calls no attention function (as Nemotron-NAS's no-op blocks)."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return torch.zeros_like(hidden_states), None
+
+
+def llama_with_no_op_attention(layer):
+    model = make_model(tiny_config("llama"))
+    model.model.layers[layer].self_attn = NoOpAttention()
+    return model
+
+
+def llama_holding_sinks():
+    """A Llama whose attention modules hold sinks (a parameter, as gpt-oss's do), which its attention call does not
+    pass on as s_aux."""
+    model = make_model(tiny_config("llama"))
+    for layer in model.model.layers:
+        layer.self_attn.sinks = torch.nn.Parameter(torch.zeros(4))
+    return model
+
+
+def llama4_with_full_layers_only():
+    config = tiny_config("llama4_text")
+    config.layer_types = ["full_attention"] * config.num_hidden_layers
+    return make_model(config)
+
+
+# Models changed to trigger a rule that no model type's tiny config does: name -> (model, words of the refusal).
+REFUSED_VARIANTS = {
+    # EmbeddingGemma's bidirectional attention.
+    "bidirectional": (
+        lambda: make_model(tiny_config("gemma3_text", use_bidirectional_attention=True)),
+        "gemma3_text cannot be served exactly: the attention of layers [0, 1, 2] is not causal self-attention "
+        "(bidirectional or cross-attention)",
+    ),
+    # A config naming its layers' blocks in a field of its own (RecurrentGemma's), whatever layer_types says.
+    "block_types": (
+        lambda: make_model(tiny_config("llama", block_types=["recurrent", "attention", "recurrent"])),
+        "llama cannot be served exactly: its config's block_types mixes attention with other blocks that keep state "
+        "outside attention",
+    ),
+    "chunks_without_chunked_layers": (
+        llama4_with_full_layers_only,
+        "llama4_text cannot be served exactly: it sets attention_chunk_size without naming its chunked layers in "
+        "layer_types",
+    ),
+    # A chunk size in a config that has no layer_types at all.
+    "chunks_without_layer_types": (
+        lambda: make_model(tiny_config("llama", attention_chunk_size=5)),
+        "llama cannot be served exactly: it sets attention_chunk_size without naming its chunked layers in layer_types",
+    ),
+    "layer_without_attention": (
+        lambda: llama_with_no_op_attention(1),
+        "llama cannot be served exactly: its layers [1] do not call attention through AttentionInterface (no "
+        "attention, or state of their own)",
+    ),
+    "unpassed_sinks": (
+        llama_holding_sinks,
+        "llama cannot be served exactly: the attention of layers [0, 1, 2] holds sinks that it does not pass to the "
+        "attention function as s_aux",
+    ),
 }
 
 
@@ -82,6 +166,13 @@ def test_greedy_tokens_equal_transformers(model_type):
 def test_refused_before_generating(model_type):
     with pytest.raises(HybridInputError, match=re.escape(REFUSED[model_type])):
         hybrid_tokens(make_model(tiny_config(model_type)))
+
+
+@pytest.mark.parametrize("name", REFUSED_VARIANTS)
+def test_refused_variant(name):
+    make, words = REFUSED_VARIANTS[name]
+    with pytest.raises(HybridInputError, match=re.escape(words)):
+        hybrid_tokens(make())
 
 
 @pytest.mark.parametrize("model_type", STATEFUL)
@@ -166,14 +257,15 @@ def test_cache_sized_per_layer():
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["gpt_oss", "llama4_text", "deepseek_v3"])
 def test_compiled_features_never_recompile(model_type):
-    """Sinks, chunks and a separate value head dim in one compiled forward across EXTEND, MIXED and DECODE."""
+    """Sinks, chunks and a separate value head dim in one compiled forward across EXTEND, MIXED and DECODE. The
+    warm-up takes the prompts in reverse, whose first step prefills 8 tokens of one request alone: Dynamo gives
+    gpt-oss's batches of one of more than 5 tokens a graph of their own."""
     torch._dynamo.reset()
     config = tiny_config(model_type, num_hidden_layers=2)  # still a sliding and a full layer; a dense and a MoE one
     expected = reference_tokens(make_model(config))
-    generator = HybridGenerator(make_model(config), max_batch_size=3, max_seq_len=32, page_size=4, prefill_chunk=8)
+    generator = HybridGenerator(make_model(config), **SIZES)
     stats = hybrid_ops.GenerationStats()
-    prompts = [[(7 * i + 3 * j) % 90 + 3 for j in range(n)] for i, n in enumerate([11, 3, 17])]
-    assert generator.generate(prompts, 8, stats=stats) == expected
+    assert generator.generate(PROMPTS[::-1], NEW_TOKENS, stats=stats) == expected[::-1]
     assert set(stats.steps) == {"EXTEND", "MIXED", "DECODE"}
     with torch._dynamo.config.patch(error_on_recompile=True):
-        assert generator.generate(prompts[::-1], 8) == expected[::-1]
+        assert generator.generate(PROMPTS, NEW_TOKENS) == expected

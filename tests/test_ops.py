@@ -4,7 +4,8 @@ import zlib
 
 import pytest
 import torch
-from reference import BACKENDS, assert_close, expected_cache, make_case, reference
+from helpers.cases import mode_batch
+from helpers.reference import BACKENDS, assert_close, expected_cache, make_case, reference
 
 import hybrid_ops
 from hybrid_ops import ForwardMode
@@ -76,16 +77,6 @@ def test_decode(backend, dtype, option, q_len):
 def test_decode_lengths_off_page_boundaries(backend, prefixes, q_len):
     case = make_case([q_len] * len(prefixes), prefixes, page_size=4, seed=len(prefixes))
     check_call(torch.ops.hybrid.decode, case, {}, torch.float32, backend=backend)
-
-
-def mode_batch(mode, spec):
-    """(q_lens, prefix_lens) of a batch `mode` may carry: none for IDLE, equal query lengths on the decode path (1 for
-    DECODE, 3 for verify), ragged ones with an empty request otherwise."""
-    if mode == ForwardMode.IDLE:
-        return [], []
-    if hybrid_ops.select_path(mode, spec) == "decode":
-        return [1 if mode == ForwardMode.DECODE else 3] * 3, [4, 0, 11]
-    return [5, 1, 0, 7], [0, 9, 3, 2]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

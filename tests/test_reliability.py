@@ -4,9 +4,7 @@ import random
 
 import pytest
 import torch
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
-from reference import (
+from helpers.reference import (
     BACKENDS,
     CPU_BACKENDS,
     POISON,
@@ -16,6 +14,8 @@ from reference import (
     make_case,
     reference,
 )
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 import hybrid_ops
 from hybrid_ops import ForwardMode, PagedKVCache

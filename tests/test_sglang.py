@@ -1,8 +1,10 @@
 """HybridAttnBackend routes each per-step call as sglang's does; pinned by a table."""
 
+import random
+
 import pytest
 import torch
-from reference import assert_close, fp8_case, make_case, reference
+from helpers.reference import assert_close, fp8_case, make_case, random_tree, reference, tree_mask_for
 
 import hybrid_ops
 from hybrid_ops import AttentionLayer, ForwardMode, HybridAttnBackend, PagedKVCache, PhaseBackend, build_metadata
@@ -190,3 +192,66 @@ def test_replay_metadata_and_output(mode, spec, per_request):
     layer = AttentionLayer(0, scale=0.2, logit_cap=2.0)
     forward = hybrid.forward_decode if mode == ForwardMode.DECODE else hybrid.forward_extend
     assert_close(forward(case.q, case.k, case.v, layer, real), reference(case, scale=0.2, logit_cap=2.0), torch.float32)
+
+
+def tree_rows(num_requests, seed, width=4):
+    """[num_requests * 4, width] bool: a random tree of 4 nodes (depth 3, width 1 or depth 1, width 3 and the like)
+    per request, the columns past them random."""
+    rng = random.Random(seed)
+    trees = [random_tree(*rng.choice([(3, 1), (1, 3)]), rng, full=True)[0] for _ in range(num_requests)]
+    return tree_mask_for(trees, width, rng)
+
+
+def chains(num_requests, q_len):
+    """[num_requests * q_len, q_len] bool: each token sees its request's earlier tokens."""
+    return torch.ones(q_len, q_len, dtype=torch.bool).tril().repeat(num_requests, 1)
+
+
+@pytest.mark.parametrize("spec", ["prefill", "decode"])
+def test_replay_reads_the_current_tree(spec):
+    """A verify graph captured with `tree`: the routed backend's tree mask is a view of its static buffer (chains
+    at capture); each replay copies that step's tree into it (chains for a step without one), and attention over
+    the static metadata and tree matches the reference over the step's tree."""
+    mode, layer = ForwardMode.TARGET_VERIFY, AttentionLayer(0, sliding_window=2)
+    cache = PagedKVCache(num_pages=20, page_size=4, num_kv_heads=2, head_dim=16, max_pages_per_request=5)
+    hybrid = graph_ready(cache, spec)
+    hybrid.init_forward_metadata_capture_cuda_graph(2, 8, mode, tree=True)
+    phase = routed(hybrid, mode, spec)
+    static = phase.forward_batch.tree_mask
+    assert static.data_ptr() == phase.tree_buffer.data_ptr() and torch.equal(static, chains(2, 4))
+    for seed, tree_mask in enumerate([tree_rows(2, 1), tree_rows(2, 2, width=6), None]):
+        case = make_case([4, 4], [7, 2 + seed], page_size=4, seed=seed)
+        cache.k_caches[0][: case.k_cache.shape[0]] = case.k_cache
+        cache.v_caches[0][: case.v_cache.shape[0]] = case.v_cache
+        real = build_metadata(case.q_lens, case.seq_lens.tolist(), case.pages, forward_mode=mode)
+        real.tree_mask = tree_mask
+        hybrid.init_forward_metadata_replay_cuda_graph(2, real)
+        batch = phase.forward_batch
+        assert batch.tree_mask.data_ptr() == static.data_ptr()
+        assert torch.equal(batch.tree_mask, chains(2, 4) if tree_mask is None else tree_mask[:, :4])
+        out = hybrid.forward_extend(case.q, case.k, case.v, layer, real)
+        assert_close(out, reference(case, tree_mask=tree_mask, sliding_window=2), torch.float32)
+
+
+def test_tree_graph_errors():
+    """A tree for a graph captured without one, a tree mask narrower than the graph's requests or with more rows,
+    and a tree graph whose requests the tree buffer cannot hold, are refused by name; the static buffers stay as
+    they were."""
+    mode = ForwardMode.TARGET_VERIFY
+    cache = PagedKVCache(num_pages=20, page_size=4, num_kv_heads=2, head_dim=16, max_pages_per_request=5)
+    hybrid = graph_ready(cache, "decode")
+    hybrid.init_forward_metadata_capture_cuda_graph(2, 6, mode)
+    real = build_metadata([3, 3], [5, 8], [[0, 1], [2, 3]], forward_mode=mode)
+    real.tree_mask = chains(2, 3)
+    with pytest.raises(hybrid_ops.HybridInputError, match="captured without one"):
+        hybrid.init_forward_metadata_replay_cuda_graph(2, real)
+    hybrid.init_forward_metadata_capture_cuda_graph(2, 6, mode, tree=True)
+    before = [t.clone() for t in (*hybrid.decode_backend.graph_buffers, hybrid.decode_backend.tree_buffer)]
+    for bad in (chains(2, 3)[:, :2], chains(3, 3)):
+        real.tree_mask = bad
+        with pytest.raises(hybrid_ops.HybridInputError, match="does not fit the graph of bs = 2"):
+            hybrid.init_forward_metadata_replay_cuda_graph(2, real)
+    after = (*hybrid.decode_backend.graph_buffers, hybrid.decode_backend.tree_buffer)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    with pytest.raises(hybrid_ops.HybridInputError, match="more than the tree buffer's 128 entries"):
+        hybrid.init_forward_metadata_capture_cuda_graph(1, 16, mode, tree=True)

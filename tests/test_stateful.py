@@ -13,8 +13,8 @@ import re
 
 import pytest
 import torch
-from models import GENERATION, PROMPTS, make_model, preempting_pages, reference_tokens, tiny_config
-from models import NEW_TOKENS as REFERENCE_TOKENS
+from helpers.models import NEW_TOKENS as REFERENCE_TOKENS
+from helpers.models import PROMPTS, SIZES, make_model, preempting_pages, reference_tokens, tiny_config
 from torch.library import opcheck
 
 from hybrid_ops import ForwardMode, GenerationStats, HybridGenerator, HybridInputError, PagedKVCache
@@ -198,7 +198,7 @@ def test_compiled_never_recompiles(model_type, fresh_dynamo):
     model = make_model(config)
     others = [[(5 * i + 7 * j) % 100 + 3 for j in range(n)] for i, n in enumerate([5, 20, 9])]
     expected = [reference_tokens(make_model(config), prompts) for prompts in (PROMPTS, others)]
-    generator = HybridGenerator(model, **{**GENERATION, "compile": True}, num_pages=preempting_pages(model))
+    generator = HybridGenerator(model, **SIZES, num_pages=preempting_pages(model))
     stats = GenerationStats()
     assert generator.generate(PROMPTS, REFERENCE_TOKENS, stats=stats) == expected[0]
     assert set(stats.steps) == {"EXTEND", "MIXED", "DECODE"} and stats.preemptions > 0

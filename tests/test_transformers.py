@@ -2,66 +2,25 @@
 
 import pytest
 import torch
-from reference import from_fp8, to_fp8
-from transformers import (
-    AttentionInterface,
-    AttentionMaskInterface,
-    AutoModelForCausalLM,
-    Gemma2Config,
-    LlamaConfig,
-    MistralConfig,
-    Qwen2Config,
+from helpers.models import (
+    MODELS,
+    NEW_TOKENS,
+    PROMPTS,
+    SIZES,
+    SMALL,
+    hybrid_tokens,
+    make_model,
+    reference_tokens,
+    small_model,
 )
+from helpers.reference import from_fp8, to_fp8
+from transformers import AttentionInterface, AttentionMaskInterface, Gemma2Config
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 import hybrid_ops
 from hybrid_ops import ForwardMode, HybridGenerator, HybridInputError
 from hybrid_ops.integrations.transformers import HybridStep
-
-SMALL = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    eos_token_id=None,
-    bos_token_id=None,
-    pad_token_id=0,
-)
-# name -> (config, attention transformers' reference runs with)
-MODELS = {
-    "llama": (lambda: LlamaConfig(**SMALL), "sdpa"),
-    "qwen2": (lambda: Qwen2Config(**SMALL), "sdpa"),
-    "mistral_window": (lambda: MistralConfig(**SMALL, sliding_window=6), "sdpa"),
-    # Soft-capping and alternating sliding/global layers; transformers' SDPA path ignores soft-capping.
-    "gemma2": (
-        lambda: Gemma2Config(
-            **{**SMALL, "num_hidden_layers": 3},
-            head_dim=16,
-            sliding_window=5,
-            attn_logit_softcapping=1.5,
-            final_logit_softcapping=None,
-            query_pre_attn_scalar=16,
-        ),
-        "eager",
-    ),
-}
-PROMPTS = [[(7 * i + 3 * j) % 90 + 1 for j in range(n)] for i, n in enumerate([5, 17, 2, 23, 9])]
-NEW_TOKENS = 10
-# A generator of 3 requests at a time, chunks of 12 tokens: PROMPTS take every kind of step.
-SIZES = dict(max_batch_size=3, max_seq_len=48, page_size=4, prefill_chunk=12)
-
-
-def make_model(name, attn):
-    make_config, _ = MODELS[name]
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(make_config(), attn_implementation=attn).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
 
 
 def fp8_sdpa(cache_dtype, scale):
@@ -83,44 +42,21 @@ for _name, (_dtype, _scale) in FP8.items():
     AttentionMaskInterface.register(f"sdpa_{_name}", sdpa_mask)
 
 
-def reference_tokens(name, attn=None):
-    model = make_model(name, attn or MODELS[name][1])
-    out = []
-    with torch.no_grad():
-        for p in PROMPTS:
-            ids = model.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-            )
-            out.append(ids[0, len(p) :].tolist())
-    return out
-
-
 @pytest.mark.parametrize("name", MODELS)
 def test_eager_generate_matches_transformers(name):
-    tokens = hybrid_ops.generate(
-        make_model(name, MODELS[name][1]),
-        PROMPTS,
-        NEW_TOKENS,
-        compile=False,
-        max_batch_size=3,
-        page_size=4,
-        prefill_chunk=12,
-    )
-    assert tokens == reference_tokens(name)
+    assert hybrid_tokens(small_model(name)) == reference_tokens(small_model(name))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_compiled_generate_matches_and_never_recompiles(name, fresh_dynamo):
-    generator = HybridGenerator(make_model(name, MODELS[name][1]), **SIZES)
+    generator = HybridGenerator(small_model(name), **SIZES)
+    want = reference_tokens(small_model(name))
     stats = hybrid_ops.GenerationStats()
-    assert generator.generate(PROMPTS, NEW_TOKENS, stats=stats) == reference_tokens(name)  # warm-up
+    assert generator.generate(PROMPTS, NEW_TOKENS, stats=stats) == want  # warm-up
     assert set(stats.steps) == {"EXTEND", "MIXED", "DECODE"}
     with torch._dynamo.config.patch(error_on_recompile=True):
-        assert generator.generate(PROMPTS[::-1], NEW_TOKENS) == reference_tokens(name)[::-1]
+        assert generator.generate(PROMPTS[::-1], NEW_TOKENS) == want[::-1]
 
 
 @pytest.mark.parametrize("name, fp8", [("llama", "e4m3"), ("llama", "e5m2"), ("mistral_window", "e4m3_scaled")])
@@ -128,26 +64,26 @@ def test_fp8_cache_generates_transformers_tokens_over_fp8_kv(name, fp8):
     """kv_cache_dtype: the tokens of transformers' generate whose attention reads K/V rounded through fp8, and
     (e5m2, 2 mantissa bits) tokens that differ from the unrounded model's, so the rounding is what is compared."""
     kv_cache_dtype, scale = FP8[fp8]
-    generator = HybridGenerator(make_model(name, "sdpa"), **SIZES, compile=False, kv_cache_dtype=kv_cache_dtype)
+    generator = HybridGenerator(small_model(name, "sdpa"), **SIZES, compile=False, kv_cache_dtype=kv_cache_dtype)
     for t in generator.cache.k_scales + generator.cache.v_scales:
         t.fill_(scale)
     tokens = generator.generate(PROMPTS, NEW_TOKENS)
-    assert tokens == reference_tokens(name, f"sdpa_{fp8}")
+    assert tokens == reference_tokens(small_model(name, f"sdpa_{fp8}"))
     if fp8 == "e5m2":
-        assert tokens != reference_tokens(name)
+        assert tokens != reference_tokens(small_model(name))
 
 
 @pytest.mark.slow
 def test_compiled_fp8_cache_generates_the_same_tokens_and_never_recompiles(fresh_dynamo):
-    generator = HybridGenerator(make_model("llama", "sdpa"), **SIZES, kv_cache_dtype=torch.float8_e5m2)
-    want = reference_tokens("llama", "sdpa_e5m2")
+    generator = HybridGenerator(small_model("llama", "sdpa"), **SIZES, kv_cache_dtype=torch.float8_e5m2)
+    want = reference_tokens(small_model("llama", "sdpa_e5m2"))
     assert generator.generate(PROMPTS, NEW_TOKENS) == want  # warm-up
     with torch._dynamo.config.patch(error_on_recompile=True):
         assert generator.generate(PROMPTS[::-1], NEW_TOKENS) == want[::-1]
 
 
 def test_seeded_sampling_is_reproducible():
-    model = make_model("llama", "sdpa")
+    model = small_model("llama", "sdpa")
     runs = [
         hybrid_ops.generate(model, PROMPTS, 8, compile=False, do_sample=True, temperature=0.8, top_k=20, seed=s)
         for s in (1, 1, 2)
@@ -158,20 +94,20 @@ def test_seeded_sampling_is_reproducible():
 
 def test_left_padded_plain_generate_matches_sdpa():
     """A model switched to "hybrid" still serves transformers' own generate: the mask entry carries the padding."""
-    batch = PROMPTS[:3]
+    batch = PROMPTS
     width = max(map(len, batch))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
     outs = {}
     for attn in ("sdpa", "hybrid"):
-        model = make_model("llama", attn)
+        model = small_model("llama", attn)
         with torch.no_grad():
             outs[attn] = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
     assert torch.equal(outs["sdpa"], outs["hybrid"])
 
 
 def test_eos_stops_a_request_and_frees_its_pages():
-    model = make_model("llama", "sdpa")
+    model = small_model("llama", "sdpa")
     free = hybrid_ops.generate(model, PROMPTS[:2], NEW_TOKENS, compile=False)
     eos = free[0][3]
     generator = HybridGenerator(model, max_batch_size=2, max_seq_len=48, compile=False)
@@ -182,7 +118,7 @@ def test_eos_stops_a_request_and_frees_its_pages():
 
 def test_bad_inputs():
     """A packed step's batch must be [1, T] (the generator's own input checks: test_generator.py)."""
-    model = make_model("llama", "sdpa")
+    model = small_model("llama", "sdpa")
     generator = HybridGenerator(model, max_batch_size=2, max_seq_len=16, compile=False)
     cache = generator.cache
     cache.add("x")
@@ -204,8 +140,7 @@ def gemma2_with_large_logits(attn, softcap=3.0):
         final_logit_softcapping=None,
         query_pre_attn_scalar=64,
     )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
+    model = make_model(config, attn)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(12.0)
@@ -216,7 +151,7 @@ def gemma2_with_large_logits(attn, softcap=3.0):
 def test_logits_match_eager_attention_with_scale_window_and_soft_cap():
     """Logits of every row of a chunked prefill and a MIXED step against transformers' eager attention: every
     layer's scale, window and soft-cap must reach the op (greedy tokens alone would hide a dropped one)."""
-    prompts = [PROMPTS[3][:14], PROMPTS[1][:9]]
+    prompts = [PROMPTS[1][:14], PROMPTS[2]]
     follow = 11  # the token request 1 decodes in the second step
     eager = gemma2_with_large_logits("eager")
     with torch.no_grad():
@@ -243,7 +178,7 @@ def test_logits_match_eager_attention_with_scale_window_and_soft_cap():
         tokens = [t for c in chunks for t in c]
         positions = [s + j for c, s in zip(chunks, starts) for j in range(len(c))]
         with torch.inference_mode():
-            logits = generator.forward(
+            logits = generator.runner.forward(
                 torch.tensor([tokens]), torch.tensor([positions]), torch.arange(len(tokens)), int(mode), *batch.metadata
             )
         got[0].append(logits[: len(chunks[0])])

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from reference import assert_close, expected_cache, fp8_case, make_case, random_tree, reference, tree_mask_for
+from helpers.reference import assert_close, expected_cache, fp8_case, make_case, random_tree, reference, tree_mask_for
 from torch._dynamo.testing import CompileCounter
 
 import hybrid_ops

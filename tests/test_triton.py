@@ -10,7 +10,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from reference import (
+from helpers.reference import (
     assert_close,
     expected_cache,
     fp8_case,
@@ -139,6 +139,24 @@ def test_v_head_dim_above_256_refused(op):
     assert torch.equal(case.v_cache, before)
     spec = hybrid_ops.backends.Spec(torch.device("cpu"), torch.float32, torch.float32, 16, 264, frozenset())
     assert not hybrid_ops.get_backend("triton").supports(spec)
+
+
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn], ids=["q_dtype", "e4m3"])
+def test_rows_past_the_last_request_are_not_stored(cache_dtype):
+    """Without validation, q, k, v may have rows past cu_seqlens_q[-1] (a CUDA-graph bucket's padding): the store
+    writes the real tokens only, never a position at or past a request's seq_len. The last request ends one row
+    short of its third page and its table row has a spare column, so such a write would land in the cache; every
+    other byte (the prefixes, POISON in every other slot) stays, and the real rows attend as without the padding."""
+    case = make_case([3, 0, 5, 2], [6, 4, 0, 9], page_size=4)  # seq_lens 9, 4, 5, 11
+    read, scales, expected = case, {}, [cache.view(torch.uint8) for cache in expected_cache(case)]
+    if cache_dtype is not None:
+        scales = dict(k_scale=torch.tensor([0.5, 2.0]), v_scale=torch.tensor([1.5, 0.25]))
+        case, read, expected = fp8_case(case, cache_dtype, *scales.values())
+    q, k, v = (torch.cat([t, torch.randn(6, *t.shape[1:])]) for t in (case.q, case.k, case.v))
+    out = torch.ops.hybrid.prefill(q, k, v, *case.args[3:], backend="triton", **scales)
+    assert_close(out[: case.q.shape[0]], reference(read), torch.float32)
+    assert torch.equal(case.k_cache.view(torch.uint8), expected[0])
+    assert torch.equal(case.v_cache.view(torch.uint8), expected[1])
 
 
 def test_num_splits_from_static_sizes():

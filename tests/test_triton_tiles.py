@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from reference import expected_cache, make_case, reference, slow_except
+from helpers.reference import expected_cache, make_case, reference, slow_except
 
 import hybrid_ops
 from hybrid_ops.kernels.config import Target, decode_tiles, prefill_tiles

@@ -14,11 +14,10 @@ import sys
 
 import torch
 import torch.distributed as dist
+from helpers.models import SIZES
 from transformers import AutoModelForCausalLM, DistributedConfig
 
 from hybrid_ops import HybridGenerator, HybridInputError
-
-SIZES = dict(max_batch_size=3, max_seq_len=48, page_size=4, prefill_chunk=12)  # test_transformers.SIZES
 
 
 def run(model, prompts, new_tokens, rank):

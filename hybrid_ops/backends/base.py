@@ -62,9 +62,10 @@ class Backend:
         """Host-side planning of a step before its layers run (`torch.ops.hybrid.plan`); path: "prefill" or
         "decode". Backends that need none keep this no-op."""
 
-    def plan_cuda_graph(self, path, k_cache, cu_seqlens_q, seq_lens, block_table) -> None:
-        """Planning into a CUDA graph's static metadata, before its capture and before every replay
-        (`PhaseBackend`'s hooks). Backends that need none keep this no-op."""
+    def plan_cuda_graph(self, path, k_cache, cu_seqlens_q, seq_lens, block_table, tree_mask=None) -> None:
+        """Planning into a CUDA graph's static metadata (and static tree mask, [T, Q] bool, for a graph of tree
+        steps), before its capture and before every replay (`PhaseBackend`'s hooks). Backends that need none keep
+        this no-op."""
 
 
 __all__ = ["ALL_FEATURES", "Backend", "Spec"]

@@ -12,8 +12,8 @@ The metadata lives on the host, so the kernel checks its values on every call be
 
 Loading the kernels also registers their C++ entry points with the dispatcher (`kernels/cpu/dispatch.cpp`): from
 then on, `torch.ops.hybrid.*` calls on CPU tensors that this backend serves skip Python entirely, and the others go
-to the ops' Python implementation as before. `configure_entry_points` tells them which backend names this backend
-answers to.
+to the ops' Python implementation. The backend that loaded them subscribes to the registry
+(`CpuBackend.configure_entry_points`) and tells them, on every change, which backend names they answer to.
 """
 
 import hashlib
@@ -71,24 +71,10 @@ _ROUTES = [
     for mode, paths in ROUTING.items()
     for i, spec in enumerate(SPECULATIVE_ATTENTION_MODES)
 ]
-_extension = None  # the loaded kernels: their dispatcher entry points stay registered for the process
 
 
 def _path(name: str) -> str:
     return str(resources.files("hybrid_ops.kernels").joinpath("cpu", name))
-
-
-def configure_entry_points(registry) -> None:
-    """Tell the C++ entry points which backend names they serve: "cpu" while the backend registered under it has its
-    kernels loaded, and "auto" while "auto" also tries it first on the CPU; and every valid name (the other backend
-    of an `attn` call must be one). With no names, every call goes through Python. Runs on every registry change."""
-    if _extension is None:
-        return
-    backend = registry.lookup("cpu")
-    names = []
-    if isinstance(backend, CpuBackend) and backend.loaded:
-        names = ["cpu", "auto"] if registry.auto_order("cpu")[0] == "cpu" else ["cpu"]
-    _extension.configure(_ROUTES, names, ["auto", *registry.names()])
 
 
 def build():
@@ -158,10 +144,19 @@ class CpuBackend(Backend):
                     stacklevel=2,
                 )
             else:
-                global _extension
-                _extension = self._module
-                configure_entry_points(registry)
+                # The entry points stay registered for the process: from now on, every registry change configures them.
+                registry.subscribe(self.configure_entry_points)
         return self._module is not None
+
+    def configure_entry_points(self, registry) -> None:
+        """Tell the C++ entry points which backend names they serve: "cpu" while the backend registered under it has
+        its kernels loaded, and "auto" while "auto" also tries it first on the CPU; and every valid name (the other
+        backend of an `attn` call must be one). With no names, every call goes through Python."""
+        backend = registry.lookup("cpu")
+        names = []
+        if isinstance(backend, CpuBackend) and backend.loaded:
+            names = ["cpu", "auto"] if registry.auto_order("cpu")[0] == "cpu" else ["cpu"]
+        self._module.configure(_ROUTES, names, ["auto", *registry.names()])
 
     def supports(self, spec) -> bool:
         return spec.device.type == "cpu" and spec.dtype in FLOAT_DTYPES
@@ -176,6 +171,3 @@ class CpuBackend(Backend):
 
     def decode(self, *args):
         return self.prefill(*args, decode=True)
-
-
-registry.subscribe(configure_entry_points)

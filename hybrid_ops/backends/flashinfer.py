@@ -25,6 +25,21 @@ would broadcast along the head dim), while ours are [Hkv] tensors that may chang
 the host (CUDA graphs read their current value), so they are applied on the device around the kernel: each query head's
 q is multiplied by its kv head's k_scale (its scores are then those over stored * k_scale) and its output by the v_scale
 (the output is linear in the values).
+
+Speculative trees (`tree_mask`). Of FlashInfer's kernels only the fa2 prefill wrapper takes a mask, so a tree variant
+(keyed apart from the causal one) runs `BatchPrefillWithPagedKVCacheWrapper` on either path, the decode path's
+verify steps included. Its custom mask replaces causal masking and spans each request's whole KV, so it holds the
+prefix (all seen), the tree, and the sliding window: FlashInfer's window counts slots, while a tree's positions are
+prefix + depth (`ops`), so the window goes into the mask and the plan has none (`window_left=-1`). Soft-cap, scale and
+fp8 caches pass through as for causal variants. `kernels.custom_mask` writes the mask on the device from our [T, Q]
+tree mask and the metadata. An eager plan hands it to `plan` as the bool `custom_mask`, which FlashInfer packs (a
+`.item()` each, one for its size and one in its packing, beside the plan's own host reads); a CUDA-graph wrapper of a
+tree variant has mask buffers of its own (`custom_mask_buf`, `mask_indptr_buf`, ceil(T x max_pages x page_size / 8) +
+B bytes), which such a wrapper always reads (it runs in custom-mask mode whatever it was planned with): each plan
+packs the step's mask into them on the device after FlashInfer's `plan`, never through its `packed_custom_mask`
+argument (0.7.4 leaves that path's `mask_indptr` in bits where its kernel reads bytes, wrong for B > 1). The tree
+mask is planning input like the metadata: a layer reuses a plan made for the same tree mask tensor at the same
+version, `hybrid::plan` and the CUDA-graph hooks pass it, and a capture reads the mask packed before it.
 """
 
 from dataclasses import dataclass
@@ -33,6 +48,7 @@ import torch
 
 from ..errors import HybridInputError
 from ..fp8 import quantize, raw
+from ..validation import decode_shape_ok
 from .base import Backend
 from .deps import importable
 
@@ -77,6 +93,7 @@ class _Variant:
     scale: float
     sliding_window: int
     logit_cap: float
+    tree: bool  # a tree mask in use: FlashInfer's custom mask, its own wrappers
 
     @classmethod
     def of(cls, path, q_dtype, num_q_heads, k_cache, options):
@@ -93,14 +110,22 @@ class _Variant:
             options.scale,
             options.sliding_window,
             options.logit_cap,
+            options.tree_mask is not None,
         )
+
+
+def _metadata(cu_seqlens_q, seq_lens, block_table, tree_mask):
+    """What a plan is made from: the metadata, and the tree mask when there is one."""
+    return (cu_seqlens_q, seq_lens, block_table) + (() if tree_mask is None else (tree_mask,))
 
 
 @dataclass
 class _Plan:
     wrapper: object
-    metadata: tuple  # the metadata tensors it was made for, held so that their ids cannot be reused
-    versions: tuple  # their versions then (None for inference tensors)
+    # A tree variant's CUDA-graph mask buffers: packed mask uint8 [capacity], byte offsets int32 [B + 1].
+    mask_buffers: tuple | None = None
+    metadata: tuple = ()  # the tensors of the last plan (`_metadata`), held so that their ids cannot be reused
+    versions: tuple = ()  # their versions then (None for inference tensors)
 
     def matches(self, metadata) -> bool:
         return all(a is b for a, b in zip(metadata, self.metadata)) and _versions(metadata) == self.versions
@@ -118,7 +143,7 @@ def _capturing() -> bool:
 class FlashInferBackend(Backend):
     name = "flashinfer"
     requirement = "flashinfer (pip install 'hybrid_ops[flashinfer]')"
-    features = frozenset({"fp8_kv"})
+    features = frozenset({"fp8_kv", "tree_mask"})
     head_dims = (64, 128, 256)
 
     def __init__(self):
@@ -143,108 +168,125 @@ class FlashInferBackend(Backend):
         """Plan one variant of this step; with `cuda_graph`, this batch shape takes CUDA-graph wrappers from now on.
 
         k_cache: [num_pages, page_size, Hkv, D] (its dtype, fp8 included, is the plan's kv_data_type); cu_seqlens_q:
-        [B + 1], seq_lens: [B], block_table: [B, max_pages], int32 (our metadata). Reads T = cu_seqlens_q[-1] to the
-        host, as FlashInfer's plan reads the metadata.
+        [B + 1], seq_lens: [B], block_table: [B, max_pages], int32 (our metadata); options.tree_mask: [T, Q] bool or
+        None. Reads T = cu_seqlens_q[-1] to the host, as FlashInfer's plan reads the metadata.
         """
         variant = _Variant.of(path, q_dtype, num_q_heads, k_cache, options)
         num_tokens = int(cu_seqlens_q[-1])  # planning reads the metadata to the host anyway
         if cuda_graph:
             self._graph_shapes.add((path, variant.device, seq_lens.shape[0], num_tokens))
-        self._plan(variant, (cu_seqlens_q, seq_lens, block_table), num_tokens)
+        self._plan(variant, _metadata(cu_seqlens_q, seq_lens, block_table, options.tree_mask), num_tokens)
 
-    def plan_cuda_graph(self, path, k_cache, cu_seqlens_q, seq_lens, block_table):
-        """Give this batch shape CUDA-graph wrappers from now on, and re-plan every variant planned for it so far.
+    def plan_cuda_graph(self, path, k_cache, cu_seqlens_q, seq_lens, block_table, tree_mask=None):
+        """Give this batch shape CUDA-graph wrappers from now on, and re-plan every variant planned for it so far
+        (the tree variants with `tree_mask`; without one, a replay of this shape runs none of them).
 
         For the capture and replay hooks: call it outside the graph, on the static metadata, before the capture
         (variants not planned yet get their wrappers at their first, eager, layer call) and before every replay.
         """
-        metadata = (cu_seqlens_q, seq_lens, block_table)
         shape = (path, k_cache.device, seq_lens.shape[0], int(cu_seqlens_q[-1]))
         self._graph_shapes.add(shape)
         for variant, batch, num_tokens in list(self._graph_plans):
-            if (variant.path, variant.device, batch, num_tokens) == shape:
-                self._plan(variant, metadata, num_tokens)
+            if (variant.path, variant.device, batch, num_tokens) != shape or (variant.tree and tree_mask is None):
+                continue
+            tree = tree_mask if variant.tree else None
+            self._plan(variant, _metadata(cu_seqlens_q, seq_lens, block_table, tree), num_tokens)
 
     def _plan(self, variant, metadata, num_tokens):
-        """Plan `variant` for this metadata of `num_tokens` tokens; returns the wrapper, None for an empty batch."""
-        cu_seqlens_q, seq_lens, block_table = metadata
+        """Plan `variant` for `metadata` (`_metadata`) of `num_tokens` tokens; returns the wrapper, None for an empty
+        batch."""
+        cu_seqlens_q, seq_lens, block_table = metadata[:3]
         batch = seq_lens.shape[0]
         if batch == 0 or num_tokens == 0:
             return None  # FlashInfer cannot plan an empty batch; the layers return empty outputs
-        if variant.path == "decode" and num_tokens % batch:
+        # The ops' check of q's rows, here on T = cu_seqlens_q[-1]: a plan has no q.
+        if variant.path == "decode" and not decode_shape_ok(num_tokens, batch):
             raise HybridInputError(
                 f"decode needs the same query length for every request: cu_seqlens_q[-1] = "
                 f"{num_tokens} tokens for {batch} requests"
             )
         graph = (variant.path, variant.device, batch, num_tokens) in self._graph_shapes
         plans, key = (self._graph_plans, (variant, batch, num_tokens)) if graph else (self._plans, variant)
-        plan = plans.get(key)
-        if plan is not None:
-            wrapper = plan.wrapper
-        else:
-            wrapper = self._new_wrapper(variant, (batch, num_tokens, block_table.shape[1]) if graph else None)
+        plan = plans.get(key) or self._new_plan(variant, (batch, num_tokens, block_table.shape[1]) if graph else None)
         qo_indptr, kv_indptr, kv_indices, last_page_len = to_flashinfer_metadata(
             cu_seqlens_q, seq_lens, block_table, variant.page_size
         )
         sizes = (variant.num_q_heads, variant.num_kv_heads, variant.head_dim, variant.page_size)
         kernel_options = dict(
-            window_left=variant.sliding_window - 1 if variant.sliding_window > 0 else -1,
+            window_left=variant.sliding_window - 1 if variant.sliding_window > 0 and not variant.tree else -1,
             logits_soft_cap=variant.logit_cap or None,
             sm_scale=variant.scale,
             q_data_type=variant.q_dtype,
             kv_data_type=variant.kv_dtype,
         )
-        if variant.path == "decode":
-            q_len = num_tokens // batch
-            wrapper.plan(kv_indptr, kv_indices, last_page_len, *sizes, q_len_per_req=q_len, **kernel_options)
+        paged = (kv_indptr, kv_indices, last_page_len, *sizes)
+        if variant.tree:
+            self._plan_tree(plan, variant, metadata, qo_indptr, paged, kernel_options)
+        elif variant.path == "decode":
+            plan.wrapper.plan(*paged, q_len_per_req=num_tokens // batch, **kernel_options)
         else:
-            wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, *sizes, causal=True, **kernel_options)
-        plans[key] = _Plan(wrapper, metadata, _versions(metadata))
+            plan.wrapper.plan(qo_indptr, *paged, causal=True, **kernel_options)
+        plan.metadata, plan.versions = metadata, _versions(metadata)
+        plans[key] = plan
         self.plans_made += 1
-        return wrapper
+        return plan.wrapper
 
-    def _new_wrapper(self, variant, graph_shape=None):
-        """A wrapper for `variant`; for a CUDA-graph shape (B, T, block-table width), with index buffers of its own
-        that never move (FlashInfer's plan copies each step's metadata into them)."""
+    def _plan_tree(self, plan, variant, metadata, qo_indptr, paged, kernel_options):
+        """A tree variant's plan: FlashInfer's custom mask, written on the device (`kernels.custom_mask`), with the
+        sliding window in it. Eager: the bool mask, which `plan` packs; CUDA graphs: packed into the wrapper's mask
+        buffers after `plan` (which leaves them alone when given no mask)."""
+        from ..kernels.custom_mask import custom_mask
+
+        cu_seqlens_q, seq_lens, _, tree_mask = metadata
+        if plan.mask_buffers is None:
+            size = int(((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int64) * seq_lens).sum())
+            mask = torch.empty(size, dtype=torch.bool, device=variant.device)
+            custom_mask(
+                tree_mask, cu_seqlens_q, seq_lens, variant.sliding_window, mask, seq_lens.new_empty(len(qo_indptr))
+            )
+            plan.wrapper.plan(qo_indptr, *paged, causal=False, custom_mask=mask, **kernel_options)
+        else:
+            plan.wrapper.plan(qo_indptr, *paged, causal=False, **kernel_options)
+            custom_mask(tree_mask, cu_seqlens_q, seq_lens, variant.sliding_window, *plan.mask_buffers)
+
+    def _new_plan(self, variant, graph_shape=None):
+        """A wrapper for `variant`, not planned yet; for a CUDA-graph shape (B, T, block-table width), with index
+        buffers of its own that never move (FlashInfer's plan copies each step's metadata into them), and for a tree
+        variant mask buffers too (`_plan_tree` fills them)."""
         import flashinfer
 
         device = variant.device
         workspace = self._workspaces.get(device)
         if workspace is None:
             workspace = self._workspaces[device] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        # fa2 named for decode: "auto" may route a multi-token decode plan to XQA (SM90) or cuDNN (SM100) by the
-        # step's KV lengths, and a CUDA-graph wrapper then refuses the next plan that routes differently.
-        decode = dict(use_tensor_cores=True, backend="fa2")
-        if graph_shape is None:
-            if variant.path == "decode":
-                return flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", **decode)
-            return flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-        batch, num_tokens, max_pages = graph_shape
+        decode = variant.path == "decode" and not variant.tree  # a tree takes the prefill wrapper on either path
+        buffers, mask_buffers = {}, None
+        if graph_shape is not None:
+            batch, num_tokens, max_pages = graph_shape
 
-        def buffer(size):
-            return torch.zeros(size, dtype=torch.int32, device=device)
+            def buffer(size, dtype=torch.int32):
+                return torch.zeros(size, dtype=dtype, device=device)
 
-        indptr, indices, last_page_len = buffer(batch + 1), buffer(batch * max_pages + 1), buffer(batch)
-        if variant.path == "decode":
-            return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                workspace,
-                "NHD",
-                use_cuda_graph=True,
-                paged_kv_indptr_buffer=indptr,
-                paged_kv_indices_buffer=indices,
-                paged_kv_last_page_len_buffer=last_page_len,
-                **decode,
+            suffix = "buffer" if decode else "buf"
+            names = (f"paged_kv_indptr_{suffix}", f"paged_kv_indices_{suffix}", f"paged_kv_last_page_len_{suffix}")
+            sizes = (batch + 1, batch * max_pages + 1, batch)
+            buffers = dict(zip(names, map(buffer, sizes)), use_cuda_graph=True)
+            if not decode:
+                buffers.update(qo_indptr_buf=buffer(batch + 1), max_total_num_rows=num_tokens)
+            if variant.tree:  # the largest mask of B requests of T tokens in all, each rounded up to whole bytes
+                capacity = -(-num_tokens * max_pages * variant.page_size // 8) + batch
+                mask_buffers = (buffer(capacity, torch.uint8), buffer(batch + 1))
+                buffers.update(custom_mask_buf=mask_buffers[0], mask_indptr_buf=mask_buffers[1])
+        if decode:
+            # fa2 named: "auto" may route a multi-token decode plan to XQA (SM90) or cuDNN (SM100) by the step's KV
+            # lengths, and a CUDA-graph wrapper then refuses the next plan that routes differently.
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                workspace, "NHD", use_tensor_cores=True, backend="fa2", **buffers
             )
-        return flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            workspace,
-            "NHD",
-            use_cuda_graph=True,
-            qo_indptr_buf=buffer(batch + 1),
-            paged_kv_indptr_buf=indptr,
-            paged_kv_indices_buf=indices,
-            paged_kv_last_page_len_buf=last_page_len,
-            max_total_num_rows=num_tokens,
-        )
+        else:  # only fa2 takes a mask
+            backend = "fa2" if variant.tree else "auto"
+            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend, **buffers)
+        return _Plan(wrapper, mask_buffers)
 
     def _run(self, path, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, options):
         """options: resolved (k_scale, v_scale [Hkv] float32 with fp8 caches, else None). Returns [T, Hq, D] in q's
@@ -259,7 +301,7 @@ class FlashInferBackend(Backend):
         if num_tokens == 0:  # B = 0 or no new tokens: nothing to attend, nothing to plan
             return q.new_empty(q.shape)
         variant = _Variant.of(path, q.dtype, q.shape[1], k_cache, options)
-        metadata = (cu_seqlens_q, seq_lens, block_table)
+        metadata = _metadata(cu_seqlens_q, seq_lens, block_table, options.tree_mask)
         graph = self._graph_plans.get((variant, seq_lens.shape[0], num_tokens))
         if _capturing():
             if graph is None:

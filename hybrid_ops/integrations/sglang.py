@@ -28,10 +28,25 @@ class AttentionLayer:
     logit_cap: float = 0.0
 
 
+def _fill_chains(tree_mask):
+    """Fills a graph's tree mask, [bs * q_len, q_len] bool, with chains: each token sees its request's earlier ones."""
+    num_tokens, q_len = tree_mask.shape
+    if tree_mask.numel():
+        local = torch.arange(num_tokens, device=tree_mask.device) % q_len  # token t is its request's j
+        tree_mask.copy_(torch.arange(q_len, device=tree_mask.device) <= local[:, None])
+
+
 class PhaseBackend:
     """One phase's backend: the name of a registered backend, the step's metadata and its CUDA-graph buffers.
 
     `forward_extend` calls `torch.ops.hybrid.prefill`, `forward_decode` calls `torch.ops.hybrid.decode`.
+
+    Speculative trees: a batch's `tree_mask` ([T, Q] bool, the ops' option) goes to the ops. sglang carries a tree
+    in `forward_batch.spec_info.custom_mask`, EAGLE's full mask: request after request, request i's N rows of
+    prefix_i + N bools, the prefix's all True; our tree_mask[cu_seqlens_q[i] + j, c] is its row j's entry
+    prefix_i + c. A CUDA graph of tree steps is captured with `tree=True` (sglang: a capture whose spec_info has a
+    custom_mask); its tree mask is a static buffer that each replay fills, as the metadata's: with the batch's tree
+    (chains when it has none, and for the padding requests).
     """
 
     def __init__(self, kv_cache, backend: str = "auto"):
@@ -40,7 +55,9 @@ class PhaseBackend:
         self.backend = backend
         self.forward_batch = None
         self.graph_buffers = None  # (cu_seqlens_q [max_bs + 1], seq_lens [max_bs], block_table [max_bs, max_pages])
+        self.tree_buffer = None  # bool: the tree mask of a graph of tree steps, in its first num_tokens * q_len
         self.captured_num_tokens = {}  # bs -> num_tokens of its capture
+        self.tree_graphs = set()  # bs captured with a tree mask
 
     def init_forward_metadata(self, forward_batch):
         self.forward_batch = forward_batch
@@ -52,24 +69,46 @@ class PhaseBackend:
             torch.full((max_bs,), self.get_cuda_graph_seq_len_fill_value(), dtype=torch.int32, device=device),
             torch.zeros(max_bs, max_pages, dtype=torch.int32, device=device),
         )
-        for t in self.graph_buffers:
+        # Up to max_num_tokens // max_bs tokens per request (sglang's num_tokens_per_bs) for graphs of tree steps.
+        max_q_len = max(max_num_tokens // max(max_bs, 1), 1)
+        self.tree_buffer = torch.zeros(max_num_tokens * max_q_len, dtype=torch.bool, device=device)
+        for t in (*self.graph_buffers, self.tree_buffer):
             torch._dynamo.mark_static_address(t)
+
+    def _captured(self, bs):
+        """(num_tokens, tokens per request) of the capture of `bs` requests; (0, 0) before it."""
+        num_tokens = self.captured_num_tokens.get(bs, 0)
+        return num_tokens, num_tokens // max(bs, 1)
 
     def _graph_batch(self, bs, forward_mode):
         cu, lens, table = self.graph_buffers
-        return ForwardBatch(ForwardMode(forward_mode), cu[: bs + 1], lens[:bs], table[:bs])
+        tree_mask = None
+        if bs in self.tree_graphs:
+            num_tokens, q_len = self._captured(bs)
+            tree_mask = self.tree_buffer[: num_tokens * q_len].view(num_tokens, q_len)
+        return ForwardBatch(ForwardMode(forward_mode), cu[: bs + 1], lens[:bs], table[:bs], tree_mask)
 
-    def init_forward_metadata_capture_cuda_graph(self, bs: int, num_tokens: int, forward_mode):
-        """Point the metadata at the static buffers for a capture of `bs` requests with `num_tokens` tokens."""
-        batch = self._graph_batch(bs, forward_mode)
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, num_tokens: int, forward_mode, tree: bool = False):
+        """Point the metadata at the static buffers for a capture of `bs` requests with `num_tokens` tokens; with
+        `tree`, a tree mask too (chains at capture), which each replay fills."""
         q_len = num_tokens // max(bs, 1)
+        if tree and num_tokens * q_len > self.tree_buffer.numel():
+            raise HybridInputError(
+                f"a tree graph of {bs} requests of {q_len} tokens needs a {num_tokens} x {q_len} tree mask, more than "
+                f"the tree buffer's {self.tree_buffer.numel()} entries (init_cuda_graph_state's max_num_tokens x "
+                "max_num_tokens // max_bs)"
+            )
+        self.captured_num_tokens[bs] = num_tokens
+        (self.tree_graphs.add if tree else self.tree_graphs.discard)(bs)
+        batch = self._graph_batch(bs, forward_mode)
         batch.cu_seqlens_q.copy_(torch.arange(bs + 1, dtype=torch.int32) * q_len)
         # Each request holds at least its own tokens (FlashInfer's multi-token decode plan checks it), over the
         # scratch page when there is one, so the warm-up run before a capture writes no request's page.
         batch.seq_lens.fill_(max(self.get_cuda_graph_seq_len_fill_value(), q_len))
         if self.kv_cache.scratch_page is not None:
             batch.block_table.fill_(self.kv_cache.scratch_page)
-        self.captured_num_tokens[bs] = num_tokens
+        if tree:
+            _fill_chains(batch.tree_mask)
         self.forward_batch = batch
         self._plan_cuda_graph(batch)
 
@@ -78,8 +117,10 @@ class PhaseBackend:
 
         A batch of B < bs requests is padded to bs (`buckets.pad_batch`) with requests of the captured query length
         (num_tokens // bs) over the cache's scratch page: the graph's q/k/v have bs * that many rows, of which the
-        first T (the real tokens) are the outputs to keep.
+        first T (the real tokens) are the outputs to keep. A graph captured with `tree` reads the batch's tree mask
+        (chains for a batch without one, and for the padding requests).
         """
+        self._check_tree(bs, forward_batch.tree_mask)
         padding = bs - forward_batch.batch_size
         if padding < 0:
             raise HybridInputError(
@@ -90,7 +131,7 @@ class PhaseBackend:
                 f"forward_batch has {forward_batch.batch_size} requests and the graph bs = {bs}: "
                 "padding it needs PagedKVCache(reserve_scratch=True) and a capture of that bs"
             )
-        q_len = self.captured_num_tokens.get(bs, 0) // max(bs, 1)
+        q_len = self._captured(bs)[1]
         padded = pad_batch(
             forward_batch,
             [q_len] * padding,
@@ -102,8 +143,30 @@ class PhaseBackend:
         batch.cu_seqlens_q.copy_(padded.cu_seqlens_q)
         batch.seq_lens.copy_(padded.seq_lens)
         batch.block_table[:, : padded.block_table.shape[1]].copy_(padded.block_table)
+        if batch.tree_mask is not None:
+            _fill_chains(batch.tree_mask)
+            if forward_batch.tree_mask is not None:
+                real = forward_batch.tree_mask
+                batch.tree_mask[: real.shape[0]].copy_(real[:, : batch.tree_mask.shape[1]])
         self.forward_batch = batch
         self._plan_cuda_graph(batch)
+
+    def _check_tree(self, bs, tree_mask):
+        """A replay's tree mask against the graph of `bs` requests: one only for a graph captured with `tree`, and
+        with rows and columns for the graph's requests."""
+        if bs not in self.tree_graphs:
+            if tree_mask is not None:
+                raise HybridInputError(
+                    f"forward_batch has a tree_mask, but the graph of bs = {bs} was captured without one "
+                    "(init_forward_metadata_capture_cuda_graph(..., tree=True))"
+                )
+            return
+        num_tokens, q_len = self._captured(bs)
+        if tree_mask is not None and (tree_mask.shape[0] > num_tokens or tree_mask.shape[1] < q_len):
+            raise HybridInputError(
+                f"forward_batch.tree_mask of shape {tuple(tree_mask.shape)} does not fit the graph of bs = {bs}: at "
+                f"most {num_tokens} rows and at least its {q_len} tokens per request as columns"
+            )
 
     def _plan_cuda_graph(self, batch):
         """Outside the graph, before capture and replay: a backend that plans (FlashInfer) plans the static metadata
@@ -112,12 +175,12 @@ class PhaseBackend:
         # The backend the layers' ops take. An fp8 cache does not tell q's dtype: bf16 stands for it (fp16 is
         # served alike, and the backend that plans, FlashInfer, has no fp32-q kernel).
         q_dtype = torch.bfloat16 if k_cache.dtype in FP8_DTYPES else k_cache.dtype
-        features = Options().resolve(k_cache.shape[-1], k_cache).features()
+        features = Options(tree_mask=batch.tree_mask).resolve(k_cache.shape[-1], k_cache).features()
         spec = Spec(k_cache.device, q_dtype, k_cache.dtype, k_cache.shape[-1], v_cache.shape[-1], features)
         impl = get_backend(self.backend, spec)
         # The path of the op the layers call: forward_decode for DECODE (and IDLE), forward_extend otherwise.
         path = "decode" if batch.forward_mode.is_decode_or_idle() else "prefill"
-        impl.plan_cuda_graph(path, k_cache, *batch.metadata)
+        impl.plan_cuda_graph(path, k_cache, *batch.metadata, tree_mask=batch.tree_mask)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         # Capture runs with every request at length 1: one valid position, nothing out of range.
@@ -138,6 +201,7 @@ class PhaseBackend:
             scale=layer.scale,
             sliding_window=layer.sliding_window,
             logit_cap=layer.logit_cap,
+            tree_mask=self.forward_batch.tree_mask,
             backend=self.backend,
             **self.kv_cache.scales(layer.layer_id),
         )
@@ -178,8 +242,9 @@ class HybridAttnBackend:
         if self.speculative and self.speculative_attention_mode == "prefill":
             self.prefill_backend.init_cuda_graph_state(max_bs, max_num_tokens)
 
-    def init_forward_metadata_capture_cuda_graph(self, bs: int, num_tokens: int, forward_mode):
-        self._select_backend(forward_mode).init_forward_metadata_capture_cuda_graph(bs, num_tokens, forward_mode)
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, num_tokens: int, forward_mode, tree: bool = False):
+        """tree: the graph's steps carry a tree mask (sglang: its capture's spec_info has a custom_mask)."""
+        self._select_backend(forward_mode).init_forward_metadata_capture_cuda_graph(bs, num_tokens, forward_mode, tree)
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, forward_batch):
         self._select_backend(forward_batch.forward_mode).init_forward_metadata_replay_cuda_graph(bs, forward_batch)

@@ -19,6 +19,7 @@ must take the same steps.
 """
 
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -56,11 +57,11 @@ class HybridStep:
     states: list | None = None
 
 
-@dataclass
-class _Probe:
-    """What `probe_attention` saw: per layer index, the (Hkv, D, Dv) of each call with the step; the layer indices
-    of calls without it (their decoder layer dropped the keyword); and the layer indices of calls that are not
-    causal self-attention or hold sinks they do not pass."""
+@dataclass(eq=False)
+class Probe:
+    """What the attention calls of `probe_attention`'s forwards showed: per layer index, the (Hkv, D, Dv) of each
+    call with the step; the layer indices of calls without it (their decoder layer dropped the keyword); and the
+    layer indices of calls that are not causal self-attention, add a bias or hold sinks they do not pass."""
 
     calls: dict = field(default_factory=dict)
     dense: set = field(default_factory=set)
@@ -72,8 +73,47 @@ class _Probe:
     keywords: dict = field(default_factory=dict)  # layer -> keywords holding tensors the op does not take
     modules: set = field(default_factory=set)  # the attention modules that called with the step
 
+    @contextmanager
+    def watching(self, model):
+        """Every module of `model` holds this probe (as `hybrid_probe`) while the block runs: the attention function
+        finds it through the module it is called with, also where a decoder layer does not pass the step on."""
+        modules = list(model.modules())
+        for module in modules:
+            module.hybrid_probe = self
+        try:
+            yield
+        finally:
+            for module in modules:
+                del module.hybrid_probe
 
-_probe: _Probe | None = None  # set only while `probe_attention` runs its forward
+    def record(self, module, query, key, value, attention_mask, with_step, passed_sinks, sliding_window):
+        layer = getattr(module, "layer_idx", None)
+        if not with_step or layer is None:
+            self.dense.add(layer)
+        elif layer < 0:
+            self.shared.add(layer)
+        else:
+            self.calls.setdefault(layer, []).append((key.shape[1], key.shape[3], value.shape[3]))
+            self.modules.add(module)
+        # Bidirectional (an encoder's, or a decoder config without is_decoder) or cross-attention (keys that are not
+        # the query tokens'): the op attends causally over the sequence's own tokens only. As SDPA reads them: the
+        # mask when there is one (here the first of two tokens must not see the second), else the module's is_causal.
+        if attention_mask is None:
+            causal = getattr(module, "is_causal", True)
+        else:
+            visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+            causal = not bool(visible[..., 0, -1].any())
+        if not causal or key.shape[2] != query.shape[2]:
+            self.not_causal.add(layer)
+        # A float mask with values besides 0 and -inf adds a bias (dynamic masks, ALiBi), which the op cannot apply.
+        if attention_mask is not None and attention_mask.is_floating_point():
+            masked = attention_mask <= torch.finfo(attention_mask.dtype).min / 2
+            if not bool(((attention_mask == 0) | masked).all()):
+                self.biased.add(layer)
+        if not passed_sinks and isinstance(getattr(module, "sinks", None), torch.Tensor):
+            self.unpassed_sinks.add(layer)
+        if not sliding_window:
+            self.windowless.add(layer)
 
 
 # Keywords of an attention call that the op needs not: the positions (applied to q and k already), the logits rows.
@@ -118,13 +158,13 @@ def hybrid_attention(
     s_aux: [Hq] attention sinks (gpt-oss), passed to the op as float32 `sinks`."""
     sinks = None if s_aux is None else s_aux.float()
     dropped = [name for name, value in kwargs.items() if name not in _UNUSED_KEYWORDS and holds_tensor(value)]
-    if _probe is not None:
-        _record(module, query, key, value, attention_mask, hybrid_step is not None, s_aux is not None)
-        if not sliding_window:
-            _probe.windowless.add(getattr(module, "layer_idx", None))
-        if dropped:
-            _probe.keywords[getattr(module, "layer_idx", None)] = dropped
     if hybrid_step is None or hybrid_step.k_caches is None:
+        probe = getattr(module, "hybrid_probe", None)
+        if probe is not None:
+            with_step, passed_sinks = hybrid_step is not None, s_aux is not None
+            probe.record(module, query, key, value, attention_mask, with_step, passed_sinks, sliding_window)
+            if dropped:
+                probe.keywords[getattr(module, "layer_idx", None)] = dropped
         return dense_attention(query, key, value, attention_mask, scaling, sliding_window, softcap, sinks), None
     if query.shape[0] != 1:
         raise HybridInputError(
@@ -158,34 +198,6 @@ def hybrid_attention(
         v_scale=None if hybrid_step.v_scales is None else hybrid_step.v_scales[layer],
     )
     return out[None], None
-
-
-def _record(module, query, key, value, attention_mask, with_step, passed_sinks):
-    layer = getattr(module, "layer_idx", None)
-    if not with_step or layer is None:
-        _probe.dense.add(layer)
-    elif layer < 0:
-        _probe.shared.add(layer)
-    else:
-        _probe.calls.setdefault(layer, []).append((key.shape[1], key.shape[3], value.shape[3]))
-        _probe.modules.add(module)
-    # Bidirectional (an encoder's, or a decoder config without is_decoder) or cross-attention (keys that are not
-    # the query tokens'): the op attends causally over the sequence's own tokens only. As SDPA reads them: the
-    # mask when there is one (here the first of two tokens must not see the second), else the module's is_causal.
-    if attention_mask is None:
-        causal = getattr(module, "is_causal", True)
-    else:
-        visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-        causal = not bool(visible[..., 0, -1].any())
-    if not causal or key.shape[2] != query.shape[2]:
-        _probe.not_causal.add(layer)
-    # A float mask holding more than 0 and -inf is a bias of the model's own (dynamic masks, ALiBi): the op has none.
-    if attention_mask is not None and attention_mask.is_floating_point():
-        masked = attention_mask <= torch.finfo(attention_mask.dtype).min / 2
-        if not bool(((attention_mask == 0) | masked).all()):
-            _probe.biased.add(layer)
-    if not passed_sinks and isinstance(getattr(module, "sinks", None), torch.Tensor):
-        _probe.unpassed_sinks.add(layer)
 
 
 def dense_attention(query, key, value, attention_mask, scaling, sliding_window, softcap, sinks=None):
@@ -248,13 +260,13 @@ def check_servable(model) -> tuple:
     def refuse(reason):
         raise HybridInputError(f"{model_type} cannot be served exactly: {reason}")
 
-    layer_types = set(getattr(config, "layer_types", None) or ())
+    layer_types = set(getattr(config, "layer_types", None) or ())  # a config may have no such field (Llama's)
     other_types = sorted(layer_types - {*_ATTENTION_LAYER_TYPES, *_STATE_LAYER_TYPES, *_PLAIN_LAYER_TYPES})
     if other_types:
         refuse(f"its layer_types include {other_types}, attention other than the op's (full, sliding, chunked)")
     if "shared_kv_states" in inspect.signature(model.forward).parameters:
         refuse("it drafts for another model, attending over that model's K/V (shared_kv_states)")
-    if getattr(config, "attention_chunk_size", None) and "chunked_attention" not in (config.layer_types or ()):
+    if getattr(config, "attention_chunk_size", None) and "chunked_attention" not in layer_types:
         refuse("it sets attention_chunk_size without naming its chunked layers in layer_types")
     stateful = {
         name: module
@@ -289,7 +301,6 @@ def probe_attention(model, refuse, stateful=None, served=()) -> list:
     follow position_ids (a decoder layer that drops `**kwargs` would attend densely over one step's tokens only; two
     calls with one layer_idx would overwrite each other's cache rows; positions counted from the packed row would be
     other requests' positions)."""
-    global _probe
     num_layers = getattr(model.config.get_text_config(), "num_hidden_layers", 0)  # none: BLT (stacks of its own)
     device = next(model.parameters()).device
     step = HybridStep(
@@ -309,9 +320,9 @@ def probe_attention(model, refuse, stateful=None, served=()) -> list:
         for i, element in enumerate(module if isinstance(module, torch.nn.ModuleList) else ()):
             listed[f"{name}.{i}"] = False
             hooks.append(element.register_forward_pre_hook(lambda *_, key=f"{name}.{i}": listed.update({key: True})))
-    _probe = _Probe()
+    probe = Probe()
     try:
-        with torch.inference_mode():
+        with probe.watching(model), torch.inference_mode():
             # The generator asks for the logits of given rows: logits_to_keep as a tensor of row indices.
             logits = [
                 model(
@@ -323,13 +334,11 @@ def probe_attention(model, refuse, stateful=None, served=()) -> list:
                 ).logits
                 for second, keep in ((1, torch.tensor([0], device=device)), (3, 0), (1, 0))
             ]
-        probe = _probe
     except Exception:
         if not stateful:
             raise
         probe = None  # a model with state that fails here is refused for that state
     finally:
-        _probe = None
         for hook in hooks:
             hook.remove()
     # The decoder's layer lists: those whose elements hold the attention modules that called with the step. A

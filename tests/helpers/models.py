@@ -1,13 +1,60 @@
-"""Test helpers: tiny random configs of transformers' causal LMs, and greedy tokens of `hybrid_ops.generate` against
-transformers' own `generate`, one prompt at a time (no padding), written without the library's code."""
+"""Models for the tests: small named ones (`MODELS`, `small_model`), tiny random configs of any of transformers'
+causal LMs (`tiny_config`), and greedy tokens of transformers' own `generate` on each prompt alone (no padding), to
+compare `hybrid_ops.generate`'s (`hybrid_tokens`) with."""
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    Gemma2Config,
+    GenerationConfig,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedConfig,
+    Qwen2Config,
+)
 
 import hybrid_ops
 
-PROMPTS = [[(7 * i + 3 * j) % 90 + 3 for j in range(n)] for i, n in enumerate([11, 3, 17])]
+# Token ids from 3 on: 0 pads, and 1 and 2 are the bos and eos ids of the configs that keep theirs.
+PROMPTS = [[(7 * i + 3 * j) % 90 + 3 for j in range(n)] for i, n in enumerate([5, 23, 9])]
 NEW_TOKENS = 8
+# 2 requests at a time over PROMPTS, chunks of 8 tokens: prompts of 1 to 3 chunks, one request decoding while another
+# prefills and the third joining while another decodes, so generation takes every kind of step (EXTEND, MIXED,
+# DECODE).
+SIZES = dict(max_batch_size=2, max_seq_len=48, page_size=4, prefill_chunk=8)
+
+SMALL = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=0,
+)
+# name -> (config, the attention transformers' reference runs with)
+MODELS = {
+    "llama": (lambda: LlamaConfig(**SMALL), "sdpa"),
+    "qwen2": (lambda: Qwen2Config(**SMALL), "sdpa"),
+    "mistral_window": (lambda: MistralConfig(**SMALL, sliding_window=6), "sdpa"),
+    # Soft-capping and alternating sliding/global layers; transformers' SDPA path ignores soft-capping.
+    "gemma2": (
+        lambda: Gemma2Config(
+            **{**SMALL, "num_hidden_layers": 3},
+            head_dim=16,
+            sliding_window=5,
+            attn_logit_softcapping=1.5,
+            final_logit_softcapping=None,
+            query_pre_attn_scalar=16,
+        ),
+        "eager",
+    ),
+}
+
 # Sizes every tiny config gets, under whichever of these names its config has (by name or through attribute_map).
 TINY = {
     "vocab_size": 128,
@@ -222,6 +269,19 @@ def make_model(config, attn_implementation="eager", seed=0):
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
 
 
+def small_model(name, attn_implementation=None):
+    """MODELS[name], with the attention its reference runs with unless another is named."""
+    make_config, reference_attention = MODELS[name]
+    return make_model(make_config(), attn_implementation or reference_attention)
+
+
+def tiny_model():
+    """A one-layer Llama at half SMALL's width and positions, with 64 token ids."""
+    wide = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "max_position_embeddings")
+    halved = {name: SMALL[name] // 2 for name in wide}
+    return make_model(LlamaConfig(**{**SMALL, **halved, "vocab_size": 64, "num_hidden_layers": 1}), "sdpa")
+
+
 def reference_tokens(model, prompts=PROMPTS, new_tokens=NEW_TOKENS):
     """transformers' plain greedy generate (no forced, suppressed or penalised tokens, no eos: the generation
     config a checkpoint would bring is replaced) on each prompt alone: the generated ids of each."""
@@ -236,21 +296,18 @@ def reference_tokens(model, prompts=PROMPTS, new_tokens=NEW_TOKENS):
     return out
 
 
-GENERATION = dict(compile=False, max_batch_size=2, page_size=4, prefill_chunk=8)
-
-
 def hybrid_tokens(model, prompts=PROMPTS, new_tokens=NEW_TOKENS, **kwargs):
-    """`hybrid_ops.generate` over all prompts at once, eager, in chunks that cross pages and a mixed step."""
-    return hybrid_ops.generate(model, prompts, new_tokens, **{**GENERATION, **kwargs})
+    """`hybrid_ops.generate` over all prompts at once, eager, at SIZES unless `kwargs` say otherwise."""
+    return hybrid_ops.generate(model, prompts, new_tokens, **{"compile": False, **SIZES, **kwargs})
 
 
 def state_pages(model) -> int:
     """The pages that a request's state slot counts for in `hybrid_tokens`' budget; 0 for a model without state."""
-    return hybrid_ops.HybridGenerator(model, **GENERATION, max_seq_len=8).state_pages
+    return hybrid_ops.HybridGenerator(model, **{**SIZES, "max_seq_len": 8}, compile=False).state_pages
 
 
 def preempting_pages(model, prompts=PROMPTS, new_tokens=NEW_TOKENS) -> int:
     """A page budget for `hybrid_tokens` that holds the longest request, with two requests' state slots (a model with
     state: their cost in pages), but not two long requests at once: requests are preempted."""
     longest = max(map(len, prompts)) + new_tokens
-    return -(-longest // GENERATION["page_size"]) + 2 * state_pages(model)
+    return -(-longest // SIZES["page_size"]) + 2 * state_pages(model)

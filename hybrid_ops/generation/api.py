@@ -1,0 +1,369 @@
+"""Continuous-batching generation for transformers models through the hybrid ops: `HybridGenerator` and `generate`.
+
+A generator joins the parts of this package: the `Scheduler` (which requests run in a step, with how many tokens:
+admission by free pages, chunked prefill, preemption, prefix caching) over a `KVCacheManager`, the `ModelRunner` (one
+compiled forward for every step and mode) and the sampler (`SamplingParams`, transformers' warpers). The API:
+`generate(prompts, ...)` returns every request's tokens, `stream(prompts, ...)` yields them step by step, and
+`add_request` / `step` / `abort` serve requests that come and go (docs/generation.md).
+"""
+
+import inspect
+import math
+import threading
+import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ..cache import PagedKVCache
+from ..errors import HybridInputError, HybridOpsError
+from ..fp8 import FP8_DTYPES
+from ..state import StatePool
+from .cache_manager import KVCacheManager
+from .checks import is_int, max_positions, prompt_list, token_list
+from .runner import ModelRunner
+from .sampler import SamplingParams, next_tokens
+from .scheduler import Request, Scheduler
+
+
+@dataclass
+class GenerationStats:
+    steps: Counter = field(default_factory=Counter)  # ForwardMode name -> steps
+    prompt_tokens: int = 0  # prefilled tokens, recomputed ones included
+    prefix_cache_hit_tokens: int = 0  # tokens taken from the prefix cache at admission instead of prefilled
+    generated_tokens: int = 0
+    preemptions: int = 0
+    seconds: float = 0.0
+    first_token_seconds: list = field(default_factory=list)  # per request, from the start of the run
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds else 0.0
+
+
+class HybridGenerator:
+    """Generates for a causal LM whose attention runs through `torch.ops.hybrid.attn`.
+
+    The paged cache holds `num_pages` pages of `page_size` tokens (default: `max_batch_size` requests of
+    `max_seq_len` tokens, the worst case); at most `max_batch_size` requests run at once, each of at most
+    `max_seq_len` tokens (prompt + new tokens; default and limit: the model's `max_position_embeddings`, capped at
+    1024 by default); a step prefills at most `prefill_chunk` prompt tokens. Requests are admitted while the cache has
+    free pages for their prompts; when a step needs more pages than are free, the newest running request is
+    preempted and later prefilled again (`Scheduler`), so any budget gives every request the tokens of an
+    unconstrained run. The cache and the compiled forward are kept across calls, so later runs neither allocate nor
+    recompile; the first step of a compiled generator also compiles the graphs of one-request and one-token steps,
+    which Dynamo specialises, so no later step compiles. With `compile_cache=PATH` the compiled artifacts
+    (`torch.compiler.save_cache_artifacts`) are written to PATH after that first step and loaded from it at
+    construction, so a later process with the same model, sizes and torch skips Inductor's code generation.
+    `cuda_graphs=True` pads every step to a bucket of requests and tokens (padding requests write only the cache's
+    scratch page) and, on CUDA, compiles with `mode="reduce-overhead"`; on other devices the same padding runs
+    under a plain compile. The backends must then be CUDA-graph safe: on CUDA "auto" means "triton" here (FlashInfer
+    plans on the host, and this forward does not plan outside its graphs). `runner` (a `ModelRunner`) holds the
+    forward, `scheduler` (a `Scheduler`) the requests, `cache` the `PagedKVCache`.
+
+    `prefix_caching=True` keeps the K/V of every full page of tokens in the cache, keyed by its tokens and all before
+    it (`PagedKVCache`), until the pages are needed: an admitted request starts on the cached pages of its prompt
+    (and of its tokens so far, after a preemption) and prefills only the rest, at least its last token, whose logits
+    it samples from. A request waits while a running request's prefill computes the next page it could take, so
+    requests sharing a prompt prefix compute it once. Greedy and seeded tokens are those of `prefix_caching=False`
+    (tested); `GenerationStats.prefix_cache_hit_tokens` counts the tokens not prefilled. It is off by default because
+    it changes which step each request samples in: unseeded sampling, which draws from torch's default generator in
+    step order, would then depend on what earlier calls left in the cache.
+
+    `kv_cache_dtype=torch.float8_e4m3fn` (or `float8_e5m2`) stores K/V in fp8, half the cache of bf16, with a
+    per-tensor scale of 1.0 in every layer (the K/V of the models measured stay well inside e4m3's range of 448;
+    `cache.k_scales` / `cache.v_scales` hold them, to set before generating); the accuracy cost on the demo model is
+    in docs/correctness.md.
+
+    One generator serves one thread: a call made while another thread's call runs raises `HybridOpsError`.
+    If a step raises (the model's forward, a KeyboardInterrupt, ...), the requests of that step are dropped and
+    their pages freed; `generate` and `stream` drop all of their call's requests. The error propagates and the
+    generator stays usable.
+
+    A hybrid model (layers with recurrent or convolution state: linear attention, state space, short convolutions;
+    `integrations/stateful.py`) keeps each running request's state in a slot of `states` (a `StatePool` of
+    `max_batch_size` slots), taken at admission and freed with the request's pages; a slot counts as `state_pages`
+    pages of the budget (the pages its bytes would fill), so admission and preemption see K/V and state together. A
+    preempted request's state is dropped and computed again from its tokens. Prefix caching and `cuda_graphs` are
+    refused for such models.
+
+    A model sharded with `tp_plan` runs on every rank of its group with the same prompts (checked): the cache holds the
+    rank's own KV heads, the scheduling depends only on the tokens, and rank 0's sampled tokens are broadcast.
+    """
+
+    def __init__(
+        self,
+        model,
+        max_batch_size: int = 8,
+        max_seq_len: int | None = None,
+        page_size: int = 16,
+        prefill_chunk: int = 256,
+        compile: bool = True,
+        prefill_backend: str = "auto",
+        decode_backend: str = "auto",
+        cuda_graphs: bool = False,
+        num_pages: int | None = None,
+        compile_cache: str | None = None,
+        prefix_caching: bool = False,
+        kv_cache_dtype=None,
+    ):
+        from ..integrations.transformers import check_servable, kv_heads_per_rank, tensor_parallel_group
+
+        config = model.config.get_text_config()
+        limit = max_positions(config)
+        if max_seq_len is None:
+            max_seq_len = min(1024, limit or 1024)
+        for name, value in (
+            ("max_batch_size", max_batch_size),
+            ("max_seq_len", max_seq_len),
+            ("page_size", page_size),
+            ("prefill_chunk", prefill_chunk),
+            ("num_pages", num_pages),
+        ):
+            if value is not None and not is_int(value, 1):
+                raise HybridInputError(f"{name} must be a positive int, got {value!r}")
+        for name, value in (("compile", compile), ("cuda_graphs", cuda_graphs), ("prefix_caching", prefix_caching)):
+            if not isinstance(value, bool):
+                raise HybridInputError(f"{name} must be a bool, got {value!r}")
+        if limit and max_seq_len > limit:
+            raise HybridInputError(
+                f"max_seq_len ({max_seq_len}) exceeds the model's max_position_embeddings "
+                f"({limit}); raise model.config.max_position_embeddings to go past it"
+            )
+        param = next(model.parameters())
+        kv_cache_dtype = param.dtype if kv_cache_dtype is None else kv_cache_dtype
+        if kv_cache_dtype not in (param.dtype, *FP8_DTYPES):
+            raise HybridInputError(
+                f"kv_cache_dtype must be None (the model's {param.dtype}), torch.float8_e4m3fn "
+                f"or torch.float8_e5m2, got {kv_cache_dtype!r}"
+            )
+        model.set_attn_implementation("hybrid")
+        self.model = model.eval()
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.vocab_size = config.vocab_size
+        self.eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        if tensor_parallel_group(model) is not None:  # refuses KV heads split across ranks, before any forward
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            kv_heads_per_rank(model, head_dim)
+        # Each layer's (Hkv, D, Dv) as its attention passes K and V; the layers that keep state.
+        layer_shapes, mixers = check_servable(model)
+        for option, on, reason in (
+            ("prefix_caching", prefix_caching, "a cached page holds no state to start from"),
+            ("cuda_graphs", cuda_graphs, "their state op reads each step's metadata on the host"),
+        ):
+            if mixers and on:
+                raise HybridInputError(
+                    f"{option}=True is not supported for a model whose layers keep recurrent or convolution state "
+                    f"({mixers[0].name}): {reason}"
+                )
+        self.states, self.state_pages = None, 0
+        if mixers:
+            layer_states = [[(s.shape, s.dtype) for s in m.states] for m in mixers]
+            self.states = StatePool(layer_states, max_batch_size, param.device)
+            # A slot counts as the pages its bytes would fill, so that the budget bounds K/V and state together.
+            bytes_per_page = page_size * kv_cache_dtype.itemsize * sum(h * (d + dv) for h, d, dv in layer_shapes)
+            self.state_pages = -(-self.states.bytes_per_slot // bytes_per_page)
+        pages_per_request = -(-max_seq_len // page_size)
+        self.cache = PagedKVCache(
+            num_pages or max_batch_size * (pages_per_request + self.state_pages),
+            page_size,
+            *layer_shapes[0][:2],
+            layer_shapes=layer_shapes,
+            max_pages_per_request=pages_per_request,
+            dtype=kv_cache_dtype,
+            device=param.device,
+            reserve_scratch=cuda_graphs,
+        )
+        self.device = param.device
+        self.runner = ModelRunner(
+            model,
+            self.cache,
+            max_batch_size,
+            max_seq_len,
+            prefill_chunk,
+            compile=compile,
+            prefill_backend=prefill_backend,
+            decode_backend=decode_backend,
+            cuda_graphs=cuda_graphs,
+            compile_cache=compile_cache,
+            states=self.states,
+        )
+        kv = KVCacheManager(self.cache, prefix_caching, self.states, self.state_pages)
+        self.scheduler = Scheduler(kv, max_batch_size, prefill_chunk)
+        self._undelivered = []  # step events of step-API requests, produced while `stream` ran the steps
+        self._lock = threading.Lock()
+
+    # The serving API: requests come and go between steps.
+
+    def add_request(self, prompt, max_new_tokens: int, **options) -> int:
+        """Queues a request; returns its id. prompt: token ids (a list, tuple, 1-D int tensor or array); options:
+        the fields of `SamplingParams` (do_sample, temperature, top_k, top_p, min_p, seed, eos_token_id)."""
+        with self._exclusive():
+            request = self._make_request("prompt", prompt, max_new_tokens, SamplingParams(**options))
+            self.runner.check_same_on_every_rank(_collective_args(request))
+            return self.scheduler.add(request)
+
+    @torch.inference_mode()
+    def step(self, stats: GenerationStats | None = None) -> list:
+        """Runs one forward step -> [(request id, new token ids, finished)] for the requests that got tokens;
+        counts the step in `stats` if given."""
+        with self._exclusive():
+            events, self._undelivered = self._undelivered + self._step(stats), []
+            return events
+
+    def abort(self, request_id: int) -> bool:
+        """Drops a request and frees its pages; False when it is not in flight (finished, dropped or unknown)."""
+        with self._exclusive():
+            return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # Batch calls on top of it.
+
+    def generate(
+        self, prompts, max_new_tokens: int, *, progress: bool = False, stats: GenerationStats | None = None, **options
+    ):
+        """prompts: token-id sequences -> the generated ids of each, at most `max_new_tokens` (stops at eos).
+
+        options: as `add_request`'s; with an int `seed`, request i of the call is seeded with `seed + i`.
+        progress: a tqdm bar of the tokens; stats: a `GenerationStats` that the call adds to.
+        """
+        prompts = prompt_list(prompts)
+        results = [[] for _ in prompts]
+        for index, tokens, _ in self.stream(prompts, max_new_tokens, progress=progress, stats=stats, **options):
+            results[index] += tokens
+        return results
+
+    def stream(
+        self, prompts, max_new_tokens: int, *, progress: bool = False, stats: GenerationStats | None = None, **options
+    ):
+        """Yields (index in prompts, new token ids, finished) as the steps produce them; arguments as `generate`'s.
+
+        Steps also advance requests added with `add_request`; their events wait for the next `step()`. Closing the
+        iterator early (or an error) drops the call's unfinished requests.
+        """
+        stats = stats if stats is not None else GenerationStats()
+        with self._exclusive(), torch.inference_mode():
+            sampling = SamplingParams(**options)
+            requests = [
+                self._make_request(
+                    f"prompts[{i}]",
+                    prompt,
+                    max_new_tokens,
+                    sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i),
+                )
+                for i, prompt in enumerate(prompt_list(prompts))
+            ]
+            self.runner.check_same_on_every_rank([_collective_args(r) for r in requests])
+            index = {self.scheduler.add(r): i for i, r in enumerate(requests)}
+        bar = _progress_bar(sum(r.max_new_tokens for r in requests), progress)
+        start = time.perf_counter()
+        try:
+            while any(rid in self.scheduler.requests for rid in index):
+                with self._exclusive(), torch.inference_mode():
+                    events = self._step(stats)
+                self._undelivered += [e for e in events if e[0] not in index]
+                for rid, tokens, finished in events:
+                    if rid in index:
+                        if len(requests[index[rid]].generated) == len(tokens):  # its first tokens
+                            stats.first_token_seconds.append(time.perf_counter() - start)
+                        bar.update(len(tokens))
+                        yield index[rid], tokens, finished
+        finally:
+            with self._lock:
+                for rid in index:
+                    self.scheduler.abort(rid)
+            bar.close()
+            stats.seconds += time.perf_counter() - start
+
+    def _make_request(self, name, prompt, max_new_tokens, sampling: SamplingParams) -> Request:
+        """A checked request, not yet queued; every HybridInputError names `name` (the prompt) or the option."""
+        prompt = token_list(name, prompt, self.vocab_size)
+        if not is_int(max_new_tokens, 1):
+            raise HybridInputError(f"max_new_tokens must be a positive int, got {max_new_tokens!r} (for {name})")
+        if len(prompt) + max_new_tokens > self.max_seq_len:
+            raise HybridInputError(
+                f"{name}: {len(prompt)} prompt tokens + max_new_tokens = {max_new_tokens} exceed "
+                f"max_seq_len = {self.max_seq_len}"
+            )
+        pages = self.scheduler.kv.request_pages(len(prompt) + max_new_tokens)
+        if pages > self.cache.num_pages:
+            state = f" ({self.state_pages} for its state)" if self.state_pages else ""
+            raise HybridInputError(
+                f"{name}: {len(prompt)} prompt tokens + max_new_tokens = {max_new_tokens} need "
+                f"{pages} pages{state}, more than num_pages = {self.cache.num_pages}"
+            )
+        stop_token_ids = sampling.stop_token_ids(self.eos_token_id)
+        return Request(prompt, int(max_new_tokens), sampling, stop_token_ids, sampling.generator(self.device))
+
+    @contextmanager
+    def _exclusive(self):
+        if not self._lock.acquire(blocking=False):
+            raise HybridOpsError(
+                "this HybridGenerator is running a call in another thread: one generator serves one thread at a time"
+            )
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    def _step(self, stats) -> list:
+        """One forward step over the running requests -> [(id, new tokens, finished)]."""
+        if not self.runner.warmed_up:
+            self.runner.warm_up()
+        step = self.scheduler.schedule(stats)
+        if step is None:
+            return []
+        try:
+            logits = self.runner.run(
+                step.batch, step.num_new_tokens, step.token_ids, step.positions, step.logits_rows, step.state_slots
+            )
+            sampled = step.sampled
+            next_ids = next_tokens(logits, [r.sampling for r in sampled], [r.generator for r in sampled])
+            self.runner.broadcast_from_rank_0(next_ids)
+            return self.scheduler.update(step, next_ids.tolist(), stats)
+        except BaseException:
+            self.scheduler.abort_step(step.requests)
+            raise
+
+
+def _collective_args(request: Request):
+    """What every rank of a tensor-parallel group must agree on (not the seed: rank 0's samples are broadcast)."""
+    sampling = replace(request.sampling, seed=None, eos_token_id=None) if request.sampling.do_sample else None
+    return request.prompt, request.max_new_tokens, sampling, sorted(request.stop_token_ids)
+
+
+class _NoBar:
+    def update(self, n):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress_bar(total, enabled):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="tok", desc="generating")
+
+
+def generate(model, prompts, max_new_tokens: int, **options):
+    """One call: a `HybridGenerator(model, ...)` sized for `prompts`, then its `generate(prompts, max_new_tokens,
+    ...)`. A keyword that names a parameter of `HybridGenerator` goes to it, any other to `HybridGenerator.generate`.
+    Unless given, max_batch_size is the number of prompts and max_seq_len the longest prompt + max_new_tokens, at most
+    the model's max_position_embeddings. Keep a `HybridGenerator` to keep its compiled forward across calls.
+    """
+    constructor = inspect.signature(HybridGenerator.__init__).parameters
+    init = {name: options.pop(name) for name in list(options) if name in constructor}
+    prompts = prompt_list(prompts)
+    limit = max_positions(model.config.get_text_config()) or math.inf
+    if is_int(max_new_tokens, 1) and all(hasattr(p, "__len__") for p in prompts):
+        # At most max_position_embeddings: longer requests are refused, not given a cache they cannot use.
+        init.setdefault("max_seq_len", min(max((len(p) for p in prompts), default=1) + max_new_tokens, limit))
+    init.setdefault("max_batch_size", max(len(prompts), 1))
+    return HybridGenerator(model, **init).generate(prompts, max_new_tokens, **options)

@@ -1,0 +1,224 @@
+"""The model runner: one step of a transformers model over the paged cache, compiled once for every step.
+
+`ModelRunner.forward(input_ids, position_ids, logits_index, forward_mode, cu_seqlens_q, seq_lens, block_table,
+state_slots=None)` is the whole step as one function of its inputs (the model, the cache's and state pool's tensors
+and the backends are its state), so any callable of that signature can take its place. The runner also pads steps
+to buckets (`cuda_graphs`), warms the compiled graphs up, keeps the compile cache file, and holds the
+tensor-parallel group's agreement helpers.
+"""
+
+import hashlib
+import os
+import types
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from ..buckets import batch_buckets, pad_batch, padding_q_lens, token_buckets
+from ..cache import PagedKVCache
+from ..errors import HybridInputError
+from ..metadata import ForwardBatch
+from ..modes import ForwardMode
+from ..state import StatePool
+
+# (tokens per request, logits rows, mode) of steps with one request, one token or one logits row: sizes that
+# Dynamo specialises, with a graph each.
+_WARM_UP_STEPS = [
+    ([1], [0], ForwardMode.DECODE),
+    ([2], [1], ForwardMode.EXTEND),
+    ([2, 1], [2], ForwardMode.MIXED),
+    ([2, 1], [1, 2], ForwardMode.MIXED),
+    ([1, 1], [0, 1], ForwardMode.DECODE),
+]
+
+# Dynamo keeps compiled graphs, and counts them against its recompile limit, per code object. Runners of one model
+# and the same shapes share a copy of `_forward` (a later one compiles nothing); others get their own, so that the
+# generators of several models or sizes in one process never add up to that limit, past which fullgraph fails.
+_FORWARD_CODES = weakref.WeakKeyDictionary()  # model -> {shapes: code object}
+
+
+class ModelRunner:
+    """Runs `model` (attention through `torch.ops.hybrid.attn`) over `cache`, for steps of at most `max_batch_size`
+    requests and `prefill_chunk + max_batch_size` tokens, each request of at most `max_seq_len` tokens.
+
+    compile=True: `forward` is `torch.compile(fullgraph=True, dynamic=True)` of `_forward` (on CUDA with
+    `cuda_graphs`, `mode="reduce-overhead"`); `warm_up` then compiles the graphs Dynamo specialises, and with
+    `compile_cache=PATH` the compiled artifacts are loaded from PATH at construction and written there after the
+    warm-up. cuda_graphs=True: every step is padded to a bucket of requests and tokens (`hybrid_ops.buckets`), and
+    "auto" backends mean "triton" on CUDA (FlashInfer plans on the host, outside the graphs). `states`: a hybrid
+    model's state slots (`StatePool`), whose slots each step's `state_slots` name.
+    """
+
+    def __init__(
+        self,
+        model,
+        cache: PagedKVCache,
+        max_batch_size: int,
+        max_seq_len: int,
+        prefill_chunk: int,
+        compile: bool = True,
+        prefill_backend: str = "auto",
+        decode_backend: str = "auto",
+        cuda_graphs: bool = False,
+        compile_cache: str | None = None,
+        states: StatePool | None = None,
+    ):
+        from ..integrations.transformers import HybridStep, tensor_parallel_group
+
+        self.model, self.cache, self.device, self.states = model, cache, cache.device, states
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        graphs_on_cuda = cuda_graphs and self.device.type == "cuda"
+        backends = (prefill_backend, decode_backend)
+        if graphs_on_cuda:
+            backends = tuple("triton" if b == "auto" else b for b in backends)
+        self._step_type, self.backends, self.cuda_graphs = HybridStep, backends, cuda_graphs
+        max_tokens = prefill_chunk + max_batch_size  # a prefill budget plus every other request's decode token
+        self.token_counts = token_buckets(max_tokens)
+        # Room for the padding requests of any step, each holding at most a block-table row's capacity.
+        max_padding_requests = -(-max_tokens // (cache.max_pages_per_request * cache.page_size))
+        self.batch_sizes = batch_buckets(max_batch_size + max_padding_requests)
+        mode = "reduce-overhead" if graphs_on_cuda else None
+        self.forward = (
+            torch.compile(self._own_forward(), fullgraph=True, dynamic=True, mode=mode) if compile else self._forward
+        )
+        self.warmed_up = not compile
+        self.compile_cache = compile_cache
+        if compile and compile_cache and os.path.exists(compile_cache):
+            with open(compile_cache, "rb") as f:
+                torch.compiler.load_cache_artifacts(f.read())
+        self.group = tensor_parallel_group(model)
+
+    def _own_forward(self):
+        """`_forward` on the code object that this runner's model and shapes share (see _FORWARD_CODES)."""
+        shapes = (
+            tuple((t.shape, t.dtype) for t in self.cache.k_caches + self.cache.v_caches),
+            None if self.states is None else tuple((t.shape, t.dtype) for t in self.states.all_states),
+            self.cache.max_pages_per_request,
+            self.backends,
+            self.cuda_graphs,
+        )
+        fn = ModelRunner._forward
+        code = _FORWARD_CODES.setdefault(self.model, {}).setdefault(shapes, fn.__code__.replace())
+        return types.MethodType(types.FunctionType(code, fn.__globals__, fn.__name__), self)
+
+    def _forward(
+        self,
+        input_ids,
+        position_ids,
+        logits_index,
+        forward_mode: int,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        state_slots=None,
+    ):
+        """input_ids, position_ids: [1, T] int64; logits_index: [n] int64, the token rows to project; forward_mode:
+        a `ForwardMode` value; the metadata as in the ops; state_slots: [B] int32 (a hybrid model's) or None ->
+        logits [n, vocab]. Writes the tokens' K/V into the cache, and their states into the slots."""
+        step = self._step_type(
+            forward_mode,
+            cu_seqlens_q,
+            seq_lens,
+            block_table,
+            self.cache.k_caches,
+            self.cache.v_caches,
+            *self.backends,
+            k_scales=self.cache.k_scales,
+            v_scales=self.cache.v_scales,
+            state_slots=state_slots,
+            states=None if self.states is None else self.states.states,
+        )
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            use_cache=False,
+            logits_to_keep=logits_index,
+            hybrid_step=step,
+        )
+        return out.logits[0]
+
+    def run(self, batch: ForwardBatch, num_new_tokens, token_ids, positions, logits_rows, state_slots=None):
+        """One step -> logits [len(logits_rows), vocab]. batch: the step's metadata (its pages allocated);
+        num_new_tokens: per request; token_ids, positions: host lists of the step's T tokens; logits_rows: the token
+        rows whose logits to return; state_slots: the requests' state slots (a hybrid model's)."""
+        num_rows = len(logits_rows)
+        # At least one row even when no request samples (a long prompt mid-chunk): Dynamo gives size 0 a graph
+        # of its own, which a later run could meet for the first time.
+        rows = logits_rows or [len(token_ids) - 1]
+        if self.cuda_graphs:
+            batch, token_ids, positions, rows = self._pad(batch, num_new_tokens, token_ids, positions, rows)
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's logits are read: graphs may reuse them
+        logits = self.forward(
+            torch.tensor([token_ids], device=self.device),
+            torch.tensor([positions], device=self.device),
+            torch.tensor(rows, device=self.device),
+            int(batch.forward_mode),
+            *batch.metadata,
+            state_slots,
+        )
+        return logits[:num_rows]
+
+    def _pad(self, batch, num_new_tokens, token_ids, positions, rows):
+        """The step padded to buckets: padding requests over the scratch page (`buckets.pad_batch`), their tokens
+        id 0 at position 0, and the logits rows repeated up to the padded batch size (only the first len(rows) are
+        returned)."""
+        capacity = self.cache.max_pages_per_request * self.cache.page_size
+        pad = padding_q_lens(num_new_tokens, batch.forward_mode, self.batch_sizes, self.token_counts, capacity)
+        batch = pad_batch(batch, pad, self.cache.scratch_page, self.cache.page_size)
+        extra = [0] * sum(pad)
+        return batch, token_ids + extra, positions + extra, rows + rows[-1:] * (batch.batch_size - len(rows))
+
+    def warm_up(self):
+        """Compiles the graphs Dynamo specialises for sizes 1 (one request, one token, one logits row), which a run
+        might otherwise first meet deep into serving; then writes the compile cache file. Writes only pages it frees
+        again."""
+        for counts, rows, mode in _WARM_UP_STEPS:
+            if (
+                len(counts) > self.max_batch_size
+                or max(counts) > self.max_seq_len
+                or sum(-(-n // self.cache.page_size) for n in counts) > self.cache.num_pages
+                or (self.states is not None and len(counts) > self.states.num_slots)
+            ):
+                continue  # a step no run can take either
+            ids = [("warm-up", i) for i in range(len(counts))]
+            for rid in ids:
+                self.cache.add(rid)
+                if self.states is not None:
+                    self.states.add(rid)
+            try:
+                positions = [p for n in counts for p in range(n)]
+                slots = None if self.states is None else self.states.slots(ids)
+                self.run(self.cache.step(ids, counts, mode), counts, [0] * len(positions), positions, rows, slots)
+            finally:
+                for rid in ids:
+                    self.cache.free(rid)
+                    if self.states is not None:
+                        self.states.free(rid)
+        self.warmed_up = True
+        artifacts = torch.compiler.save_cache_artifacts() if self.compile_cache else None
+        if artifacts is not None:
+            with open(self.compile_cache, "wb") as f:
+                f.write(artifacts[0])
+
+    # Tensor parallelism: every rank of the group runs the same steps.
+
+    def check_same_on_every_rank(self, args) -> None:
+        """Raises on every rank alike unless `args` are equal on all ranks of the group: ranks given different
+        prompts would take different steps and pair up mismatched collectives. No group: nothing to check."""
+        if self.group is None:
+            return
+        digest = int.from_bytes(hashlib.sha256(repr(args).encode()).digest()[:7], "little")
+        highest = torch.tensor([digest, -digest], device=self.device)
+        dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=self.group)
+        if highest.tolist() != [digest, -digest]:
+            raise HybridInputError(
+                "prompts, max_new_tokens and the sampling options must be the same on every rank of "
+                "the tensor-parallel group"
+            )
+
+    def broadcast_from_rank_0(self, tensor: torch.Tensor) -> None:
+        """Overwrites `tensor` with rank 0's on every rank of the group (the sampled tokens: each rank then
+        schedules alike)."""
+        if self.group is not None:
+            dist.broadcast(tensor, group=self.group, group_src=0)
