@@ -1,9 +1,10 @@
 """Which of transformers' causal LMs `hybrid_ops.generate` serves: every type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-on a tiny random config (tests/helpers/models.py), greedy, eager, against transformers' own generate on each prompt
-alone.
+on a tiny random config (tests/helpers/models.py), greedy, eager, through a page budget that preempts, against
+transformers' own generate on each prompt alone.
 
 Results (bench/results/models.md):
-    identical                 the same tokens for every prompt
+    identical                 the same tokens for every prompt (detail: the preemptions; a model with state: what
+                              a request's state slot counts for in the budget)
     refused (reason)          hybrid_ops raised HybridInputError before generating
     mismatch                  different tokens and no error: a bug, the one result that must never appear
     error (what)              something else raised (often the tiny config or transformers' own generate)
@@ -26,13 +27,20 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from helpers.models import hybrid_tokens, make_model, reference_tokens, tiny_config  # noqa: E402
+from helpers.models import (  # noqa: E402
+    hybrid_tokens,
+    make_model,
+    preempting_pages,
+    reference_tokens,
+    state_pages,
+    tiny_config,
+)
 
 import hybrid_ops  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "models.md"
 NO_INTERFACE = "does not run through transformers' AttentionInterface"  # check_servable's reason
-SECONDS_PER_MODEL = 25
+SECONDS_PER_MODEL = 60  # gemma4 takes about 25 s on a loaded 2-core machine
 
 
 def _timeout(signum, frame):
@@ -47,7 +55,9 @@ def check(model_type):
     except Exception as e:
         return "error", f"tiny config or model: {type(e).__name__}: {_first_line(e)}"
     try:
-        tokens = hybrid_tokens(make_model(config))
+        served, stats = make_model(config), hybrid_ops.GenerationStats()
+        pages = preempting_pages(served)
+        tokens = hybrid_tokens(served, num_pages=pages, stats=stats)
     except hybrid_ops.HybridInputError as e:
         if NO_INTERFACE in str(e):
             return "not-attention-interface", ""
@@ -58,7 +68,11 @@ def check(model_type):
         expected = reference_tokens(model)
     except Exception as e:
         return "error", f"transformers' generate: {type(e).__name__}: {_first_line(e)}"
-    return ("identical", "") if tokens == expected else ("mismatch", f"{tokens} != {expected}")
+    if tokens != expected:
+        return "mismatch", f"{tokens} != {expected}"
+    detail = f"{stats.preemptions} preemption{'s' * (stats.preemptions != 1)}"
+    slot = state_pages(served)
+    return "identical", detail + (f"; a state slot counts as {slot} page{'s' * (slot != 1)}" if slot else "")
 
 
 def _first_line(e):
@@ -87,7 +101,8 @@ def main(model_types):
         "",
         f"transformers {transformers.__version__}, torch {torch.__version__}: {len(rows)} model types of "
         "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, each on a tiny random config (tests/helpers/models.py), greedy, eager, "
-        "against transformers' own generate on each prompt alone. Made by `python scripts/model_coverage.py`.",
+        "through a page budget that preempts (the longest request's pages and two state slots), against "
+        "transformers' own generate on each prompt alone. Made by `python scripts/model_coverage.py`.",
         "",
         f"**Totals:** {summary}.",
         "",

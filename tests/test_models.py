@@ -3,14 +3,25 @@ alone, or a HybridInputError naming the model type before any token for what can
 over every causal LM type is scripts/model_coverage.py (bench/results/models.md)."""
 
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.models import NEW_TOKENS, PROMPTS, SIZES, hybrid_tokens, make_model, reference_tokens, tiny_config
+from helpers.models import (
+    NEW_TOKENS,
+    PROMPTS,
+    SIZES,
+    hybrid_tokens,
+    make_model,
+    preempting_pages,
+    reference_tokens,
+    tiny_config,
+)
 
 import hybrid_ops
 from hybrid_ops import HybridGenerator, HybridInputError
-from hybrid_ops.integrations import transformers as transformers_integration
+from hybrid_ops.integrations import stateful
+from hybrid_ops.integrations.transformers import HybridStep, hybrid_attention
 
 # model type -> what it covers; tiny configs (helpers/models.py), 3 layers.
 IDENTICAL = {
@@ -34,10 +45,27 @@ IDENTICAL = {
     "gemma3n_text": "a layer reusing an earlier layer's K/V (num_kv_shared_layers)",
     "dbrx": "fused Wqkv clipped by clip_qkv, DBRX's experts",
 }
-# check_servable's rules, in the order it applies them, and the cases that trigger each: layer types other than
-# attention (qwen3_next, falcon_h1, lfm2; jamba and bamba in transformers 5.24), a config field naming other blocks
-# (block_types), a drafter (gemma4_assistant), a chunk size without chunked layers (chunks_without_*), a module with
-# state in the decoder (test_state_in_decoder_layers_refused_whatever_layer_types_say), no AttentionInterface (bloom),
+# Hybrid models (layers that keep state, served through state slots): model type -> what it covers. Through a page
+# budget that preempts; tests/test_stateful.py compares their logits.
+STATEFUL = {
+    "qwen3_next": "Gated DeltaNet layers",
+    "qwen3_5_text": "Gated DeltaNet layers",
+    "granitemoehybrid": "Mamba2 layers, NoPE attention",
+    "nemotron_h": "Mamba2 layers, MLP and MoE layers without attention",
+    "falcon_h1": "Mamba2 beside attention in every layer",
+    "lfm2": "short convolutions",
+    "jamba": "Mamba1 layers, continued token by token",
+    "bamba": "Mamba2 layers",
+    "kimi_linear": "Kimi delta attention",
+    "minimax": "lightning attention's own linear cache",
+    "recurrent_gemma": "state in module attributes",
+    "zaya": "q, k, v from a convolution with state, in a decoder layer that does not pass the step",
+}
+# check_servable's rules, in the order it applies them, and the cases that trigger each: layer types of attention
+# other than the op's (deepseek_v32), a drafter (gemma4_assistant), a chunk size without chunked layers
+# (chunks_without_*), a stateful layer of a class not verified (zamba2, test_unverified_state_refused), a config field
+# naming other blocks where no stateful layer is found (block_types), attention beside state that the op cannot serve
+# (test_attention_beside_state_refused), no AttentionInterface (bloom),
 # logits_to_keep (whisper), positions (bart), decoder layers that drop the step (nemotron, stablelm, blt), attention
 # called twice per layer (diffllama), a layer that calls none (layer_without_attention), attention that is not causal
 # (bidirectional), a bias (doge), sinks not passed (unpassed_sinks), a window the calls lack (phimoe).
@@ -47,16 +75,15 @@ REFUSED = {
     "nemotron": "nemotron cannot be served exactly: the decoder layers [0, 1, 2] do not pass hybrid_step",
     "stablelm": "stablelm cannot be served exactly: the decoder layers [0, 1, 2] do not pass hybrid_step",
     "diffllama": "diffllama cannot be served exactly: its layers call attention several times with one layer_idx",
-    "qwen3_next": "qwen3_next cannot be served exactly: its layer_types include ['linear_attention']",
-    "falcon_h1": "falcon_h1 cannot be served exactly: its layer_types include ['hybrid']",
+    "deepseek_v32": "deepseek_v32 cannot be served exactly: its layer_types include ['indexed_attention'], attention "
+    "other than the op's",
+    "zamba2": "zamba2 cannot be served exactly: model.layers.0.mamba (Zamba2MambaMixer) keeps state that the state op "
+    "has not been verified on",
     "doge": "doge cannot be served exactly: the attention of layers [0, 1, 2] adds a bias of its own",
     "bart": "bart cannot be served exactly: its positions do not follow position_ids",
     "phimoe": "phimoe cannot be served exactly: its config sets sliding_window=6 but layers [0, 1, 2] call attention "
     "without it",
     "whisper": "whisper cannot be served exactly: it does not take logits_to_keep as a tensor of row indices",
-    "jamba": "jamba cannot be served exactly",
-    "bamba": "bamba cannot be served exactly",
-    "lfm2": "lfm2 cannot be served exactly: its layer_types include ['conv']",
     "blt": "blt cannot be served exactly: the decoder layers [0, 1, 2] do not pass hybrid_step",
     "gemma4_assistant": "gemma4_assistant cannot be served exactly: it drafts for another model, attending over that "
     "model's K/V (shared_kv_states)",
@@ -148,15 +175,73 @@ def test_refused_variant(name):
         hybrid_tokens(make())
 
 
-def test_state_in_decoder_layers_refused_whatever_layer_types_say(monkeypatch):
-    """LFM2's short convolutions keep state (their weights are used without calling the Conv1d): refused from the
-    module even where layer_types would let conv layers through."""
-    monkeypatch.setattr(
-        transformers_integration, "_ATTENTION_LAYER_TYPES", (*transformers_integration._ATTENTION_LAYER_TYPES, "conv")
-    )
-    reason = r"lfm2 cannot be served exactly: model\.layers\.0\.conv\.conv \(Conv1d\) keeps recurrent or convolution"
-    with pytest.raises(HybridInputError, match=reason):
-        hybrid_tokens(make_model(tiny_config("lfm2")))
+@pytest.mark.parametrize("model_type", STATEFUL)
+def test_stateful_greedy_tokens_equal_transformers(model_type):
+    config = tiny_config(model_type)
+    model = make_model(config)
+    stats = hybrid_ops.GenerationStats()
+    assert hybrid_tokens(model, num_pages=preempting_pages(model), stats=stats) == reference_tokens(make_model(config))
+    assert stats.preemptions > 0
+
+
+@pytest.mark.parametrize(
+    "model_type, dropped, reason",
+    [
+        ("lfm2", "Lfm2ShortConv", r"model\.layers\.0\.conv \(Lfm2ShortConv\) keeps state that the state op has not"),
+        # State in module attributes, which no cache call shows: refused from its config's kinds of blocks.
+        (
+            "recurrent_gemma",
+            "RecurrentGemmaRecurrentBlock",
+            "its config's layers_block_type mixes attention with other blocks that keep state outside attention",
+        ),
+    ],
+)
+def test_unverified_state_refused(monkeypatch, model_type, dropped, reason):
+    """A layer keeping state of a class the state op has not been verified on is refused."""
+    monkeypatch.setattr(stateful, "SERVED", {k: v for k, v in stateful.SERVED.items() if k != dropped})
+    with pytest.raises(HybridInputError, match=f"{model_type} cannot be served exactly: {reason}"):
+        hybrid_tokens(make_model(tiny_config(model_type)))
+
+
+@pytest.mark.parametrize(
+    "model_type, served, reason",
+    [
+        # Its shared attention block's layer_idx is -1 in every layer that runs it.
+        ("zamba2", "Zamba2MambaMixer", "its attention modules of layer_idx [-1] serve several decoder layers"),
+        # A dense relative bias per (query, key), passed as a keyword that the op would leave out.
+        ("inkling_text", "InklingShortConvolution", "the attention of layer 0 takes ['position_bias'], which the op"),
+    ],
+)
+def test_attention_beside_state_refused(monkeypatch, model_type, served, reason):
+    """The attention of a hybrid model whose stateful layers would be served, refused for its own reasons."""
+    monkeypatch.setattr(stateful, "SERVED", {**stateful.SERVED, served: ("cache", True)})
+    with pytest.raises(HybridInputError, match=re.escape(f"{model_type} cannot be served exactly: {reason}")):
+        hybrid_tokens(make_model(tiny_config(model_type)))
+
+
+def test_attention_keyword_without_an_input_refused():
+    """A tensor keyword the op has no input for (a bias) fails the call, instead of being left out."""
+    cache = hybrid_ops.PagedKVCache(4, 4, 2, 16)
+    cache.add(0)
+    batch = cache.step([0], [3])
+    step = HybridStep(int(batch.forward_mode), *batch.metadata, cache.k_caches, cache.v_caches)
+    q, k = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 3, 16)
+    with pytest.raises(HybridInputError, match=re.escape("the attention of layer 0 takes ['position_bias'], which")):
+        hybrid_attention(SimpleNamespace(layer_idx=0), q, k, k, None, hybrid_step=step, position_bias=torch.ones(3))
+    assert not cache.k_caches[0].any()
+
+
+@pytest.mark.parametrize(
+    "option, reason",
+    [
+        ("prefix_caching", "a cached page holds no state to start from"),
+        ("cuda_graphs", "their state op reads each step's metadata on the host"),
+    ],
+)
+def test_stateful_options_refused(option, reason):
+    message = f"{option}=True is not supported for a model whose layers keep recurrent or convolution state"
+    with pytest.raises(HybridInputError, match=re.escape(f"{message} (model.layers.0.conv): {reason}")):
+        HybridGenerator(make_model(tiny_config("lfm2")), max_batch_size=1, max_seq_len=8, **{option: True})
 
 
 def test_cache_sized_per_layer():

@@ -20,6 +20,7 @@ import torch
 from ..cache import PagedKVCache
 from ..errors import HybridInputError, HybridOpsError
 from ..fp8 import FP8_DTYPES
+from ..state import StatePool
 from .cache_manager import KVCacheManager
 from .checks import is_int, max_positions, prompt_list, token_list
 from .runner import ModelRunner
@@ -81,6 +82,13 @@ class HybridGenerator:
     their pages freed; `generate` and `stream` drop all of their call's requests. The error propagates and the
     generator stays usable.
 
+    A hybrid model (layers with recurrent or convolution state: linear attention, state space, short convolutions;
+    `integrations/stateful.py`) keeps each running request's state in a slot of `states` (a `StatePool` of
+    `max_batch_size` slots), taken at admission and freed with the request's pages; a slot counts as `state_pages`
+    pages of the budget (the pages its bytes would fill), so admission and preemption see K/V and state together. A
+    preempted request's state is dropped and computed again from its tokens. Prefix caching and `cuda_graphs` are
+    refused for such models.
+
     A model sharded with `tp_plan` runs on every rank of its group with the same prompts (checked): the cache holds the
     rank's own KV heads, the scheduling depends only on the tokens, and rank 0's sampled tokens are broadcast.
     """
@@ -139,10 +147,27 @@ class HybridGenerator:
         if tensor_parallel_group(model) is not None:  # refuses KV heads split across ranks, before any forward
             head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
             kv_heads_per_rank(model, head_dim)
-        layer_shapes = check_servable(model)  # each layer's (Hkv, D, Dv) as its attention passes K and V
+        # Each layer's (Hkv, D, Dv) as its attention passes K and V; the layers that keep state.
+        layer_shapes, mixers = check_servable(model)
+        for option, on, reason in (
+            ("prefix_caching", prefix_caching, "a cached page holds no state to start from"),
+            ("cuda_graphs", cuda_graphs, "their state op reads each step's metadata on the host"),
+        ):
+            if mixers and on:
+                raise HybridInputError(
+                    f"{option}=True is not supported for a model whose layers keep recurrent or convolution state "
+                    f"({mixers[0].name}): {reason}"
+                )
+        self.states, self.state_pages = None, 0
+        if mixers:
+            layer_states = [[(s.shape, s.dtype) for s in m.states] for m in mixers]
+            self.states = StatePool(layer_states, max_batch_size, param.device)
+            # A slot counts as the pages its bytes would fill, so that the budget bounds K/V and state together.
+            bytes_per_page = page_size * kv_cache_dtype.itemsize * sum(h * (d + dv) for h, d, dv in layer_shapes)
+            self.state_pages = -(-self.states.bytes_per_slot // bytes_per_page)
         pages_per_request = -(-max_seq_len // page_size)
         self.cache = PagedKVCache(
-            num_pages or max_batch_size * pages_per_request,
+            num_pages or max_batch_size * (pages_per_request + self.state_pages),
             page_size,
             *layer_shapes[0][:2],
             layer_shapes=layer_shapes,
@@ -163,8 +188,10 @@ class HybridGenerator:
             decode_backend=decode_backend,
             cuda_graphs=cuda_graphs,
             compile_cache=compile_cache,
+            states=self.states,
         )
-        self.scheduler = Scheduler(KVCacheManager(self.cache, prefix_caching), max_batch_size, prefill_chunk)
+        kv = KVCacheManager(self.cache, prefix_caching, self.states, self.state_pages)
+        self.scheduler = Scheduler(kv, max_batch_size, prefill_chunk)
         self._undelivered = []  # step events of step-API requests, produced while `stream` ran the steps
         self._lock = threading.Lock()
 
@@ -264,9 +291,10 @@ class HybridGenerator:
             )
         pages = self.scheduler.kv.request_pages(len(prompt) + max_new_tokens)
         if pages > self.cache.num_pages:
+            state = f" ({self.state_pages} for its state)" if self.state_pages else ""
             raise HybridInputError(
                 f"{name}: {len(prompt)} prompt tokens + max_new_tokens = {max_new_tokens} need "
-                f"{pages} pages, more than num_pages = {self.cache.num_pages}"
+                f"{pages} pages{state}, more than num_pages = {self.cache.num_pages}"
             )
         stop_token_ids = sampling.stop_token_ids(self.eos_token_id)
         return Request(prompt, int(max_new_tokens), sampling, stop_token_ids, sampling.generator(self.device))
@@ -290,7 +318,9 @@ class HybridGenerator:
         if step is None:
             return []
         try:
-            logits = self.runner.run(step.batch, step.num_new_tokens, step.token_ids, step.positions, step.logits_rows)
+            logits = self.runner.run(
+                step.batch, step.num_new_tokens, step.token_ids, step.positions, step.logits_rows, step.state_slots
+            )
             sampled = step.sampled
             next_ids = next_tokens(logits, [r.sampling for r in sampled], [r.generator for r in sampled])
             self.runner.broadcast_from_rank_0(next_ids)

@@ -2,30 +2,44 @@
 
 The scheduler never counts a request's resources itself: whether a request can be admitted, whether a step's new
 tokens fit, the step's metadata and what a request frees are answered here, so a cache that holds more per request
-than pages changes this class only.
+than pages changes this class only. A hybrid model's requests also hold a state slot each (`StatePool`), which counts
+as `state_pages` pages: taken at admission if its pages are free besides the prefill's, held while the request runs,
+freed with its pages.
 """
+
+import torch
 
 from ..cache import PagedKVCache
 from ..metadata import ForwardBatch
 from ..modes import ForwardMode
+from ..state import StatePool
 
 
 class KVCacheManager:
     """Requests' pages in a `PagedKVCache`, keyed by request id. With `prefix_caching`, a request starts on the
     cached pages of its tokens but its last (`admit`), and the pages its steps fill are offered to later requests
-    (`computed`)."""
+    (`computed`). With `states`, each running request also holds a slot of that pool, counted as `state_pages`
+    pages."""
 
-    def __init__(self, cache: PagedKVCache, prefix_caching: bool = False):
+    def __init__(
+        self, cache: PagedKVCache, prefix_caching: bool = False, states: StatePool | None = None, state_pages: int = 0
+    ):
         self.cache, self.prefix_caching = cache, prefix_caching
+        self.states, self.state_pages = states, state_pages
 
     def pages(self, num_tokens: int) -> int:
         """Pages that hold `num_tokens` tokens."""
         return -(-num_tokens // self.cache.page_size)
 
     def request_pages(self, num_tokens: int) -> int:
-        """Pages a request holds at its largest, `num_tokens` tokens (prompt + max_new_tokens): more than the
-        cache's num_pages, and it could never run."""
-        return self.pages(num_tokens)
+        """Pages a request holds at its largest, `num_tokens` tokens (prompt + max_new_tokens), its state slot's
+        included: more than the cache's num_pages, and it could never run."""
+        return self.pages(num_tokens) + self.state_pages
+
+    def free_pages(self) -> int:
+        """Pages free for K/V: the cache's, less those the running requests' state slots count for."""
+        held = 0 if self.states is None else len(self.states.requests)
+        return self.cache.num_free_pages - self.state_pages * held
 
     def prefill_pages(self, request) -> int:
         """Pages a running request's prefill has still to take."""
@@ -44,11 +58,13 @@ class KVCacheManager:
         prefill needs are free besides `reserved_pages` (those promised to running prefills); sets its
         num_computed_tokens and prefill_end. False: the cache is unchanged."""
         reused = self.cache.add(request.id, self._prefix_tokens(request))
-        need = self.pages(request.num_tokens) - self.pages(reused)
+        need = self.pages(request.num_tokens) - self.pages(reused) + self.state_pages
         # Taking cached pages that no request held lowered num_free_pages already.
-        if need > self.cache.num_free_pages - reserved_pages:
+        if need > self.free_pages() - reserved_pages:
             self.cache.free(request.id)
             return False
+        if self.states is not None:
+            self.states.add(request.id)
         request.num_computed_tokens, request.prefill_end = reused, request.num_tokens
         return True
 
@@ -58,11 +74,15 @@ class KVCacheManager:
             self.pages(r.num_computed_tokens + n) - self.pages(r.num_computed_tokens)
             for r, n in zip(requests, num_new_tokens)
         )
-        return need <= self.cache.num_free_pages
+        return need <= self.free_pages()
 
     def allocate(self, requests, num_new_tokens, forward_mode: ForwardMode) -> ForwardBatch:
         """Grows the requests by their new tokens (pages allocated) -> the step's metadata."""
         return self.cache.step([r.id for r in requests], num_new_tokens, forward_mode)
+
+    def state_slots(self, requests) -> torch.Tensor | None:
+        """The step's `state_slots` ([B] int32, each request's slot), None without states."""
+        return None if self.states is None else self.states.slots([r.id for r in requests])
 
     def computed(self, request, token_ids) -> None:
         """The request's next `token_ids` have their K/V written: with prefix caching, the pages they fill can serve
@@ -71,5 +91,8 @@ class KVCacheManager:
             self.cache.register_tokens(request.id, token_ids)
 
     def free(self, request) -> None:
-        """Ends the request in the cache: its pages return to the allocator (keyed ones stay cached)."""
+        """Ends the request in the cache: its pages return to the allocator (keyed ones stay cached), its state slot
+        to the pool."""
         self.cache.free(request.id)
+        if self.states is not None:
+            self.states.free(request.id)

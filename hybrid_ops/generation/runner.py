@@ -1,9 +1,10 @@
 """The model runner: one step of a transformers model over the paged cache, compiled once for every step.
 
-`ModelRunner.forward(input_ids, position_ids, logits_index, forward_mode, cu_seqlens_q, seq_lens, block_table)` is
-the whole step as one function of its inputs (the model, the cache's tensors and the backends are its state), so any
-callable of that signature can take its place. The runner also pads steps to buckets (`cuda_graphs`), warms the
-compiled graphs up, keeps the compile cache file, and holds the tensor-parallel group's agreement helpers.
+`ModelRunner.forward(input_ids, position_ids, logits_index, forward_mode, cu_seqlens_q, seq_lens, block_table,
+state_slots=None)` is the whole step as one function of its inputs (the model, the cache's and state pool's tensors
+and the backends are its state), so any callable of that signature can take its place. The runner also pads steps
+to buckets (`cuda_graphs`), warms the compiled graphs up, keeps the compile cache file, and holds the
+tensor-parallel group's agreement helpers.
 """
 
 import hashlib
@@ -19,6 +20,7 @@ from ..cache import PagedKVCache
 from ..errors import HybridInputError
 from ..metadata import ForwardBatch
 from ..modes import ForwardMode
+from ..state import StatePool
 
 # (tokens per request, logits rows, mode) of steps with one request, one token or one logits row: sizes that
 # Dynamo specialises, with a graph each.
@@ -44,7 +46,8 @@ class ModelRunner:
     `cuda_graphs`, `mode="reduce-overhead"`); `warm_up` then compiles the graphs Dynamo specialises, and with
     `compile_cache=PATH` the compiled artifacts are loaded from PATH at construction and written there after the
     warm-up. cuda_graphs=True: every step is padded to a bucket of requests and tokens (`hybrid_ops.buckets`), and
-    "auto" backends mean "triton" on CUDA (FlashInfer plans on the host, outside the graphs).
+    "auto" backends mean "triton" on CUDA (FlashInfer plans on the host, outside the graphs). `states`: a hybrid
+    model's state slots (`StatePool`), whose slots each step's `state_slots` name.
     """
 
     def __init__(
@@ -59,10 +62,11 @@ class ModelRunner:
         decode_backend: str = "auto",
         cuda_graphs: bool = False,
         compile_cache: str | None = None,
+        states: StatePool | None = None,
     ):
         from ..integrations.transformers import HybridStep, tensor_parallel_group
 
-        self.model, self.cache, self.device = model, cache, cache.device
+        self.model, self.cache, self.device, self.states = model, cache, cache.device, states
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         graphs_on_cuda = cuda_graphs and self.device.type == "cuda"
         backends = (prefill_backend, decode_backend)
@@ -89,6 +93,7 @@ class ModelRunner:
         """`_forward` on the code object that this runner's model and shapes share (see _FORWARD_CODES)."""
         shapes = (
             tuple((t.shape, t.dtype) for t in self.cache.k_caches + self.cache.v_caches),
+            None if self.states is None else tuple((t.shape, t.dtype) for t in self.states.all_states),
             self.cache.max_pages_per_request,
             self.backends,
             self.cuda_graphs,
@@ -97,10 +102,20 @@ class ModelRunner:
         code = _FORWARD_CODES.setdefault(self.model, {}).setdefault(shapes, fn.__code__.replace())
         return types.MethodType(types.FunctionType(code, fn.__globals__, fn.__name__), self)
 
-    def _forward(self, input_ids, position_ids, logits_index, forward_mode: int, cu_seqlens_q, seq_lens, block_table):
+    def _forward(
+        self,
+        input_ids,
+        position_ids,
+        logits_index,
+        forward_mode: int,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        state_slots=None,
+    ):
         """input_ids, position_ids: [1, T] int64; logits_index: [n] int64, the token rows to project; forward_mode:
-        a `ForwardMode` value; the metadata as in the ops -> logits [n, vocab]. Writes the tokens' K/V into the
-        cache."""
+        a `ForwardMode` value; the metadata as in the ops; state_slots: [B] int32 (a hybrid model's) or None ->
+        logits [n, vocab]. Writes the tokens' K/V into the cache, and their states into the slots."""
         step = self._step_type(
             forward_mode,
             cu_seqlens_q,
@@ -111,6 +126,8 @@ class ModelRunner:
             *self.backends,
             k_scales=self.cache.k_scales,
             v_scales=self.cache.v_scales,
+            state_slots=state_slots,
+            states=None if self.states is None else self.states.states,
         )
         out = self.model(
             input_ids=input_ids,
@@ -121,10 +138,10 @@ class ModelRunner:
         )
         return out.logits[0]
 
-    def run(self, batch: ForwardBatch, num_new_tokens, token_ids, positions, logits_rows):
+    def run(self, batch: ForwardBatch, num_new_tokens, token_ids, positions, logits_rows, state_slots=None):
         """One step -> logits [len(logits_rows), vocab]. batch: the step's metadata (its pages allocated);
         num_new_tokens: per request; token_ids, positions: host lists of the step's T tokens; logits_rows: the token
-        rows whose logits to return."""
+        rows whose logits to return; state_slots: the requests' state slots (a hybrid model's)."""
         num_rows = len(logits_rows)
         # At least one row even when no request samples (a long prompt mid-chunk): Dynamo gives size 0 a graph
         # of its own, which a later run could meet for the first time.
@@ -138,6 +155,7 @@ class ModelRunner:
             torch.tensor(rows, device=self.device),
             int(batch.forward_mode),
             *batch.metadata,
+            state_slots,
         )
         return logits[:num_rows]
 
@@ -160,17 +178,23 @@ class ModelRunner:
                 len(counts) > self.max_batch_size
                 or max(counts) > self.max_seq_len
                 or sum(-(-n // self.cache.page_size) for n in counts) > self.cache.num_pages
+                or (self.states is not None and len(counts) > self.states.num_slots)
             ):
                 continue  # a step no run can take either
             ids = [("warm-up", i) for i in range(len(counts))]
             for rid in ids:
                 self.cache.add(rid)
+                if self.states is not None:
+                    self.states.add(rid)
             try:
                 positions = [p for n in counts for p in range(n)]
-                self.run(self.cache.step(ids, counts, mode), counts, [0] * len(positions), positions, rows)
+                slots = None if self.states is None else self.states.slots(ids)
+                self.run(self.cache.step(ids, counts, mode), counts, [0] * len(positions), positions, rows, slots)
             finally:
                 for rid in ids:
                     self.cache.free(rid)
+                    if self.states is not None:
+                        self.states.free(rid)
         self.warmed_up = True
         artifacts = torch.compiler.save_cache_artifacts() if self.compile_cache else None
         if artifacts is not None:

@@ -52,7 +52,8 @@ class Request:
 class ScheduledStep:
     """One step, its pages allocated: request i computes `token_ids[cu[i]:cu[i + 1]]` at `positions` likewise
     (`cu`: the running sum of `num_new_tokens`); the requests in `sampled` reach their last token in it and sample
-    from the logits of the token rows `logits_rows`."""
+    from the logits of the token rows `logits_rows`; `state_slots`: [B] int32, each request's state slot (a hybrid
+    model's), else None."""
 
     requests: list
     num_new_tokens: list
@@ -63,6 +64,7 @@ class ScheduledStep:
     positions: list
     sampled: list
     logits_rows: list
+    state_slots: torch.Tensor | None = None
 
 
 class Scheduler:
@@ -128,7 +130,8 @@ class Scheduler:
             if start + n == request.num_tokens:  # the step reaches its last token: it samples
                 sampled.append(request)
                 rows.append(end - 1)
-        return ScheduledStep(requests, counts, prefills, mode, batch, token_ids, positions, sampled, rows)
+        slots = self.kv.state_slots(requests)
+        return ScheduledStep(requests, counts, prefills, mode, batch, token_ids, positions, sampled, rows, slots)
 
     def _admit(self, stats):
         """Moves waiting requests to running, oldest first, while a batch slot is free and the cache admits them."""
@@ -173,7 +176,8 @@ class Scheduler:
             self._preempt(self.running[-1], stats)
 
     def _preempt(self, request, stats):
-        """Frees a running request's pages and queues it first: its prompt and tokens are prefilled again."""
+        """Frees a running request's pages (and state slot) and queues it first: its prompt and tokens are prefilled
+        again (and its state computed again from them)."""
         self.running.remove(request)
         self.kv.free(request)
         self.waiting.appendleft(request)

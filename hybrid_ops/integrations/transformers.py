@@ -7,9 +7,10 @@ transformers builds neither a cache nor a mask (no cache keyword is passed, whic
 `past_key_values=` to `cache=`). A call without it, such as plain `model.generate()`, attends densely over the
 cache and mask that transformers passes, so a model switched to "hybrid" still works everywhere.
 
-`check_servable` refuses, before any generation, a model this forward cannot serve exactly: layers that keep state
-outside attention (transformers keeps it in the cache object, which this forward does not use), and attention that
-does not reach the op once per layer with the step (`probe_attention`). It also reads each layer's cache shape from
+`check_servable` refuses, before any generation, a model this forward cannot serve exactly: state that no served
+stateful layer holds (transformers keeps it in the cache object, which this forward does not use; the stateful
+layers it knows are served with state slots, `stateful.py`), and attention that does not reach the op once per layer
+with the step (`probe_attention`). It also reads each layer's cache shape from
 the K and V the layers actually pass, so per-layer head counts and head dims (MLA's qk vs v dims) are sized right.
 
 A model loaded with `tp_plan="auto"` holds a slice of the attention heads on each rank: the probe sees that slice's
@@ -27,6 +28,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
 from ..errors import HybridInputError
+from .stateful import holds_tensor, serve_state
 
 
 @dataclass
@@ -35,7 +37,9 @@ class HybridStep:
 
     k_caches, v_caches: per layer [num_pages, page_size, Hkv, D] and [num_pages, page_size, Hkv, Dv] (a
     `PagedKVCache`'s); the metadata as in the ops; k_scales, v_scales: per layer the float32 scales of fp8 caches
-    (`PagedKVCache.k_scales`), None for others.
+    (`PagedKVCache.k_scales`), None for others; state_slots: [B] int32, each request's slot of a `StatePool`, and
+    states: per stateful layer its states (`StatePool.states`), for models with layers that keep state
+    (`stateful.py`), None for others.
     """
 
     forward_mode: int
@@ -49,6 +53,8 @@ class HybridStep:
     speculative_attention_mode: str = "prefill"
     k_scales: list | None = None
     v_scales: list | None = None
+    state_slots: torch.Tensor | None = None
+    states: list | None = None
 
 
 @dataclass(eq=False)
@@ -63,6 +69,8 @@ class Probe:
     biased: set = field(default_factory=set)
     unpassed_sinks: set = field(default_factory=set)
     windowless: set = field(default_factory=set)  # layers called without a sliding_window
+    shared: set = field(default_factory=set)  # layer indices that are no decoder layer's (a shared block's -1)
+    keywords: dict = field(default_factory=dict)  # layer -> keywords holding tensors the op does not take
     modules: set = field(default_factory=set)  # the attention modules that called with the step
 
     @contextmanager
@@ -82,6 +90,8 @@ class Probe:
         layer = getattr(module, "layer_idx", None)
         if not with_step or layer is None:
             self.dense.add(layer)
+        elif layer < 0:
+            self.shared.add(layer)
         else:
             self.calls.setdefault(layer, []).append((key.shape[1], key.shape[3], value.shape[3]))
             self.modules.add(module)
@@ -104,6 +114,20 @@ class Probe:
             self.unpassed_sinks.add(layer)
         if not sliding_window:
             self.windowless.add(layer)
+
+
+# Keywords of an attention call that the op needs not: the positions (applied to q and k already), the logits rows.
+_UNUSED_KEYWORDS = ("position_ids", "logits_to_keep")
+
+
+def _without_positions(model) -> bool:
+    """Whether the model uses no positions at all (NoPE: granitemoehybrid's default): its config names no position
+    embedding and no module computes one. Its logits then follow position_ids trivially."""
+    config = model.config.get_text_config()
+    named = {type(m).__name__ for m in model.modules()}
+    return getattr(config, "position_embedding_type", "") in (None, "nope") and not any(
+        "Rotary" in name or "Position" in name for name in named
+    )
 
 
 def attention_chunk(config, layer: int) -> int:
@@ -133,16 +157,23 @@ def hybrid_attention(
 
     s_aux: [Hq] attention sinks (gpt-oss), passed to the op as float32 `sinks`."""
     sinks = None if s_aux is None else s_aux.float()
+    dropped = [name for name, value in kwargs.items() if name not in _UNUSED_KEYWORDS and holds_tensor(value)]
     if hybrid_step is None or hybrid_step.k_caches is None:
         probe = getattr(module, "hybrid_probe", None)
         if probe is not None:
             with_step, passed_sinks = hybrid_step is not None, s_aux is not None
             probe.record(module, query, key, value, attention_mask, with_step, passed_sinks, sliding_window)
+            if dropped:
+                probe.keywords[getattr(module, "layer_idx", None)] = dropped
         return dense_attention(query, key, value, attention_mask, scaling, sliding_window, softcap, sinks), None
     if query.shape[0] != 1:
         raise HybridInputError(
             f"a hybrid_step call packs the batch into one sequence: input_ids must be [1, T], "
             f"got batch size {query.shape[0]}"
+        )
+    if dropped:  # a bias (inkling's position_bias) or other input the op would silently leave out
+        raise HybridInputError(
+            f"the attention of layer {module.layer_idx} takes {dropped}, which the op has no input for"
         )
     layer = module.layer_idx
     out = torch.ops.hybrid.attn(
@@ -200,23 +231,28 @@ def dense_attention(query, key, value, attention_mask, scaling, sliding_window, 
     return torch.matmul(probs, value).transpose(1, 2).contiguous()
 
 
-# The layer types (config.layer_types) that the op serves; any other (linear attention, mamba, conv, indexed or
-# compressed attention) is not plain attention over a KV cache.
+# The layer types (config.layer_types) that the op serves, alone or beside a stateful layer (`stateful.py`), and those
+# with neither attention nor state (transformers' cache gives them no layer); any other (indexed or compressed
+# attention) is not plain attention over a KV cache.
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+_STATE_LAYER_TYPES = ("linear_attention", "conv", "hybrid", "hybrid_sliding")
+_PLAIN_LAYER_TYPES = ("mlp", "moe")
 # Configs that name each layer's block kind under another field (hybrid models).
 _BLOCK_TYPE_FIELDS = ("layers_block_type", "hybrid_override_pattern", "block_types")
 # Parameter names of state-space and gated-delta mixers, whose state transformers carries only in its cache object.
 _RECURRENT_PARAMETERS = ("A_log", "dt_bias", "recurrent_param")
 
 
-def check_servable(model) -> list:
-    """Each decoder layer's cache shape (Hkv, D, Dv) for `HybridGenerator`, or a HybridInputError naming the model
-    type and why this integration cannot serve it exactly.
+def check_servable(model) -> tuple:
+    """(each decoder layer's cache shape (Hkv, D, Dv), the layers that keep state as `stateful.Mixer`s) for
+    `HybridGenerator`, or a HybridInputError naming the model type and why this integration cannot serve it exactly.
 
-    Refused: layers that keep state outside attention (recurrent, state-space or convolution mixers: the generator
-    calls the model without transformers' cache, so that state would not carry over between steps); drafters that
-    attend over the K/V of the model they draft for; attention that does not reach the op once per layer with the step
-    (`probe_attention`); sinks a layer holds but does not pass.
+    Stateful layers (linear attention, state space, short convolutions) are served through their state slots
+    (`stateful.serve_state`, which refuses classes it has not been verified on). Refused: state that no served layer
+    holds (recurrent, state-space or convolution modules elsewhere: the generator calls the model without
+    transformers' cache, so that state would not carry over between steps); attention other than plain causal
+    attention (indexed, compressed); drafters that attend over the K/V of the model they draft for; attention that
+    does not reach the op once per layer with the step (`probe_attention`); sinks a layer holds but does not pass.
     """
     config = model.config.get_text_config()
     model_type = getattr(model.config, "model_type", type(model).__name__)  # the one loaded, not its text part
@@ -224,16 +260,10 @@ def check_servable(model) -> list:
     def refuse(reason):
         raise HybridInputError(f"{model_type} cannot be served exactly: {reason}")
 
-    layer_types = getattr(config, "layer_types", None) or ()  # a config may have no such field (Llama's)
-    other_types = sorted(set(layer_types) - set(_ATTENTION_LAYER_TYPES))
+    layer_types = set(getattr(config, "layer_types", None) or ())  # a config may have no such field (Llama's)
+    other_types = sorted(layer_types - {*_ATTENTION_LAYER_TYPES, *_STATE_LAYER_TYPES, *_PLAIN_LAYER_TYPES})
     if other_types:
-        refuse(
-            f"its layer_types include {other_types}, layers with state or attention other than the op's "
-            f"(full, sliding, chunked)"
-        )
-    for name in _BLOCK_TYPE_FIELDS:
-        if getattr(config, name, None):
-            refuse(f"its config's {name} mixes attention with other blocks that keep state outside attention")
+        refuse(f"its layer_types include {other_types}, attention other than the op's (full, sliding, chunked)")
     if "shared_kv_states" in inspect.signature(model.forward).parameters:
         refuse("it drafts for another model, attending over that model's K/V (shared_kv_states)")
     if getattr(config, "attention_chunk_size", None) and "chunked_attention" not in layer_types:
@@ -244,17 +274,30 @@ def check_servable(model) -> list:
         if any(hasattr(module, p) for p in _RECURRENT_PARAMETERS)
         or (isinstance(module, torch.nn.Conv1d) and module.groups == module.in_channels > 1 and module.padding[0] > 0)
     }
-    return probe_attention(model, refuse, stateful)
+    block_fields = [name for name in _BLOCK_TYPE_FIELDS if getattr(config, name, None)]
+    mixers = []
+    if stateful or block_fields or layer_types & set(_STATE_LAYER_TYPES):
+        mixers = serve_state(model, refuse)
+    if block_fields and not mixers:
+        refuse(f"its config's {block_fields[0]} mixes attention with other blocks that keep state outside attention")
+    served = [mixer.name for mixer in mixers]
+    stateful = {
+        name: module
+        for name, module in stateful.items()
+        if not any(name == s or name.startswith(s + ".") for s in served)
+    }
+    return probe_attention(model, refuse, stateful, served), mixers
 
 
-def probe_attention(model, refuse, stateful=None) -> list:
+def probe_attention(model, refuse, stateful=None, served=()) -> list:
     """Runs three eager two-token forwards (positions 0, 1 and 0, 3; one row or all rows of logits) with a step
     whose attention is dense, recording every attention call, and returns each layer's (Hkv, D, Dv) as its layer
-    passed K and V.
+    passed K and V ((1, 1, 1) for a layer without attention: pages it never reads or writes).
 
     Calls `refuse(reason)` if a module of `stateful` ({name: module}, mixers that keep recurrent or convolution
     state) is in a decoder layer or runs in these forwards, and unless every decoder layer calls the attention
-    interface exactly once per forward, with the step, as causal self-attention (or never runs), and the positions
+    interface exactly once per forward, with the step, as causal self-attention (or never runs, or holds a stateful
+    layer of `served`, the names of those served with their state, instead), and the positions
     follow position_ids (a decoder layer that drops `**kwargs` would attend densely over one step's tokens only; two
     calls with one layer_idx would overwrite each other's cache rows; positions counted from the packed row would be
     other requests' positions)."""
@@ -316,11 +359,15 @@ def probe_attention(model, refuse, stateful=None) -> list:
             f"{kept[0]} ({type(stateful[kept[0]]).__name__}) keeps recurrent or convolution state outside "
             f"attention, which transformers carries only in its own cache"
         )
+    if probe.shared:
+        refuse(
+            f"its attention modules of layer_idx {sorted(probe.shared)} serve several decoder layers (shared blocks)"
+        )
     if not probe.calls and not probe.dense:
         refuse("its attention does not run through transformers' AttentionInterface")
     if logits[0].shape[1] != 1 or not torch.allclose(logits[0][:, 0], logits[2][:, 0], rtol=1e-3, atol=1e-4):
         refuse("it does not take logits_to_keep as a tensor of row indices")
-    if torch.equal(logits[1][:, -1], logits[2][:, -1]):
+    if torch.equal(logits[1][:, -1], logits[2][:, -1]) and not _without_positions(model):
         refuse(
             "its positions do not follow position_ids (it counts them from the input's length), which a packed "
             "batch of requests needs"
@@ -328,6 +375,9 @@ def probe_attention(model, refuse, stateful=None) -> list:
     layers = {
         name: sorted(getattr(probe, name), key=str) for name in ("dense", "not_causal", "biased", "unpassed_sinks")
     }
+    if probe.keywords:
+        layer, names = sorted(probe.keywords.items(), key=str)[0]
+        refuse(f"the attention of layer {layer} takes {names}, which the op has no input for")
     if probe.dense:
         refuse(f"the decoder layers {layers['dense']} do not pass hybrid_step (their **kwargs) on to attention")
     repeated = {layer: len(calls) // 3 for layer, calls in probe.calls.items() if len(calls) > 3}  # 3 forwards
@@ -338,6 +388,15 @@ def probe_attention(model, refuse, stateful=None) -> list:
     # (Mllama's cross-attention layers without an image) has neither attention nor state; one that runs without
     # calling the interface may keep its own.
     skipped = [layer for layer in range(num_layers) if any(listed.get(f"{d}.{layer}") is False for d in decoders)]
+    # Layers whose stateful layer stands in for attention, and those transformers gives neither (nemotron_h's MLPs).
+    config = model.config.get_text_config()
+    layer_types = getattr(config, "layer_types", None) or ()
+    skipped += [
+        layer
+        for layer in range(num_layers)
+        if any(name.startswith(f"{d}.{layer}.") for d in decoders for name in served)
+        or (layer < len(layer_types) and layer_types[layer] in _PLAIN_LAYER_TYPES)
+    ]
     missing = [layer for layer in range(num_layers) if layer not in probe.calls and layer not in skipped]
     if missing:
         refuse(
@@ -358,15 +417,13 @@ def probe_attention(model, refuse, stateful=None) -> list:
         )
     # A window in the config that a layer's call does not carry lives in the model's mask or cache only, where the
     # op cannot see it (unless layer_types says that layer attends fully).
-    config = model.config.get_text_config()
-    layer_types = getattr(config, "layer_types", None) or ()
     windowless = [
         layer
         for layer in sorted(probe.windowless, key=str)
         if not (
             isinstance(layer, int)
             and layer < len(layer_types)
-            and layer_types[layer] in ("full_attention", "chunked_attention")
+            and layer_types[layer] in ("full_attention", "chunked_attention", "hybrid")
         )
     ]
     if getattr(config, "sliding_window", None) and windowless:
@@ -374,8 +431,8 @@ def probe_attention(model, refuse, stateful=None) -> list:
             f"its config sets sliding_window={config.sliding_window} but layers {windowless} call attention "
             f"without it (the window lives in its mask or cache only)"
         )
-    # A skipped layer gets pages it never reads or writes, shaped as the first layer's, so indices stay the layers'.
-    return [probe.calls.get(layer, probe.calls[min(probe.calls)])[0] for layer in range(num_layers)]
+    # A layer without attention keeps its place in the cache's list, so indices stay the layers'.
+    return [probe.calls.get(layer, [(1, 1, 1)])[0] for layer in range(num_layers)]
 
 
 def tensor_parallel_group(model):

@@ -107,9 +107,27 @@ QSA = {
     "indexer_budget": 8,
     "indexer_compress_ratio": 4,
 }
+# Hybrid models' stateful layers as small as TINY's (their defaults: linear attention of 16 heads of 128, Mamba2 of
+# 128 heads with states of 256 and chunks of 256), so that each runs in about a second.
+MAMBA2 = {"mamba_n_heads": 8, "mamba_d_state": 16, "mamba_chunk_size": 8}
+GATED_DELTA = {
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+}
 # model type -> what its tiny config needs beyond TINY (a dict for a sub-config updates it). Without a comment: sizes
 # and per-layer lists that must agree with TINY's 3 layers of width 64.
 OVERRIDES = {
+    # Hybrid models whose first 3 layers would have no attention layer: one in the middle.
+    "bamba": {"attn_layer_indices": [1], **MAMBA2},
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention", "linear_attention"], **MAMBA2},
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
+    "falcon_h1": {**MAMBA2, "mamba_d_ssm": 64},
+    "nemotron_h": {"mamba_num_heads": 8, "mamba_head_dim": 8, "ssm_state_size": 16, "n_groups": 1, "chunk_size": 8},
+    "kimi_linear": {"linear_head_dim": 16, "linear_num_heads": 4},
+    **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lara_mini"), GATED_DELTA),
+    **dict.fromkeys(("qwen3_5", "qwen3_5_moe"), {"text_config": GATED_DELTA}),
     # Its byte-group hash embeddings (500002 rows) and the global width its local stacks project to.
     "blt": {
         "encoder_hash_byte_group_vocab": 64,
@@ -167,7 +185,7 @@ OVERRIDES = {
     "xlnet": {"d_head": 16},
     # Its adapters need a language to run (its config names none by default).
     "xmod": {"default_language": "en_XX"},
-    "zamba2": {"layers_block_type": ["mamba", "hybrid", "mamba"]},
+    "zamba2": {"layers_block_type": ["mamba", "hybrid", "mamba"], "mamba_d_state": 16, "chunk_size": 8},
     "zaya": {"num_experts_per_tok": 1},  # the only value it supports
 }
 
@@ -281,3 +299,15 @@ def reference_tokens(model, prompts=PROMPTS, new_tokens=NEW_TOKENS):
 def hybrid_tokens(model, prompts=PROMPTS, new_tokens=NEW_TOKENS, **kwargs):
     """`hybrid_ops.generate` over all prompts at once, eager, at SIZES unless `kwargs` say otherwise."""
     return hybrid_ops.generate(model, prompts, new_tokens, **{"compile": False, **SIZES, **kwargs})
+
+
+def state_pages(model) -> int:
+    """The pages that a request's state slot counts for in `hybrid_tokens`' budget; 0 for a model without state."""
+    return hybrid_ops.HybridGenerator(model, **{**SIZES, "max_seq_len": 8}, compile=False).state_pages
+
+
+def preempting_pages(model, prompts=PROMPTS, new_tokens=NEW_TOKENS) -> int:
+    """A page budget for `hybrid_tokens` that holds the longest request, with two requests' state slots (a model with
+    state: their cost in pages), but not two long requests at once: requests are preempted."""
+    longest = max(map(len, prompts)) + new_tokens
+    return -(-longest // SIZES["page_size"]) + 2 * state_pages(model)

@@ -1,0 +1,83 @@
+"""`StatePool`: the per-request state slots of a model's stateful layers, beside the paged K/V cache.
+
+Linear-attention, state-space and short-convolution layers keep, per request, a state of fixed size instead of K/V
+rows: a conv state (a causal convolution's last inputs) and a recurrent state (an SSM or linear-attention state).
+The pool holds, for each stateful layer, one tensor per state, `[num_slots, *shape]` in the dtype the model keeps it
+in, and a request holds one slot (the same index in every layer) from its admission until it finishes, is preempted
+or is dropped. The step's `state_slots: [B] int32` tensor names each request's slot, so compiled code reads the
+current ones at run time.
+
+Slots are not zeroed when reused: a request's first forward has no previous state, and every stateful layer then
+computes its states from zero and writes them, whatever its slot held (tests/test_stateful.py fills free slots with
+NaN to check it).
+"""
+
+import math
+
+import torch
+
+from .errors import HybridInputError, OutOfPagesError
+
+
+class StatePool:
+    """Slots of state for `num_slots` requests.
+
+    layer_states: per stateful layer, the (shape, dtype) of each of its states, one request's (no batch dim).
+    states[i][j]: layer i's state j, [num_slots, *shape]; its address never changes (`mark_static_address`).
+    """
+
+    def __init__(self, layer_states, num_slots: int, device="cpu"):
+        if not (isinstance(num_slots, int) and num_slots > 0):
+            raise HybridInputError(f"num_slots must be a positive int, got {num_slots!r}")
+        self.states = [
+            [torch.zeros((num_slots, *shape), dtype=dtype, device=device) for shape, dtype in layer]
+            for layer in layer_states
+        ]
+        for t in self.all_states:  # static sizes too: Dynamo would otherwise unify a token count equal to one
+            torch._dynamo.mark_static_address(t)
+            torch._dynamo.mark_static(t)
+        self.num_slots = num_slots
+        self.device = torch.device(device)
+        self._free = list(range(num_slots - 1, -1, -1))  # pop from the end: low slots first
+        self._slots = {}  # request id -> slot
+
+    @property
+    def all_states(self) -> list:
+        """Every state tensor of every layer, in order."""
+        return [t for layer in self.states for t in layer]
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """One request's state in bytes, over every layer."""
+        return sum(math.prod(t.shape[1:]) * t.element_size() for t in self.all_states)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def requests(self) -> list:
+        return list(self._slots)
+
+    def add(self, request_id) -> int:
+        """Gives a request a slot; returns it. Its state is whatever the slot held until its first forward."""
+        if request_id in self._slots:
+            raise HybridInputError(f"request_id {request_id!r} holds a state slot already")
+        if not self._free:
+            raise OutOfPagesError(f"all {self.num_slots} state slots are taken")
+        self._slots[request_id] = slot = self._free.pop()
+        return slot
+
+    def free(self, request_id) -> None:
+        """Returns a request's slot to the pool."""
+        self._free.append(self.slot(request_id))
+        del self._slots[request_id]
+
+    def slot(self, request_id) -> int:
+        if request_id not in self._slots:
+            raise HybridInputError(f"request_id {request_id!r} holds no state slot (never added, or freed already)")
+        return self._slots[request_id]
+
+    def slots(self, request_ids) -> torch.Tensor:
+        """The step's `state_slots`: [len(request_ids)] int32, each request's slot."""
+        return torch.tensor([self.slot(r) for r in request_ids], dtype=torch.int32, device=self.device)
