@@ -19,7 +19,7 @@ bool metadata_ok(const Metadata& md, int64_t num_tokens, int64_t num_pages, int6
   if (md.cu[0] != 0 || md.cu[md.num_requests] != num_tokens) return false;
   for (int64_t i = 0; i < md.num_requests; ++i) {
     const int64_t q_len = md.cu[i + 1] - md.cu[i], len = md.lens[i];
-    if (q_len < 0 || len < q_len || len > md.width * page_size) return false;
+    if (q_len < 0 || md.cu[i + 1] > num_tokens || len < q_len || len > md.width * page_size) return false;
     if (decode && q_len != md.cu[1] - md.cu[0]) return false;
     const int32_t* pages = md.table + i * md.table_stride;
     for (int64_t p = 0; p < (len + page_size - 1) / page_size; ++p) {
