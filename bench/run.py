@@ -3,6 +3,7 @@
     python -m bench                 # everything: op level, dispatch overhead, end to end, prefix caching, plot
     python -m bench op dispatch     # some sections
     python -m bench fp8             # the accuracy of fp8 KV caches on the demo model (no timing)
+    python -m bench tree            # a speculative tree's verify step against the chain's, cpu backend
     python -m bench --quick         # smaller sizes, fewer repetitions (prints only)
 
 A full run writes bench/results/cpu.json, .md (the tables) and .png (decode time against context length).
@@ -31,7 +32,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parent.parent))  # the e2e and prefix sections import examples/generate.py
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 STATIC_CACHE_LEN = 4096
-SECTIONS = ["op", "dispatch", "e2e", "prefix", "fp8", "plot"]
+SECTIONS = ["op", "dispatch", "e2e", "prefix", "fp8", "tree", "plot"]
 
 
 def timeit(fn, reps=7, warmup=5):
@@ -114,9 +115,9 @@ class Batch:
         self.q_per_request = [self.q[a:b].transpose(0, 1)[None] for a, b in zip(starts, starts[1:])]
         self.kv_bytes = sum(self.seq_lens) * HKV * D * 2 * torch.finfo(dtype).bits // 8
 
-    def hybrid(self, op, backend):
+    def hybrid(self, op, backend, **options):
         k_cache, v_cache = self.cache.layer(0)
-        return lambda: op(self.q, self.k_new, self.v_new, k_cache, v_cache, *self.meta, backend=backend)
+        return lambda: op(self.q, self.k_new, self.v_new, k_cache, v_cache, *self.meta, backend=backend, **options)
 
     def fp8_caches(self, cache_dtype=torch.float8_e4m3fn):
         """(k_cache, v_cache, k_scale, v_scale): copies of the caches in `cache_dtype`, with a scale per kv head (its
@@ -579,6 +580,44 @@ def fp8_section(quick):
     return rows
 
 
+def verify_tree(depth, width):
+    """[1 + depth * width, same] bool rows of a draft tree laid out level by level (EAGLE's shape): the root, then
+    `width` nodes a level, node i hanging from node i // 2 of the level above (the first level from the root); a node
+    sees itself and its ancestors."""
+    rows = torch.eye(1 + depth * width, dtype=torch.bool)
+    for level in range(depth):
+        for i in range(width):
+            parent = 1 + (level - 1) * width + i // 2 if level else 0
+            rows[1 + level * width + i] |= rows[parent]
+    return rows
+
+
+def tree_section(quick):
+    """A verify step of 8 requests x 16 draft tokens (a full tree of depth 5, width 3, plus its root) over contexts of
+    256..2048 tokens, against the same tokens as a chain (tree_mask None): the cpu backend's decode path, fp32 and
+    bf16, scattered pages."""
+    reps = 5 if quick else 30
+    prefixes = torch.linspace(256, 2048, 8).long().tolist()
+    tree = verify_tree(5, 3)
+    rows = []
+    for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        batch = Batch(prefixes, [tree.shape[0]] * len(prefixes), dtype, shuffle_pages=True)
+        tree_mask = tree.repeat(len(prefixes), 1)
+        op = torch.ops.hybrid.decode
+        methods = {
+            "chain": lambda: batch.hybrid(op, "cpu"),
+            "tree": lambda: batch.hybrid(op, "cpu", tree_mask=tree_mask),
+        }
+        times = timeit_side_by_side(methods, reps)
+        rows.append(dict(dtype=dtype_name, chain_ms=times["chain"] * 1e3, tree_ms=times["tree"] * 1e3))
+        print(
+            f"  verify {dtype_name}: chain {times['chain'] * 1e3:.2f} ms, tree {times['tree'] * 1e3:.2f} ms, "
+            f"tree / chain {times['tree'] / times['chain']:.2f}",
+            flush=True,
+        )
+    return rows
+
+
 def markdown(results):
     lines = [f"Measured {results['date']} on {results['machine']}; read bandwidth {results['read_gbps']:.1f} GB/s.", ""]
     if "op" in results:
@@ -627,6 +666,13 @@ def markdown(results):
             fmts = ["{:.2f}x"] * 3 if r["method"].startswith("ratio") else ["{:.1f}", "{:.1f}", "{:.0f}"]
             cells = [f.format(r[k]) for f, k in zip(fmts, ("ttft_ms", "seconds", "prompt_tokens"))]
             lines.append(f"| {r['method']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if "tree" in results:
+        lines += ["| verify, 8 x 16 tokens, cpu | chain ms | tree ms | tree / chain |", "|---|---:|---:|---:|"]
+        lines += [
+            f"| {r['dtype']} | {r['chain_ms']:.2f} | {r['tree_ms']:.2f} | {r['tree_ms'] / r['chain_ms']:.2f} |"
+            for r in results["tree"]
+        ]
         lines.append("")
     if "fp8" in results:
         lines += [
@@ -697,6 +743,8 @@ def main(argv=None):
         results["prefix"] = prefix_section(args.quick)
     if "fp8" in args.sections:
         results["fp8"] = fp8_section(args.quick)
+    if "tree" in args.sections:
+        results["tree"] = tree_section(args.quick)
     if "plot" in args.sections:
         results["sweep"] = context_sweep(args.quick)
     table = markdown(results)

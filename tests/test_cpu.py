@@ -3,14 +3,15 @@ units of one), tile boundaries (64 keys for few rows, 256 for many), query block
 products (64 rows, padded to 16) and page boundaries, both row paths (few rows: dot products over every kv head; many:
 brgemm per kv head, in fp32 or in 16-bit on AMX), head dims 8, 20, 64, 80 and 128 (read in place, or copied and
 padded), with -1 past each request's pages; with sinks, chunks and value head dims of their own; the same over fp8
-caches, whose bytes must be torch's quantization."""
+caches, whose bytes must be torch's quantization; speculative trees (tree_mask) on both row paths."""
 
 import math
+import random
 import re
 
 import pytest
 import torch
-from helpers.reference import expected_cache, fp8_case, fp8_store_case, make_case, reference
+from helpers.reference import expected_cache, fp8_case, fp8_store_case, make_case, reference, tree_mask_for
 
 import hybrid_ops
 from hybrid_ops import ForwardMode, select_path
@@ -57,12 +58,12 @@ OPTIONS = {
 }
 
 
-def long_case(name, option, dtype, seed):
-    """CASES[name]'s op; its case, the table entries past each request's pages at -1 (as transformers' paged cache pads
-    them); and OPTIONS[option] as op keywords: a value head dim (v_head_dim: that much past the head dim) in the case,
+def long_case(name, option, dtype, seed, cases=CASES, options=OPTIONS):
+    """cases[name]'s op; its case, the table entries past each request's pages at -1 (as transformers' paged cache pads
+    them); and options[option] as op keywords: a value head dim (v_head_dim: that much past the head dim) in the case,
     sinks (True) drawn for its query heads."""
-    op, q_lens, prefix_lens, num_q_heads, head_dim, page_size = CASES[name]
-    options = dict(OPTIONS[option])
+    op, q_lens, prefix_lens, num_q_heads, head_dim, page_size = cases[name]
+    options = dict(options[option])
     v_head_dim = head_dim + options.pop("v_head_dim", 0)
     case = make_case(
         q_lens,
@@ -182,6 +183,74 @@ def test_fp8_backend_object_takes_per_head_views():
     assert_relative(out, reference(read, scale=0.125), torch.bfloat16)
     assert torch.equal(fp8.k_cache.view(torch.uint8), k_expected)
     assert torch.equal(fp8.v_cache.view(torch.uint8), v_expected)
+
+
+# Trees (tree_mask) laid out parents first but not level by level (`recursive_tree`): positions (prefix + depth) far
+# below the slots, rising and falling along the rows. q_lens are tree sizes; 2 kv heads.
+TREE_CASES = {
+    # 7 tokens x group 2 = 14 rows per kv head: few rows, units of every kv head; 5, 2 and 3 slices of 256 keys.
+    "verify": ("decode", [7] * 3, [1100, 300, 513], 4, 64, 16),
+    # 5 tokens x group 3, head dim 20 (copied rows): few rows, units of one kv head; 2 slices of 512 keys and 1; page 3.
+    "verify_head_dim_20": ("decode", [5] * 2, [700, 40], 6, 20, 3),
+    # 16 tokens x group 4 = 64 rows: the many-rows path over 256-key tiles; 2 slices of 512 keys and 1; page 5.
+    "verify_many_rows": ("decode", [16] * 2, [900, 260], 8, 64, 5),
+    # 300 tokens x group 4: three query blocks (128 tokens) over tiles packed once, their rows in chunks of 64, the
+    # tree's own keys across 256-key tiles; beside a 40-token tree without a prefix (one block, one slice).
+    "prefill": ("prefill", [300, 40], [500, 0], 8, 64, 16),
+}
+TREE_OPTIONS = {
+    "plain": dict(),
+    "window": dict(sliding_window=150),  # prefix keys by position: a slot's would hide tens of them
+    "window_softcap_sinks_v_head_dim": dict(sliding_window=9, logit_cap=2.0, sinks=True, v_head_dim=16),
+    "chunk": dict(attention_chunk=40, scale=0.1),
+}
+
+
+def recursive_tree(n, rng, span=4):
+    """[n, n] bool rows of a tree laid out parents first: node j's parent one of the `span` nodes before it, or one in
+    ten times any earlier node, so that depths lie far below the slots and rise and fall along the rows (a query
+    block's lowest is not its first)."""
+    rows = torch.eye(n, dtype=torch.bool)
+    for j in range(1, n):
+        rows[j] |= rows[rng.randrange(0 if rng.random() < 0.1 else max(0, j - span), j)]
+    return rows
+
+
+def tree_long_case(name, option, dtype, seed, causal=False):
+    """long_case over TREE_CASES and TREE_OPTIONS, and its tree_mask ([T, Q]: 3 columns past the longest tree, random
+    past each request's tokens); `causal`: every row sees every earlier token."""
+    op, case, options = long_case(name, option, dtype, seed, TREE_CASES, TREE_OPTIONS)
+    rng = random.Random(seed)
+    sizes = TREE_CASES[name][1]
+    trees = [torch.ones(n, n, dtype=torch.bool).tril() if causal else recursive_tree(n, rng) for n in sizes]
+    return op, case, options, tree_mask_for(trees, max(sizes) + 3, rng)
+
+
+# Each option with one q dtype (the float64 reference takes seconds a case).
+@pytest.mark.parametrize("option, dtype", list(zip(TREE_OPTIONS, [torch.float32, torch.bfloat16] * 2)))
+@pytest.mark.parametrize("name", TREE_CASES)
+def test_trees_against_float64(name, option, dtype):
+    op, case, options, tree_mask = tree_long_case(name, option, dtype, seed=21)
+    k_ref, v_ref = expected_cache(case)
+    out = getattr(torch.ops.hybrid, op)(*case.args, **options, tree_mask=tree_mask, backend="cpu")
+    assert_relative(out, reference(case, **options, tree_mask=tree_mask), dtype)
+    assert torch.equal(case.k_cache, k_ref) and torch.equal(case.v_cache, v_ref)
+
+
+@pytest.mark.parametrize("name", TREE_CASES)
+def test_trees_over_fp8_caches(name):
+    op, case, options, tree_mask = tree_long_case(name, "window_softcap_sinks_v_head_dim", torch.bfloat16, seed=22)
+    check_fp8(op, case, torch.float8_e4m3fn, *fp8_scales("per_head", 2), **options, tree_mask=tree_mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", TREE_CASES)
+def test_causal_tree_is_none_bit_for_bit(name, dtype):
+    """Both row paths, slices and tiles: a causal tree hides no key from the same computation."""
+    op, case, options, tree_mask = tree_long_case(name, "window_softcap_sinks_v_head_dim", dtype, 23, causal=True)
+    chain = getattr(torch.ops.hybrid, op)(*case.args, **options, backend="cpu")
+    tree = getattr(torch.ops.hybrid, op)(*case.args, **options, tree_mask=tree_mask, backend="cpu")
+    assert torch.equal(chain, tree)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -137,6 +137,4 @@ def test_bad_values_in_validation_mode_for_backends_that_mask(name, backend_name
     check its values for them, before the cache is written."""
     op, mutation, words = VALUE_INPUTS[name]
     assert not hybrid_ops.get_backend(backend_named).checks_values
-    if name.startswith("tree_") and "tree_mask" not in hybrid_ops.get_backend(backend_named).features:
-        pytest.skip(f"{backend_named} has no tree_mask yet")
     check_rejected(op, lambda args, kwargs: mutation(args, {**kwargs, "backend": backend_named}), words)

@@ -12,8 +12,10 @@ from torch._dynamo.testing import CompileCounter
 
 import hybrid_ops
 from hybrid_ops import ForwardMode
+from hybrid_ops.backends.base import ALL_FEATURES
+from hybrid_ops.backends.torch_ref import TorchBackend
 
-TREE_BACKENDS = ["torch", "triton"]
+TREE_BACKENDS = ["torch", "cpu", "triton"]
 SLOW_BACKENDS = {"triton"}  # the interpreter takes seconds a case: one case per test in the fast tier
 E4M3 = torch.float8_e4m3fn
 
@@ -136,13 +138,18 @@ def test_causal_tree_is_the_chain_bit_for_bit(backend, op, q_lens, prefixes, opt
 
 
 def test_backends_without_trees_are_passed_over_or_refused():
-    """ "auto" takes a backend that serves trees; naming one that does not is an error, the cache untouched."""
+    """ "auto" passes over a preferred backend that does not serve trees; naming it is an error, the cache untouched."""
+
+    class Chains(TorchBackend):
+        name, features = "chains", ALL_FEATURES - {"tree_mask"}
+
     case, tree_mask = tree_case(*tree_batch(2, 2, 2, 7), 8, 7)
     before = case.k_cache.clone()
-    with pytest.raises(hybrid_ops.HybridInputError, match="backend='cpu' does not support tree_mask"):
-        torch.ops.hybrid.prefill(*case.args, tree_mask=tree_mask, backend="cpu")
-    assert torch.equal(case.k_cache, before)
-    out = torch.ops.hybrid.prefill(*case.args, tree_mask=tree_mask)
+    with hybrid_ops.register_backend(Chains(), prefer=True):
+        with pytest.raises(hybrid_ops.HybridInputError, match="backend='chains' does not support tree_mask"):
+            torch.ops.hybrid.prefill(*case.args, tree_mask=tree_mask, backend="chains")
+        assert torch.equal(case.k_cache, before)
+        out = torch.ops.hybrid.prefill(*case.args, tree_mask=tree_mask)
     assert_close(out, reference(case, tree_mask=tree_mask), torch.float32)
 
 

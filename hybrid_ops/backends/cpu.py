@@ -7,8 +7,10 @@ instructions ATen detected on this machine (`torch.backends.cpu.get_cpu_capabili
 build never uses instructions the CPU lacks; later processes load the cached library (one per source text). Without a
 compiler, "auto" warns once and takes the torch backend, and `backend="cpu"` is an error.
 
-The metadata lives on the host, so the kernel checks its values on every call before writing anything
-(`checks_values`); on bad values it returns None and `check_metadata_values` names the culprit.
+The metadata lives on the host, so the kernel checks its values (a tree mask's included) on every call before writing
+anything (`checks_values`); on bad values it returns None and `check_metadata_values` names the culprit. A tree
+(`tree_mask`) hides the new keys its rows do not name from the same computation, its tokens' positions (prefix +
+depth) computed once per call: a causal tree gives the output of none, bit for bit.
 
 Loading the kernels also registers their C++ entry points with the dispatcher (`kernels/cpu/dispatch.cpp`): from
 then on, `torch.ops.hybrid.*` calls on CPU tensors that this backend serves skip Python entirely, and the others go
@@ -121,7 +123,7 @@ class CpuBackend(Backend):
     name = "cpu"
     requirement = "a C++ compiler and ninja to build its kernels (pip install ninja)"
     checks_values = True  # the kernel checks the metadata's values before it writes anything (see `prefill`)
-    features = ALL_FEATURES - {"tree_mask"}
+    features = ALL_FEATURES
 
     def __init__(self):
         self._module = None
@@ -165,8 +167,11 @@ class CpuBackend(Backend):
         metadata = (cu_seqlens_q, seq_lens, block_table)
         out = self._module.forward(q, k, v, k_cache, v_cache, *metadata, **options.keywords(), decode=decode)
         if out is None:
-            check_metadata_values(*metadata, q.shape[0], k_cache.shape[0], k_cache.shape[1], decode)
-            raise HybridInputError("the metadata's values are inconsistent (cu_seqlens_q, seq_lens, block_table)")
+            sizes = (q.shape[0], k_cache.shape[0], k_cache.shape[1], decode)
+            check_metadata_values(*metadata, *sizes, options.tree_mask)
+            raise HybridInputError(
+                "the metadata's values are inconsistent (cu_seqlens_q, seq_lens, block_table, tree_mask)"
+            )
         return out
 
     def decode(self, *args):

@@ -114,11 +114,12 @@ void attend_tile_brgemm(const Problem<T, C>& pb, const Unit& u, int64_t j0, int6
   const int64_t dim = pb.padded_dim;
   // Rows in chunks whose scores and accumulators stay in cache between the two products. A chunk takes the keys its
   // last row sees (rounded up to GEMM_N: on the causal diagonal, fewer), and none when it sees none of the tile (the
-  // diagonal, a window's start).
+  // diagonal, a window's start: its lowest first key, the first row's unless a tree puts a later row's lower).
   for (int64_t r0 = 0; r0 < rows; r0 += GEMM_CHUNK) {
     const int64_t r1 = std::min(rows, r0 + GEMM_CHUNK), m = round_up(r1 - r0, GEMM_M);
     const int64_t seen = visible(s, r1 - 1, j0, n).second, cols = round_up(seen, GEMM_N);
-    if (seen == 0 || visible(s, r0, j0, n).first == n) continue;
+    const int64_t first = *std::min_element(s.key_begin.begin() + r0, s.key_begin.begin() + r1);
+    if (seen == 0 || first >= j0 + n) continue;
     float* scores = s.scores.data() + r0 * GEMM_BLOCK_N;
     at::native::cpublas::brgemm(m, cols, dim, dim, GEMM_BLOCK_N, GEMM_BLOCK_N, false, g.q.data() + r0 * dim, kt, scores,
                                 vnni);

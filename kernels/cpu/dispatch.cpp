@@ -7,8 +7,9 @@
 // from a compiled graph. Any other call (another backend, an argument that fails a check, a mode or backend name
 // not in the tables) goes to the Python implementation, which runs the other backends and raises the errors that
 // name the argument. Every option of the ops runs here: sinks, chunked attention, a value head dim other than q's,
-// fp8 caches with their k_scale, v_scale. Python sets the tables (`configure`, hybrid_ops/backends/cpu.py) on
-// every change to the backend registry; until it does, every call goes to Python.
+// fp8 caches with their k_scale, v_scale, a speculative tree's tree_mask (its values checked with the metadata's).
+// Python sets the tables (`configure`, hybrid_ops/backends/cpu.py) on every change to the backend registry; until it
+// does, every call goes to Python.
 //
 // The Python module's `forward` is the backend object's call of the same kernel.
 
@@ -139,7 +140,7 @@ at::Tensor attend(bool decode, const at::Tensor& q, const at::Tensor& k, const a
   const double scale = o.scale ? *o.scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
   return hybrid_ops::paged_attention(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale,
                                      o.sliding_window, o.logit_cap, o.sinks, o.attention_chunk, decode, o.k_scale,
-                                     o.v_scale);
+                                     o.v_scale, o.tree_mask);
 }
 
 // The kernel's output, or an undefined tensor (nothing written) when a check fails.
@@ -147,7 +148,6 @@ at::Tensor run_native(bool decode, const at::Tensor& q, const at::Tensor& k, con
                       at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
                       const at::Tensor& block_table, const Options& o) {
   if (!args_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, o)) return {};
-  if (o.tree_mask) return {};  // served by the other backends (CpuBackend.features)
   if (decode && !decode_shape_ok(q.size(0), seq_lens.size(0))) return {};
   return attend(decode, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, o);
 }

@@ -125,6 +125,12 @@ struct Scratch {
   const bool amx;
   std::vector<float> q, acc, scores, m, l, tile_max, alpha, packed_k, packed_v;
   std::vector<int64_t> key_begin, key_end;  // the request's keys [key_begin[r], key_end[r]) that row r sees
+  // With a tree (unit.cpp): row r's mask row, and its token's index among the request's new tokens; the unit's
+  // request's prefix length and its new tokens' depths.
+  std::vector<const bool*> tree_row;
+  std::vector<int64_t> own;
+  int64_t prefix = 0;
+  const int32_t* new_depth = nullptr;
   GemmTiles<float> f32;
   GemmTiles<T> amx16;
   // rows: the most rows of a unit; gemm_rows: of a unit whose products go through brgemm (0: none).
@@ -140,7 +146,9 @@ struct Scratch {
         packed_k(BLOCK_N * padded_dim, 0.f),
         packed_v(BLOCK_N * v_padded_dim, 0.f),
         key_begin(rows),
-        key_end(rows) {
+        key_end(rows),
+        tree_row(rows),
+        own(rows) {
     if (gemm_rows < GEMM_ROWS) return;
     if (amx) {
       amx16.allocate(gemm_rows, padded_dim, v_padded_dim);

@@ -178,10 +178,20 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
                            const at::Tensor& block_table, double scale, int64_t window, double logit_cap,
                            const std::optional<at::Tensor>& sinks, int64_t attention_chunk, bool decode,
-                           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+                           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                           const std::optional<at::Tensor>& tree_mask) {
   const auto cu = cu_seqlens_q.contiguous(), lens = seq_lens.contiguous(), table = block_table.contiguous();
-  const cpu::Metadata md = cpu::metadata_of(cu, lens, table);
+  cpu::Metadata md = cpu::metadata_of(cu, lens, table);
+  // A tree's rows in place (bool: one byte each), and each new token's depth, computed once for every unit.
+  const auto tree = tree_mask ? tree_mask->contiguous() : at::Tensor();
+  if (tree.defined()) {
+    md.tree = tree.data_ptr<bool>();
+    md.tree_stride = tree.size(1);
+    md.tree_width = tree.size(1);
+  }
   if (!cpu::metadata_ok(md, q.size(0), k_cache.size(0), k_cache.size(1), decode)) return at::Tensor();
+  const std::vector<int32_t> depth = tree.defined() ? cpu::tree_depths(md, q.size(0)) : std::vector<int32_t>();
+  if (tree.defined()) md.depth = depth.data();
   // q's element type, then the caches': q's or fp8.
   const auto with_cache = [&](auto q_type) -> at::Tensor {
     using T = typename decltype(q_type)::type;

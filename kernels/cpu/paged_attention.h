@@ -12,13 +12,15 @@ namespace hybrid_ops {
 // attention [T, Hq, Dv] of q [T, Hq, D] over each request's pages. Arguments as the ops' (checked by the caller), scale
 // resolved; sinks [Hq] float32 or none, attention_chunk -1 or positive; `decode`: every request has the same query
 // length. Caches in q's dtype (fp32, fp16, bf16), or both fp8 (float8_e4m3fn, float8_e5m2) with
-// k_scale, v_scale: [], [1] or [Hkv] float32, any strides (none: 1). Returns an undefined tensor, having written
-// nothing, when the metadata's values are invalid.
+// k_scale, v_scale: [], [1] or [Hkv] float32, any strides (none: 1). tree_mask: [T, Q] bool or none (causal), as the
+// ops take it (hybrid_ops/ops.py). Returns an undefined tensor, having written nothing, when the metadata's values
+// (a tree's included) are invalid.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                            at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
                            const at::Tensor& block_table, double scale, int64_t window, double logit_cap,
                            const std::optional<at::Tensor>& sinks, int64_t attention_chunk, bool decode,
-                           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale);
+                           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                           const std::optional<at::Tensor>& tree_mask);
 
 // Whether many query rows over a cache of `dtype` multiply in that dtype (16-bit brgemm on AMX), not in fp32.
 bool multiplies_in_cache_dtype(at::ScalarType dtype);

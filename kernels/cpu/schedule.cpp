@@ -1,19 +1,44 @@
 #include "schedule.h"
 
 namespace hybrid_ops::cpu {
+namespace {
+
+// A request's q_len rows of the tree from token `first`: within its width, each row naming itself and no later token.
+bool tree_rows_ok(const Metadata& md, int64_t first, int64_t q_len) {
+  if (q_len > md.tree_width) return false;
+  for (int64_t j = 0; j < q_len; ++j) {
+    const bool* row = md.tree + (first + j) * md.tree_stride;
+    if (!row[j] || std::find(row + j + 1, row + q_len, true) != row + q_len) return false;
+  }
+  return true;
+}
+
+}  // namespace
 
 bool metadata_ok(const Metadata& md, int64_t num_tokens, int64_t num_pages, int64_t page_size, bool decode) {
   if (md.cu[0] != 0 || md.cu[md.num_requests] != num_tokens) return false;
   for (int64_t i = 0; i < md.num_requests; ++i) {
     const int64_t q_len = md.cu[i + 1] - md.cu[i], len = md.lens[i];
-    if (q_len < 0 || len < q_len || len > md.width * page_size) return false;
+    if (q_len < 0 || md.cu[i + 1] > num_tokens || len < q_len || len > md.width * page_size) return false;
     if (decode && q_len != md.cu[1] - md.cu[0]) return false;
     const int32_t* pages = md.table + i * md.table_stride;
     for (int64_t p = 0; p < (len + page_size - 1) / page_size; ++p) {
       if (pages[p] < 0 || pages[p] >= num_pages) return false;
     }
+    if (md.tree && !tree_rows_ok(md, md.cu[i], q_len)) return false;
   }
   return true;
+}
+
+std::vector<int32_t> tree_depths(const Metadata& md, int64_t num_tokens) {
+  std::vector<int32_t> depth(num_tokens);
+  for (int64_t i = 0; i < md.num_requests; ++i) {
+    for (int64_t t = md.cu[i]; t < md.cu[i + 1]; ++t) {
+      const bool* row = md.tree + t * md.tree_stride;
+      depth[t] = static_cast<int32_t>(std::count(row, row + (t - md.cu[i]), true));
+    }
+  }
+  return depth;
 }
 
 Schedule schedule(const Metadata& md, const ScheduleParams& params) {
@@ -22,11 +47,17 @@ Schedule schedule(const Metadata& md, const ScheduleParams& params) {
   Schedule out;
   for (int64_t i = 0; i < md.num_requests; ++i) {
     const int64_t q_len = md.cu[i + 1] - md.cu[i], len = md.lens[i], prefix = len - q_len;
-    // A block of queries from token t0 sees keys from its first token's first on.
-    const auto block_first_key = [&](int64_t t0) { return first_key(prefix + t0, params.window, params.chunk); };
+    // A block of nt queries from token t0 sees keys from its lowest position's first key on (first_key rises with the
+    // position): its first token's, t0, unless a tree puts a later one lower.
+    const auto block_first_key = [&](int64_t t0, int64_t nt) {
+      int64_t depth = t0;
+      for (int64_t t = md.cu[i] + t0; md.depth && t < md.cu[i] + t0 + nt; ++t)
+        depth = std::min<int64_t>(depth, md.depth[t]);
+      return first_key(prefix + depth, params.window, params.chunk);
+    };
     // Several query blocks (the first through brgemm) share their keys: each kv head's tiles are packed once, from
-    // the tile of the first block's first key.
-    const int64_t packed_from = block_first_key(0) / GEMM_BLOCK_N * GEMM_BLOCK_N;
+    // the tile of the first block's first key (token 0, at depth 0: no block's is lower).
+    const int64_t packed_from = block_first_key(0, 1) / GEMM_BLOCK_N * GEMM_BLOCK_N;
     const int64_t num_tiles = (len - packed_from + GEMM_BLOCK_N - 1) / GEMM_BLOCK_N;
     const int64_t packed = q_len > block_tokens ? static_cast<int64_t>(out.pack_jobs.size()) : -1;
     for (int64_t h = 0; packed >= 0 && h < num_kv_heads; ++h) {
@@ -36,7 +67,7 @@ Schedule schedule(const Metadata& md, const ScheduleParams& params) {
       }
     }
     for (int64_t t0 = 0; t0 < q_len; t0 += block_tokens) {
-      const int64_t nt = std::min(block_tokens, q_len - t0), lo = block_first_key(t0), hi = prefix + t0 + nt;
+      const int64_t nt = std::min(block_tokens, q_len - t0), lo = block_first_key(t0, nt), hi = prefix + t0 + nt;
       // Few rows per kv head, whole-vector rows: a unit takes every kv head, so that it reads each position's
       // Hkv * D elements together (one stream per page); else a unit per kv head.
       const int64_t rows = nt * group;

@@ -19,16 +19,28 @@ constexpr int64_t BLOCK_ROWS = 512;          // query rows (tokens x group) per 
 constexpr int64_t GEMM_ROWS = 16;            // from this many rows, the products go through brgemm (attend_brgemm.cpp)
 constexpr int64_t GEMM_BLOCK_N = 256;        // keys per tile of the brgemm path
 
-// Views of contiguous metadata tensors: cu_seqlens_q [B + 1], seq_lens [B], block_table [B, width].
+// Views of contiguous metadata tensors: cu_seqlens_q [B + 1], seq_lens [B], block_table [B, width]; and of a tree
+// (tree_mask [T, tree_width] bool, rows tree_stride apart) with each new token's depth in it [T] (`tree_depths`), or
+// null: causal.
 struct Metadata {
   const int32_t* cu;
   const int32_t* lens;
   const int32_t* table;
   int64_t table_stride, width, num_requests;  // table_stride: elements between rows
+  const bool* tree = nullptr;
+  int64_t tree_stride = 0, tree_width = 0;
+  const int32_t* depth = nullptr;
+
+  // New token j (token t of the batch) of a request counts its position from the prefix: j, or its depth in a tree.
+  int64_t depth_of(int64_t t, int64_t j) const { return depth ? depth[t] : j; }
 };
 
-// The values check_metadata_values (validation.py) enforces: nothing is read or written out of bounds after it.
+// The values check_metadata_values (validation.py) enforces, a tree's included (check_tree_values): nothing is read
+// or written out of bounds after it.
 bool metadata_ok(const Metadata& md, int64_t num_tokens, int64_t num_pages, int64_t page_size, bool decode);
+
+// Each new token's depth in a tree that metadata_ok accepted: the number of earlier new tokens its row names.
+std::vector<int32_t> tree_depths(const Metadata& md, int64_t num_tokens);
 
 // The first key that a query at position pos sees: from its window's start and its chunk's (attention_chunk).
 inline int64_t first_key(int64_t pos, int64_t window, int64_t chunk) {
@@ -73,7 +85,8 @@ struct Schedule {
   int64_t max_gemm_rows = 0;  // of a unit whose products go through brgemm (0: none)
 };
 
-// The schedule of requests whose cu_seqlens_q and seq_lens metadata_ok accepted (the block table is not read).
+// The schedule of requests whose cu_seqlens_q and seq_lens metadata_ok accepted (the block table is not read; a
+// tree's depths bound its query blocks' first keys).
 Schedule schedule(const Metadata& md, const ScheduleParams& params);
 
 }  // namespace hybrid_ops::cpu

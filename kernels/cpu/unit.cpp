@@ -9,6 +9,22 @@
 #include "kernel.h"
 
 namespace hybrid_ops::cpu {
+namespace {
+
+// Scores -inf (which the max ignores and exp turns into exactly 0) for the new keys among [a, b) of a tile from key
+// j0 that tree row r hides: those its row does not name but its own, and those whose position (prefix + depth) lies
+// before the row's first key. Only entries below the diagonal are read (b <= the row's own key + 1). A causal tree
+// hides none.
+template <typename T, typename C>
+void hide_outside_tree(const Scratch<T, C>& s, int64_t r, int64_t j0, int64_t a, int64_t b, float* sc) {
+  const bool* row = s.tree_row[r];
+  for (int64_t j = std::max(a, s.prefix - j0); j < b; ++j) {
+    const int64_t c = j0 + j - s.prefix;
+    if (c != s.own[r] && (!row[c] || s.prefix + s.new_depth[c] < s.key_begin[r])) sc[j] = NEG_INF;
+  }
+}
+
+}  // namespace
 
 template <typename T, typename C>
 std::pair<int64_t, int64_t> softmax_tile(const Problem<T, C>& pb, int64_t j0, int64_t n, int64_t ld, float score_scale,
@@ -31,6 +47,7 @@ std::pair<int64_t, int64_t> softmax_tile(const Problem<T, C>& pb, int64_t j0, in
     if (pb.logit_cap > 0) {
       for (int64_t j = a; j < b; ++j) sc[j] = pb.logit_cap * std::tanh(sc[j] / pb.logit_cap);
     }
+    if (pb.md.tree) hide_outside_tree(s, r, j0, a, b, sc);  // after the cap: cap * tanh(-inf / cap) is -cap
     // Whole vectors, then the tail as a partial one (lanes past b: -inf).
     Vec mv(NEG_INF);
     int64_t j = a;
@@ -48,7 +65,8 @@ std::pair<int64_t, int64_t> softmax_tile(const Problem<T, C>& pb, int64_t j0, in
     alpha.store(s.alpha.data() + r, c);
   }
   for (int64_t r = r0; r < r1; ++r) {
-    const auto [a, b] = visible(s, r, j0, n);
+    auto [a, b] = visible(s, r, j0, n);
+    if (s.tile_max[r] == NEG_INF) b = a;  // a tree hid every key of its span: exp(-inf - -inf) would be NaN
     float* sc = s.scores.data() + r * ld;
     std::fill(sc, sc + a, 0.f);
     std::fill(sc + std::max(a, b), sc + n, 0.f);
@@ -83,11 +101,18 @@ void run_unit(const Problem<T, C>& pb, const Unit& u, Scratch<T, C>& s) {
   std::fill(s.acc.begin(), s.acc.begin() + q_rows.count * v_dim, 0.f);
   std::fill(s.m.begin(), s.m.begin() + q_rows.count, NEG_INF);
   std::fill(s.l.begin(), s.l.begin() + q_rows.count, 0.f);
-  // Row r sees the request's keys up to its query token's position, from its window's and chunk's start.
-  const int64_t prefix = pb.md.lens[u.request] - (pb.md.cu[u.request + 1] - pb.md.cu[u.request]);
+  // Row r sees the request's keys up to its query token's, from the first key of its position (prefix + depth): its
+  // window's and chunk's start; a tree hides more of the new keys (hide_outside_tree).
+  const Metadata& md = pb.md;
+  const int64_t prefix = md.lens[u.request] - (md.cu[u.request + 1] - md.cu[u.request]);
+  s.prefix = prefix;
+  s.new_depth = md.depth ? md.depth + md.cu[u.request] : nullptr;
   for (int64_t r = 0; r < q_rows.count; ++r) {
-    s.key_end[r] = prefix + u.t0 + r % q_rows.per_head / pb.group + 1;
-    s.key_begin[r] = first_key(s.key_end[r] - 1, pb.window, pb.chunk);
+    const int64_t t = q_rows.token(r), j = t - md.cu[u.request];
+    s.key_end[r] = prefix + j + 1;
+    s.key_begin[r] = first_key(prefix + md.depth_of(t, j), pb.window, pb.chunk);
+    s.tree_row[r] = md.tree ? md.tree + t * md.tree_stride : nullptr;
+    s.own[r] = j;
   }
   const bool brgemm = q_rows.per_head >= GEMM_ROWS;
   if (brgemm) {
