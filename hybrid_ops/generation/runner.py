@@ -1,9 +1,9 @@
 """The model runner: one step of a transformers model over the paged cache, compiled once for every step.
 
-`ModelRunner.forward(input_ids, position_ids, logits_index, forward_mode, cu_seqlens_q, seq_lens, block_table)` is
-the whole step as one function of its inputs (the model, the cache's tensors and the backends are its state), so any
-callable of that signature can take its place. The runner also pads steps to buckets (`cuda_graphs`), warms the
-compiled graphs up, keeps the compile cache file, and holds the tensor-parallel group's agreement helpers.
+`ModelRunner.forward(input_ids, position_ids, logits_index, forward_mode, cu_seqlens_q, seq_lens, block_table,
+tree_mask)` is the whole step as one function of its inputs (the model, the cache's tensors and the backends are its
+state), so any callable of that signature can take its place. The runner also pads steps to buckets (`cuda_graphs`),
+warms the compiled graphs up, keeps the compile cache file, and holds the tensor-parallel group's agreement helpers.
 """
 
 import hashlib
@@ -45,6 +45,8 @@ class ModelRunner:
     `compile_cache=PATH` the compiled artifacts are loaded from PATH at construction and written there after the
     warm-up. cuda_graphs=True: every step is padded to a bucket of requests and tokens (`hybrid_ops.buckets`), and
     "auto" backends mean "triton" on CUDA (FlashInfer plans on the host, outside the graphs).
+    speculative_attention_mode: the ops' routing of TARGET_VERIFY and DRAFT_EXTEND steps ("prefill" or "decode").
+    compile_backend: torch.compile's backend ("eager" traces and guards as "inductor" does, without code generation).
     """
 
     def __init__(
@@ -59,6 +61,8 @@ class ModelRunner:
         decode_backend: str = "auto",
         cuda_graphs: bool = False,
         compile_cache: str | None = None,
+        speculative_attention_mode: str = "prefill",
+        compile_backend: str = "inductor",
     ):
         from ..integrations.transformers import HybridStep, tensor_parallel_group
 
@@ -69,15 +73,18 @@ class ModelRunner:
         if graphs_on_cuda:
             backends = tuple("triton" if b == "auto" else b for b in backends)
         self._step_type, self.backends, self.cuda_graphs = HybridStep, backends, cuda_graphs
+        self.speculative_attention_mode, self.compile_backend = speculative_attention_mode, compile_backend
         max_tokens = prefill_chunk + max_batch_size  # a prefill budget plus every other request's decode token
         self.token_counts = token_buckets(max_tokens)
         # Room for the padding requests of any step, each holding at most a block-table row's capacity.
         max_padding_requests = -(-max_tokens // (cache.max_pages_per_request * cache.page_size))
         self.batch_sizes = batch_buckets(max_batch_size + max_padding_requests)
         mode = "reduce-overhead" if graphs_on_cuda else None
-        self.forward = (
-            torch.compile(self._own_forward(), fullgraph=True, dynamic=True, mode=mode) if compile else self._forward
-        )
+        self.forward = self._forward
+        if compile:
+            self.forward = torch.compile(
+                self._own_forward(), fullgraph=True, dynamic=True, mode=mode, backend=compile_backend
+            )
         self.warmed_up = not compile
         self.compile_cache = compile_cache
         if compile and compile_cache and os.path.exists(compile_cache):
@@ -91,16 +98,20 @@ class ModelRunner:
             tuple((t.shape, t.dtype) for t in self.cache.k_caches + self.cache.v_caches),
             self.cache.max_pages_per_request,
             self.backends,
+            self.speculative_attention_mode,
+            self.compile_backend,
             self.cuda_graphs,
         )
         fn = ModelRunner._forward
         code = _FORWARD_CODES.setdefault(self.model, {}).setdefault(shapes, fn.__code__.replace())
         return types.MethodType(types.FunctionType(code, fn.__globals__, fn.__name__), self)
 
-    def _forward(self, input_ids, position_ids, logits_index, forward_mode: int, cu_seqlens_q, seq_lens, block_table):
+    def _forward(
+        self, input_ids, position_ids, logits_index, forward_mode: int, cu_seqlens_q, seq_lens, block_table, tree_mask
+    ):
         """input_ids, position_ids: [1, T] int64; logits_index: [n] int64, the token rows to project; forward_mode:
-        a `ForwardMode` value; the metadata as in the ops -> logits [n, vocab]. Writes the tokens' K/V into the
-        cache."""
+        a `ForwardMode` value; the metadata as in the ops; tree_mask: the ops' [T, Q] bool or None -> logits
+        [n, vocab]. Writes the tokens' K/V into the cache."""
         step = self._step_type(
             forward_mode,
             cu_seqlens_q,
@@ -109,8 +120,10 @@ class ModelRunner:
             self.cache.k_caches,
             self.cache.v_caches,
             *self.backends,
+            self.speculative_attention_mode,
             k_scales=self.cache.k_scales,
             v_scales=self.cache.v_scales,
+            tree_mask=tree_mask,
         )
         out = self.model(
             input_ids=input_ids,
@@ -124,12 +137,15 @@ class ModelRunner:
     def run(self, batch: ForwardBatch, num_new_tokens, token_ids, positions, logits_rows):
         """One step -> logits [len(logits_rows), vocab]. batch: the step's metadata (its pages allocated);
         num_new_tokens: per request; token_ids, positions: host lists of the step's T tokens; logits_rows: the token
-        rows whose logits to return."""
+        rows whose logits to return. A batch with a `tree_mask` (a speculative tree's step, positions prefix + depth)
+        is not padded to buckets."""
         num_rows = len(logits_rows)
         # At least one row even when no request samples (a long prompt mid-chunk): Dynamo gives size 0 a graph
         # of its own, which a later run could meet for the first time.
         rows = logits_rows or [len(token_ids) - 1]
         if self.cuda_graphs:
+            if batch.tree_mask is not None:
+                raise HybridInputError("a step with a tree_mask cannot be padded to buckets (cuda_graphs=True)")
             batch, token_ids, positions, rows = self._pad(batch, num_new_tokens, token_ids, positions, rows)
             torch.compiler.cudagraph_mark_step_begin()  # the last step's logits are read: graphs may reuse them
         logits = self.forward(
@@ -138,6 +154,7 @@ class ModelRunner:
             torch.tensor(rows, device=self.device),
             int(batch.forward_mode),
             *batch.metadata,
+            batch.tree_mask,
         )
         return logits[:num_rows]
 

@@ -35,7 +35,10 @@ class HybridStep:
 
     k_caches, v_caches: per layer [num_pages, page_size, Hkv, D] and [num_pages, page_size, Hkv, Dv] (a
     `PagedKVCache`'s); the metadata as in the ops; k_scales, v_scales: per layer the float32 scales of fp8 caches
-    (`PagedKVCache.k_scales`), None for others.
+    (`PagedKVCache.k_scales`), None for others; tree_mask: the ops' `tree_mask` ([T, Q] bool, which of its request's
+    new tokens each token sees: a speculative tree), None for causal order. A step that passes a tensor in every mode
+    (a causal one where there is no tree) keeps one compiled graph for trees and plain steps alike; position_ids then
+    carry each token's prefix + depth.
     """
 
     forward_mode: int
@@ -49,6 +52,7 @@ class HybridStep:
     speculative_attention_mode: str = "prefill"
     k_scales: list | None = None
     v_scales: list | None = None
+    tree_mask: torch.Tensor | None = None
 
 
 @dataclass(eq=False)
@@ -165,6 +169,7 @@ def hybrid_attention(
         speculative_attention_mode=hybrid_step.speculative_attention_mode,
         k_scale=None if hybrid_step.k_scales is None else hybrid_step.k_scales[layer],
         v_scale=None if hybrid_step.v_scales is None else hybrid_step.v_scales[layer],
+        tree_mask=hybrid_step.tree_mask,
     )
     return out[None], None
 
