@@ -205,3 +205,24 @@ def test_generator_pads_every_step_to_a_bucket(fresh_dynamo):
     sampled = dict(do_sample=True, temperature=0.8, seed=3)
     eager_padded = HybridGenerator(model, compile=False, cuda_graphs=True, **options)
     assert eager_padded.generate(prompts, 8, **sampled) == plain.generate(prompts, 8, **sampled)
+
+
+def test_runner_refuses_to_pad_a_tree_step():
+    """Padding requests would need rows of their own in the tree mask: a tree step is refused before it runs, and
+    the runner serves the next step."""
+    from hybrid_ops.generation.runner import ModelRunner
+
+    model = tiny_model()
+    num_kv_heads = model.config.num_key_value_heads
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    cache = hybrid_ops.PagedKVCache(16, 4, num_kv_heads, head_dim, num_layers=model.config.num_hidden_layers,
+                                    max_pages_per_request=4, reserve_scratch=True)  # fmt: skip
+    runner = ModelRunner(model, cache, 4, 16, 8, compile=False, cuda_graphs=True)
+    cache.add("a")
+    batch = cache.step(["a"], [3], ForwardMode.TARGET_VERIFY)
+    batch.tree_mask = torch.ones(3, 3, dtype=torch.bool).tril()
+    with pytest.raises(HybridInputError, match=r"a step with a tree_mask cannot be padded to buckets"):
+        runner.run(batch, [3], [1, 2, 3], [0, 1, 2], [2])
+    batch.tree_mask = None
+    with torch.inference_mode():
+        assert runner.run(batch, [3], [1, 2, 3], [0, 1, 2], [2]).shape == (1, model.config.vocab_size)

@@ -9,6 +9,9 @@ import pytest
 import torch
 from helpers.reference import assert_close, dense_attention
 from helpers.scripts import EXAMPLES, ROOT, run_script
+from torch._dynamo.utils import counters
+
+import hybrid_ops
 
 
 def run_example(name, monkeypatch, argv=()):
@@ -23,9 +26,70 @@ def test_direct_op(monkeypatch, capsys):
 
 @pytest.mark.slow
 def test_speculative(monkeypatch, capsys):
-    run_example("speculative.py", monkeypatch)
+    args = ["--max-new-tokens", "6", "--tree", "3,2", "--chain", "5", "--compile-backend", "eager"]
+    run_example("speculative.py", monkeypatch, args)
     out = capsys.readouterr().out
-    assert out.count("tokens equal plain greedy decoding: True") == 2
+    assert out.count("tokens equal plain greedy decoding: True") == 6
+    assert out.count("recompiles after the warm-up: 0") == 2
+    assert "chain of 5:  5 draft tokens per step" in out and "tree 3x2:  6 draft tokens per step" in out
+
+
+def cache_rows(cache, request, length):
+    """Per layer, (k, v) of a request's first `length` tokens in position order: [length, Hkv, D] each."""
+    pages = torch.tensor(cache.pages(request))
+    positions = torch.arange(length)
+    slots = pages[positions // cache.page_size], positions % cache.page_size
+    return [(k[slots], v[slots]) for k, v in zip(cache.k_caches, cache.v_caches)]
+
+
+def assert_cache_holds(model, cache, request, tokens):
+    """The request's cache rows are exactly the K/V of `tokens`, as transformers' own cache holds them after one
+    plain forward over them (its dense attention, no paged cache)."""
+    assert cache.seq_len(request) == len(tokens)
+    with torch.inference_mode():
+        plain = model(torch.tensor([tokens]), use_cache=True).past_key_values
+    for layer, (k, v) in enumerate(cache_rows(cache, request, len(tokens))):
+        assert_close(k, plain.layers[layer].keys[0].transpose(0, 1), torch.float32)
+        assert_close(v, plain.layers[layer].values[0].transpose(0, 1), torch.float32)
+
+
+# The draft's trees run through the prefill path in either mode; verify through the prefill path is the slow case.
+@pytest.mark.parametrize("speculative_attention_mode", ["decode", pytest.param("prefill", marks=pytest.mark.slow)])
+def test_speculative_trees_give_greedy_tokens_keep_the_accepted_rows_and_never_recompile(speculative_attention_mode):
+    """Trees, chains and plain decoding through one compiled graph per model: after the warm-up, no change of tree,
+    mode or batch recompiles (a recompile raises); tokens equal plain greedy decoding; after each step both caches
+    hold exactly the accepted tokens' K/V (the target all but its last token, the draft what it caught up on)."""
+    example = runpy.run_path(str(EXAMPLES / "speculative.py"))
+    prompts = example["PROMPTS"]
+    target, draft = example["target_and_draft"]()
+    greedy = hybrid_ops.generate(target, prompts, 7, compile=False)
+    generator = example["SpeculativeGenerator"](target, draft, speculative_attention_mode, compile_backend="eager")
+    generator.warm_up()
+    graphs = counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for depth, width, chosen in [
+            (2, 2, [0, 1, 2]),
+            (3, 1, [1]),
+            (1, 3, [2, 0]),
+            (3, 2, [0, 1, 2]),
+            (0, 1, [1]),
+            (1, 1, [2]),
+        ]:
+            tokens, accepted = generator.generate([prompts[i] for i in chosen], 7, depth, width)
+            assert tokens == [greedy[i] for i in chosen], (depth, width)
+            assert all(0 <= n <= depth for n in accepted) and (depth == 0 or sum(accepted) > 0)
+        requests = generator.add(prompts)
+        for depth, width in [(2, 3), (3, 2), (1, 1)]:
+            generator.step(requests, depth, width)
+            for request in requests:
+                seq = generator.seqs[request]
+                assert_cache_holds(target, generator.target.cache, request, seq[:-1])
+                held = generator.draft.cache.seq_len(request)
+                assert len(seq) - 2 <= held <= len(seq) - 1  # at most the last accepted token and the root missing
+                assert_cache_holds(draft, generator.draft.cache, request, seq[:held])
+        for request in requests:
+            generator.free(request)
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 @pytest.mark.slow

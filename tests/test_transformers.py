@@ -13,7 +13,7 @@ from helpers.models import (
     reference_tokens,
     small_model,
 )
-from helpers.reference import from_fp8, to_fp8
+from helpers.reference import assert_close, from_fp8, to_fp8
 from transformers import AttentionInterface, AttentionMaskInterface, Gemma2Config
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
@@ -191,3 +191,49 @@ def test_logits_match_eager_attention_with_scale_window_and_soft_cap():
     dense = gemma2_with_large_logits("hybrid")
     with torch.no_grad():
         torch.testing.assert_close(dense(torch.tensor([prompts[0]])).logits[0], want[0], rtol=0, atol=2e-4)
+
+
+@pytest.mark.parametrize("speculative_attention_mode", ["prefill", "decode"])
+@pytest.mark.parametrize("name", ["llama", "mistral_window"])
+def test_tree_step_gives_each_node_the_logits_of_its_path(name, speculative_attention_mode):
+    """A HybridStep's tree_mask reaches the op: in one TARGET_VERIFY step over cached prefixes, each node of a tree
+    gets the logits of the sequence prefix + its path from the root (transformers' SDPA, a window included), at RoPE
+    position prefix + depth; a causal tree beside it is a plain chain."""
+    model, reference = small_model(name, "hybrid"), small_model(name)
+    cache = hybrid_ops.PagedKVCache(64, 4, 2, 16, num_layers=2, max_pages_per_request=8)
+    prefixes = [torch.randint(1, 96, (n,)).tolist() for n in (5, 3)]
+    trees = [[-1, 0, 0, 1, 2, 1, 3], [-1, 0, 1, 2, 3, 4, 5]]  # parents among the new tokens; the second a chain
+    nodes = [torch.randint(1, 96, (len(t),)).tolist() for t in trees]
+    for rid in (0, 1):
+        cache.add(rid)
+    with torch.inference_mode():
+        for mode, chunks in ((ForwardMode.EXTEND, prefixes), (ForwardMode.TARGET_VERIFY, nodes)):
+            batch = cache.step([0, 1], [len(c) for c in chunks], mode)
+            tree_mask = torch.zeros(sum(map(len, chunks)), 8, dtype=torch.bool)
+            positions, row, paths = [], 0, []
+            for rid, chunk in enumerate(chunks):
+                parents = trees[rid] if mode == ForwardMode.TARGET_VERIFY else list(range(-1, len(chunk) - 1))
+                seen = []
+                for j, parent in enumerate(parents):
+                    seen.append((seen[parent] if parent >= 0 else []) + [j])
+                    tree_mask[row + j, seen[j]] = True
+                    positions.append(cache.seq_len(rid) - len(chunk) + len(seen[j]) - 1)
+                paths.append(seen)
+                row += len(chunk)
+            step = HybridStep(
+                int(mode),
+                *batch.metadata,
+                cache.k_caches,
+                cache.v_caches,
+                speculative_attention_mode=speculative_attention_mode,
+                tree_mask=tree_mask,
+            )
+            ids = torch.tensor([sum(chunks, [])])
+            logits = model(ids, position_ids=torch.tensor([positions]), use_cache=False, hybrid_step=step).logits[0]
+        row = 0
+        for rid, seen in enumerate(paths):
+            for j, path in enumerate(seen):
+                sequence = torch.tensor([prefixes[rid] + [nodes[rid][i] for i in path]])
+                want = reference(sequence).logits[0, -1]
+                assert_close(logits[row + j], want, torch.float32)
+            row += len(seen)

@@ -1,9 +1,10 @@
 """The model runner: one step of a transformers model over the paged cache, compiled once for every step.
 
 `ModelRunner.forward(input_ids, position_ids, logits_index, forward_mode, cu_seqlens_q, seq_lens, block_table,
-state_slots=None)` is the whole step as one function of its inputs (the model, the cache's and state pool's tensors
-and the backends are its state), so any callable of that signature can take its place. The runner also pads steps
-to buckets (`cuda_graphs`), warms the compiled graphs up, keeps the compile cache file, and holds the
+`ModelRunner.forward(input_ids, position_ids, logits_index, forward_mode, cu_seqlens_q, seq_lens, block_table,
+state_slots=None, tree_mask=None)` is the whole step as one function of its inputs (the model, the cache's and state
+pool's tensors and the backends are its state), so any callable of that signature can take its place. The runner
+also pads steps to buckets (`cuda_graphs`), warms the compiled graphs up, keeps the compile cache file, and holds the
 tensor-parallel group's agreement helpers.
 """
 
@@ -48,6 +49,8 @@ class ModelRunner:
     warm-up. cuda_graphs=True: every step is padded to a bucket of requests and tokens (`hybrid_ops.buckets`), and
     "auto" backends mean "triton" on CUDA (FlashInfer plans on the host, outside the graphs). `states`: a hybrid
     model's state slots (`StatePool`), whose slots each step's `state_slots` name.
+    speculative_attention_mode: the ops' routing of TARGET_VERIFY and DRAFT_EXTEND steps ("prefill" or "decode").
+    compile_backend: torch.compile's backend ("eager" traces and guards as "inductor" does, without code generation).
     """
 
     def __init__(
@@ -63,6 +66,8 @@ class ModelRunner:
         cuda_graphs: bool = False,
         compile_cache: str | None = None,
         states: StatePool | None = None,
+        speculative_attention_mode: str = "prefill",
+        compile_backend: str = "inductor",
     ):
         from ..integrations.transformers import HybridStep, tensor_parallel_group
 
@@ -73,15 +78,18 @@ class ModelRunner:
         if graphs_on_cuda:
             backends = tuple("triton" if b == "auto" else b for b in backends)
         self._step_type, self.backends, self.cuda_graphs = HybridStep, backends, cuda_graphs
+        self.speculative_attention_mode, self.compile_backend = speculative_attention_mode, compile_backend
         max_tokens = prefill_chunk + max_batch_size  # a prefill budget plus every other request's decode token
         self.token_counts = token_buckets(max_tokens)
         # Room for the padding requests of any step, each holding at most a block-table row's capacity.
         max_padding_requests = -(-max_tokens // (cache.max_pages_per_request * cache.page_size))
         self.batch_sizes = batch_buckets(max_batch_size + max_padding_requests)
         mode = "reduce-overhead" if graphs_on_cuda else None
-        self.forward = (
-            torch.compile(self._own_forward(), fullgraph=True, dynamic=True, mode=mode) if compile else self._forward
-        )
+        self.forward = self._forward
+        if compile:
+            self.forward = torch.compile(
+                self._own_forward(), fullgraph=True, dynamic=True, mode=mode, backend=compile_backend
+            )
         self.warmed_up = not compile
         self.compile_cache = compile_cache
         if compile and compile_cache and os.path.exists(compile_cache):
@@ -96,6 +104,8 @@ class ModelRunner:
             None if self.states is None else tuple((t.shape, t.dtype) for t in self.states.all_states),
             self.cache.max_pages_per_request,
             self.backends,
+            self.speculative_attention_mode,
+            self.compile_backend,
             self.cuda_graphs,
         )
         fn = ModelRunner._forward
@@ -112,10 +122,12 @@ class ModelRunner:
         seq_lens,
         block_table,
         state_slots=None,
+        tree_mask=None,
     ):
         """input_ids, position_ids: [1, T] int64; logits_index: [n] int64, the token rows to project; forward_mode:
-        a `ForwardMode` value; the metadata as in the ops; state_slots: [B] int32 (a hybrid model's) or None ->
-        logits [n, vocab]. Writes the tokens' K/V into the cache, and their states into the slots."""
+        a `ForwardMode` value; the metadata as in the ops; state_slots: [B] int32 (a hybrid model's) or None;
+        tree_mask: the ops' [T, Q] bool or None -> logits [n, vocab]. Writes the tokens' K/V into the cache, and their
+        states into the slots."""
         step = self._step_type(
             forward_mode,
             cu_seqlens_q,
@@ -124,10 +136,12 @@ class ModelRunner:
             self.cache.k_caches,
             self.cache.v_caches,
             *self.backends,
+            self.speculative_attention_mode,
             k_scales=self.cache.k_scales,
             v_scales=self.cache.v_scales,
             state_slots=state_slots,
             states=None if self.states is None else self.states.states,
+            tree_mask=tree_mask,
         )
         out = self.model(
             input_ids=input_ids,
@@ -141,12 +155,15 @@ class ModelRunner:
     def run(self, batch: ForwardBatch, num_new_tokens, token_ids, positions, logits_rows, state_slots=None):
         """One step -> logits [len(logits_rows), vocab]. batch: the step's metadata (its pages allocated);
         num_new_tokens: per request; token_ids, positions: host lists of the step's T tokens; logits_rows: the token
-        rows whose logits to return; state_slots: the requests' state slots (a hybrid model's)."""
+        rows whose logits to return; state_slots: the requests' state slots (a hybrid model's). A batch with a
+        `tree_mask` (a speculative tree's step, positions prefix + depth) is not padded to buckets."""
         num_rows = len(logits_rows)
         # At least one row even when no request samples (a long prompt mid-chunk): Dynamo gives size 0 a graph
         # of its own, which a later run could meet for the first time.
         rows = logits_rows or [len(token_ids) - 1]
         if self.cuda_graphs:
+            if batch.tree_mask is not None:
+                raise HybridInputError("a step with a tree_mask cannot be padded to buckets (cuda_graphs=True)")
             batch, token_ids, positions, rows = self._pad(batch, num_new_tokens, token_ids, positions, rows)
             torch.compiler.cudagraph_mark_step_begin()  # the last step's logits are read: graphs may reuse them
         logits = self.forward(
@@ -156,6 +173,7 @@ class ModelRunner:
             int(batch.forward_mode),
             *batch.metadata,
             state_slots,
+            batch.tree_mask,
         )
         return logits[:num_rows]
 

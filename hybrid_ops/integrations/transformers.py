@@ -39,7 +39,10 @@ class HybridStep:
     `PagedKVCache`'s); the metadata as in the ops; k_scales, v_scales: per layer the float32 scales of fp8 caches
     (`PagedKVCache.k_scales`), None for others; state_slots: [B] int32, each request's slot of a `StatePool`, and
     states: per stateful layer its states (`StatePool.states`), for models with layers that keep state
-    (`stateful.py`), None for others.
+    (`stateful.py`), None for others; tree_mask: the ops' `tree_mask` ([T, Q] bool, which of its request's new tokens
+    each token sees: a speculative tree), None for causal order. A step that passes a tensor in every mode (a causal
+    one where there is no tree) keeps one compiled graph for trees and plain steps alike; position_ids then carry each
+    token's prefix + depth.
     """
 
     forward_mode: int
@@ -55,6 +58,7 @@ class HybridStep:
     v_scales: list | None = None
     state_slots: torch.Tensor | None = None
     states: list | None = None
+    tree_mask: torch.Tensor | None = None
 
 
 @dataclass(eq=False)
@@ -196,6 +200,7 @@ def hybrid_attention(
         speculative_attention_mode=hybrid_step.speculative_attention_mode,
         k_scale=None if hybrid_step.k_scales is None else hybrid_step.k_scales[layer],
         v_scale=None if hybrid_step.v_scales is None else hybrid_step.v_scales[layer],
+        tree_mask=hybrid_step.tree_mask,
     )
     return out[None], None
 
