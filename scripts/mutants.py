@@ -273,9 +273,9 @@ MUTANTS = [
       "batch.tree_mask[: real.shape[0]].copy_(real[:, : batch.tree_mask.shape[1]])",
       "batch.tree_mask[: real.shape[0]].clone()",
       "tests/test_sglang.py -k tree"),
-    M("replay_hook_plans_without_the_tree", "hybrid_ops/integrations/sglang.py",
-      "impl.plan_cuda_graph(path, k_cache, *batch.metadata, tree_mask=batch.tree_mask)",
-      "impl.plan_cuda_graph(path, k_cache, *batch.metadata)",
+    M("replay_hook_plans_without_the_tree", "hybrid_ops/buckets.py",
+      "plan_cuda_graph(path, k_cache, *batch.metadata, tree_mask=batch.tree_mask)",
+      "plan_cuda_graph(path, k_cache, *batch.metadata)",
       "tests/test_flashinfer.py -k tree_phase"),
     # -- CUDA-graph padding and FlashInfer planning -------------------------------------------------------------
     M("padding_requests_use_page_0", "hybrid_ops/buckets.py",

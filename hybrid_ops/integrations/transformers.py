@@ -209,6 +209,22 @@ _BLOCK_TYPE_FIELDS = ("layers_block_type", "hybrid_override_pattern", "block_typ
 _RECURRENT_PARAMETERS = ("A_log", "dt_bias", "recurrent_param")
 
 
+def other_layers(config) -> str | None:
+    """Why a text config's layers are not all attention over a KV cache (layers with recurrent state, state-space or
+    convolution mixers, or attention other than the op's), or None."""
+    layer_types = getattr(config, "layer_types", None) or ()  # a config may have no such field (Llama's)
+    other_types = sorted(set(layer_types) - set(_ATTENTION_LAYER_TYPES))
+    if other_types:
+        return (
+            f"its layer_types include {other_types}, layers with state or attention other than the op's "
+            f"(full, sliding, chunked)"
+        )
+    for name in _BLOCK_TYPE_FIELDS:
+        if getattr(config, name, None):
+            return f"its config's {name} mixes attention with other blocks that keep state outside attention"
+    return None
+
+
 def check_servable(model) -> list:
     """Each decoder layer's cache shape (Hkv, D, Dv) for `HybridGenerator`, or a HybridInputError naming the model
     type and why this integration cannot serve it exactly.
@@ -224,16 +240,10 @@ def check_servable(model) -> list:
     def refuse(reason):
         raise HybridInputError(f"{model_type} cannot be served exactly: {reason}")
 
+    reason = other_layers(config)
+    if reason:
+        refuse(reason)
     layer_types = getattr(config, "layer_types", None) or ()  # a config may have no such field (Llama's)
-    other_types = sorted(set(layer_types) - set(_ATTENTION_LAYER_TYPES))
-    if other_types:
-        refuse(
-            f"its layer_types include {other_types}, layers with state or attention other than the op's "
-            f"(full, sliding, chunked)"
-        )
-    for name in _BLOCK_TYPE_FIELDS:
-        if getattr(config, name, None):
-            refuse(f"its config's {name} mixes attention with other blocks that keep state outside attention")
     if "shared_kv_states" in inspect.signature(model.forward).parameters:
         refuse("it drafts for another model, attending over that model's K/V (shared_kv_states)")
     if getattr(config, "attention_chunk_size", None) and "chunked_attention" not in layer_types:
