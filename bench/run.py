@@ -3,6 +3,7 @@
     python -m bench                 # everything: op level, dispatch overhead, end to end, prefix caching, plot
     python -m bench op dispatch     # some sections
     python -m bench fp8             # the accuracy of fp8 KV caches on the demo model (no timing)
+    python -m bench startup         # seconds from a new process's start to its first token (bench/startup.py)
     python -m bench --quick         # smaller sizes, fewer repetitions (prints only)
 
 A full run writes bench/results/cpu.json, .md (the tables) and .png (decode time against context length).
@@ -31,7 +32,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parent.parent))  # the e2e and prefix sections import examples/generate.py
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 STATIC_CACHE_LEN = 4096
-SECTIONS = ["op", "dispatch", "e2e", "prefix", "fp8", "plot"]
+SECTIONS = ["op", "dispatch", "e2e", "prefix", "fp8", "startup", "plot"]
 
 
 def timeit(fn, reps=7, warmup=5):
@@ -640,6 +641,10 @@ def markdown(results):
                 f"| {r['kv_cache']} | {matched} | {r['max_logit_error']:.3f} | {r['mean_logit_error']:.4f} "
                 f"| {r['logit_std']:.3f} | {r['top1_agreement']:.1%} |"
             )
+    if "startup" in results:
+        from .startup import markdown as startup_markdown
+
+        lines += ["", startup_markdown(results["startup"])]
     return "\n".join(lines) + "\n"
 
 
@@ -697,6 +702,10 @@ def main(argv=None):
         results["prefix"] = prefix_section(args.quick)
     if "fp8" in args.sections:
         results["fp8"] = fp8_section(args.quick)
+    if "startup" in args.sections:
+        from .startup import startup_section
+
+        results["startup"] = startup_section(args.quick)
     if "plot" in args.sections:
         results["sweep"] = context_sweep(args.quick)
     table = markdown(results)

@@ -137,7 +137,7 @@ class HybridGenerator:
             compile_cache=compile_cache,
         )
         eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        self._serve(runner, prefill_chunk, prefix_caching, config.vocab_size, eos_token_id)
+        self._serve(runner, prefix_caching, config.vocab_size, eos_token_id)
 
     @classmethod
     def from_package(
@@ -153,17 +153,14 @@ class HybridGenerator:
         kv_cache_dtype=None,
         config=None,
     ):
-        """A generator whose every step runs through the package at `path` (`hybrid_ops.package`): the same
-        scheduler, sampling, page budget, prefix caching and fp8 cache as a generator of the model, and nothing
-        traced or compiled, no transformers and no model built in this process.
-
-        The sizes default to the package's and may be smaller; num_pages is free (default: the worst case);
-        cuda_graphs=True pads every step to a bucket and, on CUDA, replays a CUDA graph per bucket. A package built
-        with another torch, hybrid_ops or op schema, or, when given, for another `config` (a transformers config or
-        its `to_dict()`) or `kv_cache_dtype`, is refused with a `HybridInputError` naming the difference, before its
-        code is loaded.
+        """A generator whose every step runs through the package at `path` (`hybrid_ops.package`), with the same
+        scheduler, sampling, page budget, prefix caching and fp8 cache; nothing traced or compiled, no transformers
+        and no model built in this process. The sizes default to the package's and may be smaller; num_pages is free;
+        cuda_graphs=True pads steps to buckets and, on CUDA, replays a CUDA graph per bucket. A package of another
+        torch, hybrid_ops or op schema, or, when given, of another `config` (a transformers config or its
+        `to_dict()`) or `kv_cache_dtype`, is refused with a `HybridInputError` naming the difference, unloaded.
         """
-        from .aot import load
+        from .packaged import load
 
         check_sizes(None, 1, num_pages=num_pages)
         check_flags(cuda_graphs=cuda_graphs, prefix_caching=prefix_caching)
@@ -171,17 +168,16 @@ class HybridGenerator:
                             cuda_graphs)  # fmt: skip
         generator = cls.__new__(cls)
         generator.model = None
-        generator._serve(
-            runner, prefill_chunk or info.prefill_chunk, prefix_caching, info.vocab_size, info.eos_token_id
-        )
+        generator._serve(runner, prefix_caching, info.vocab_size, info.eos_token_id)
         return generator
 
-    def _serve(self, runner, prefill_chunk, prefix_caching, vocab_size, eos_token_id):
+    def _serve(self, runner, prefix_caching, vocab_size, eos_token_id):
         """Starts serving through `runner` (a `StepRunner` over its cache)."""
         self.runner, self.cache, self.device = runner, runner.cache, runner.device
         self.max_batch_size, self.max_seq_len = runner.max_batch_size, runner.max_seq_len
         self.vocab_size, self.eos_token_id = vocab_size, eos_token_id
-        self.scheduler = Scheduler(KVCacheManager(self.cache, prefix_caching), self.max_batch_size, prefill_chunk)
+        kv = KVCacheManager(self.cache, prefix_caching)
+        self.scheduler = Scheduler(kv, self.max_batch_size, runner.prefill_chunk)
         self._undelivered = []  # step events of step-API requests, produced while `stream` ran the steps
         self._lock = threading.Lock()
 

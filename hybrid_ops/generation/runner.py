@@ -2,7 +2,7 @@
 
 `forward(input_ids, position_ids, logits_index, forward_mode, cu_seqlens_q, seq_lens, block_table) -> logits` is the
 whole step as one function of its inputs (the model, the cache's tensors and the backends are its state). A
-`StepRunner` runs any callable of that signature (a loaded package's, `generation/package.py`), padding steps to
+`StepRunner` runs any callable of that signature (a loaded package's, `packaged.py`), padding steps to
 buckets (`cuda_graphs`) and holding the tensor-parallel group's agreement helpers; a `ModelRunner` is one whose
 forward is a transformers model's, compiled once for every step, with the warm-up and the compile cache file.
 """
@@ -85,6 +85,7 @@ class StepRunner:
     ):
         self.forward, self.cache, self.device = forward, cache, cache.device
         self.max_batch_size, self.max_seq_len, self.cuda_graphs = max_batch_size, max_seq_len, cuda_graphs
+        self.prefill_chunk = prefill_chunk
         self.token_counts, self.batch_sizes = step_buckets(cache, max_batch_size, prefill_chunk)
         self.warmed_up = True
         self.group = group
@@ -99,7 +100,7 @@ class StepRunner:
         rows = logits_rows or [len(token_ids) - 1]
         if self.cuda_graphs:
             batch, token_ids, positions, rows = self._pad(batch, num_new_tokens, token_ids, positions, rows)
-            torch.compiler.cudagraph_mark_step_begin()  # the last step's logits are read: graphs may reuse them
+            self.begin_padded_step()
         logits = self.forward(
             torch.tensor([token_ids], device=self.device),
             torch.tensor([positions], device=self.device),
@@ -108,6 +109,9 @@ class StepRunner:
             *batch.metadata,
         )
         return logits[:num_rows]
+
+    def begin_padded_step(self) -> None:
+        """Before each padded step's forward: nothing for a packaged step (its graphs are `graphs.py`'s)."""
 
     def _pad(self, batch, num_new_tokens, token_ids, positions, rows):
         """The step padded to buckets: padding requests over the scratch page (`buckets.pad_batch`), their tokens
@@ -182,6 +186,9 @@ class ModelRunner(StepRunner):
         if compile and compile_cache and os.path.exists(compile_cache):
             with open(compile_cache, "rb") as f:
                 torch.compiler.load_cache_artifacts(f.read())
+
+    def begin_padded_step(self) -> None:
+        torch.compiler.cudagraph_mark_step_begin()  # the last step's logits are read: graphs may reuse them
 
     def _own_forward(self):
         """`_forward` on the code object that this runner's model and shapes share (see _FORWARD_CODES)."""
