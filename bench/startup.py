@@ -7,9 +7,10 @@
     package              `HybridGenerator.from_package` of a .pt2 written beforehand (`hybrid_ops.package`); the
                          process imports hybrid_ops only: no transformers, no model built
 
-Each runs in a process of its own, started after the last has ended, on the same prompts: its first `generate`
-gives the first token (the time from the parent's `Popen`, imports included), its second the tokens/s of a warm
-generator. The tokens must be identical across all five.
+Each runs in a process of its own, started after the last has ended, on the same prompts: its first call (`stream`)
+gives the first token (the time from the parent's `Popen`, imports included), the best of three more calls the
+tokens/s of a warm generator (the prompts prefilled, then their new tokens). The tokens must be identical across all
+five.
 
     python -m bench startup               # the demo model (examples/generate.py), then 8 layers 1024 wide
     python -m bench startup --quick       # the demo model only, fewer new tokens
@@ -73,10 +74,13 @@ def child(variant, job):
     for index, new, _ in generator.stream(prompts, new_tokens):
         first = first or time.time()
         tokens[index] += new
-    stats = hybrid_ops.GenerationStats()
-    assert generator.generate(prompts, new_tokens, stats=stats) == tokens
+    rates = []
+    for _ in range(3):  # the best of three: this machine is shared
+        stats = hybrid_ops.GenerationStats()
+        assert generator.generate(prompts, new_tokens, stats=stats) == tokens
+        rates.append(stats.tokens_per_second)
     loaded = "transformers" in sys.modules
-    print(json.dumps(dict(first_token=first, tokens_per_s=stats.tokens_per_second, tokens=tokens, transformers=loaded)))
+    print(json.dumps(dict(first_token=first, tokens_per_s=max(rates), tokens=tokens, transformers=loaded)))
 
 
 def run_child(variant, job, inductor_cache):
@@ -154,7 +158,7 @@ def save(rows, note=""):
 
 def markdown(rows):
     lines = [
-        "| model | serving | process start to first token (s) | decode tokens/s | tokens/s / compile=True warm "
+        "| model | serving | process start to first token (s) | tokens/s of a warm run | tokens/s / compile=True warm "
         "| imports transformers |",
         "|---|---|---:|---:|---:|---|",
     ]
