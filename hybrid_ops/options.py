@@ -109,7 +109,7 @@ class Options:
         None, _kv_scale, "fp8_kv", "fp8 caches: [], [1] or [Hkv] float32, the cache holds k / k_scale; None: 1.0"
     )
     v_scale: torch.Tensor | None = option(None, _kv_scale, "fp8_kv", "as k_scale, for v")
-    # A tensor of fixed size, so that a CUDA graph reads the current tree from a static buffer (see TREE_MASK).
+    # Of fixed size, so that a CUDA graph reads the current tree from a static buffer (ops.py says why this name).
     tree_mask: torch.Tensor | None = option(
         None, _tree_mask, "tree_mask", "[T, Q] bool: which of its request's new tokens each token sees; None: causal"
     )
