@@ -4,6 +4,7 @@
     python -m bench op dispatch     # some sections
     python -m bench fp8             # the accuracy of fp8 KV caches on the demo model (no timing)
     python -m bench tree            # a speculative tree's verify step against the chain's, cpu backend
+    python -m bench startup         # seconds from a new process's start to its first token (bench/startup.py)
     python -m bench --quick         # smaller sizes, fewer repetitions (prints only)
 
 A full run writes bench/results/cpu.json, .md (the tables) and .png (decode time against context length).
@@ -32,7 +33,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parent.parent))  # the e2e and prefix sections import examples/generate.py
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 STATIC_CACHE_LEN = 4096
-SECTIONS = ["op", "dispatch", "e2e", "prefix", "fp8", "tree", "plot"]
+SECTIONS = ["op", "dispatch", "e2e", "prefix", "fp8", "tree", "startup", "plot"]
 
 
 def timeit(fn, reps=7, warmup=5):
@@ -686,6 +687,10 @@ def markdown(results):
                 f"| {r['kv_cache']} | {matched} | {r['max_logit_error']:.3f} | {r['mean_logit_error']:.4f} "
                 f"| {r['logit_std']:.3f} | {r['top1_agreement']:.1%} |"
             )
+    if "startup" in results:
+        from .startup import markdown as startup_markdown
+
+        lines += ["", startup_markdown(results["startup"])]
     return "\n".join(lines) + "\n"
 
 
@@ -745,6 +750,10 @@ def main(argv=None):
         results["fp8"] = fp8_section(args.quick)
     if "tree" in args.sections:
         results["tree"] = tree_section(args.quick)
+    if "startup" in args.sections:
+        from .startup import startup_section
+
+        results["startup"] = startup_section(args.quick)
     if "plot" in args.sections:
         results["sweep"] = context_sweep(args.quick)
     table = markdown(results)

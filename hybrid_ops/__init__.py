@@ -5,11 +5,13 @@
 Set `HYBRID_OPS_VALIDATE=1` or call `set_validation(True)` to check the metadata's values on every call.
 """
 
+__version__ = "0.1.0"  # pyproject.toml reads it; packages (`package`) record it
+
 from . import ops  # noqa: F401  (registers torch.ops.hybrid.*)
 from .backends import Backend, backend_names, get_backend, register_backend, unregister_backend
 from .cache import PagedKVCache
 from .errors import HybridInputError, HybridOpsError, OutOfPagesError
-from .generation import GenerationStats, HybridGenerator, SamplingParams, generate
+from .generation import GenerationStats, HybridGenerator, SamplingParams, generate, package
 from .integrations.sglang import AttentionLayer, HybridAttnBackend, PhaseBackend
 from .metadata import ForwardBatch, build_metadata
 from .modes import ROUTING, ForwardMode, select_path
@@ -31,6 +33,7 @@ __all__ = [
     "HybridInputError",
     "HybridOpsError",
     "OutOfPagesError",
+    "package",
     "PagedKVCache",
     "PhaseBackend",
     "SamplingParams",

@@ -11,16 +11,19 @@ request owns, so they write and read only there, however long they are:
                                                                                 [S, S, S], [S, S, S]]   S: scratch
 
 The model runs the padded tokens too (their q/k/v rows follow the real ones); the caller keeps the first
-`T_real` rows of the outputs.
+`T_real` rows of the outputs. A backend that plans on the host (FlashInfer) plans a graph's static metadata outside
+it, before its capture and every replay (`plan_for_graph`).
 """
 
 from itertools import accumulate
 
 import torch
 
+from .backends import Spec, get_backend
 from .errors import HybridInputError
 from .metadata import ForwardBatch
 from .modes import ROUTING, ForwardMode
+from .options import Options
 
 # The modes that ROUTING may send to the decode path (under either speculative_attention_mode): `decode` needs the
 # same query length for every request, so their batches have one, and padding requests copy it.
@@ -104,5 +107,16 @@ def pad_batch(batch: ForwardBatch, q_lens, scratch_page: int, page_size: int, se
         torch.cat([batch.seq_lens, torch.tensor(seq_lens, dtype=int32, device=device)]),
         torch.cat([batch.block_table, torch.full((len(q_lens), width), scratch_page, dtype=int32, device=device)]),
     )
-    torch._dynamo.mark_static(padded.block_table, 1)  # as `PagedKVCache.step` marks its tables
     return padded
+
+
+def plan_for_graph(backend: str, cache, batch: ForwardBatch, q_dtype) -> None:
+    """Outside a CUDA graph, before its capture and before every replay: the backend named `backend`, as the layers'
+    ops choose it for q of `q_dtype` over `cache` (a `PagedKVCache`), plans `batch`'s static metadata into the buffers
+    that the graph reads (`Backend.plan_cuda_graph`: FlashInfer plans, the others need nothing)."""
+    k_cache, v_cache = cache.layer(0)
+    features = Options(tree_mask=batch.tree_mask).resolve(k_cache.shape[-1], k_cache).features()
+    spec = Spec(k_cache.device, q_dtype, k_cache.dtype, k_cache.shape[-1], v_cache.shape[-1], features)
+    # The path of the op the layers call: decode for DECODE (and IDLE), prefill otherwise.
+    path = "decode" if batch.forward_mode.is_decode_or_idle() else "prefill"
+    get_backend(backend, spec).plan_cuda_graph(path, k_cache, *batch.metadata, tree_mask=batch.tree_mask)

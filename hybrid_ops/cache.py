@@ -33,6 +33,8 @@ class PagedKVCache:
     A request's pages are the same in every layer; `block_table` rows are `max_pages_per_request` wide.
     The caches' sizes and the table's width are marked static: under `dynamic=True` Dynamo would otherwise unify
     a token count that happens to equal one of them (duck sizing) and recompile when they differ.
+    `for_compile=False` leaves these marks out (`mark_static_address`, `mark_static`, `mark_table`): a packaged step
+    reads none, and importing Dynamo for them would cost a new process seconds.
     With `reserve_scratch=True` the caches hold one more page, `scratch_page` (id `num_pages`), which no request is
     ever given: padding requests (`hybrid_ops.buckets`) point every block-table column at it.
 
@@ -65,6 +67,7 @@ class PagedKVCache:
         v_head_dim: int | None = None,
         layer_shapes=None,
         kv_scale: float = 1.0,
+        for_compile: bool = True,
     ):
         if layer_shapes is None:
             layer_shapes = [(num_kv_heads, head_dim, v_head_dim or head_dim)] * num_layers
@@ -84,12 +87,13 @@ class PagedKVCache:
             raise HybridInputError(f"kv_scale must be a finite positive float, got {kv_scale!r}")
         self.page_size = page_size
         self.num_pages = num_pages
+        self.for_compile = for_compile
         self.max_pages_per_request = max_pages_per_request or num_pages
         self.scratch_page = num_pages if reserve_scratch else None
         pages = (num_pages + reserve_scratch, page_size)
         self.k_caches = [torch.zeros((*pages, heads, d), dtype=dtype, device=device) for heads, d, _ in layer_shapes]
         self.v_caches = [torch.zeros((*pages, heads, d), dtype=dtype, device=device) for heads, _, d in layer_shapes]
-        for t in self.k_caches + self.v_caches:
+        for t in self.k_caches + self.v_caches if for_compile else ():
             torch._dynamo.mark_static_address(t)
             torch._dynamo.mark_static(t)
         self.k_scales = self.v_scales = None
@@ -97,7 +101,7 @@ class PagedKVCache:
             self.k_scales, self.v_scales = (
                 [torch.full((), float(kv_scale), device=device) for _ in layer_shapes] for _ in range(2)
             )
-            for t in self.k_scales + self.v_scales:
+            for t in self.k_scales + self.v_scales if for_compile else ():
                 torch._dynamo.mark_static_address(t)
         self.device = torch.device(device)
         # Pop from the end: low page ids first, so a fresh request gets consecutive pages.
@@ -355,5 +359,10 @@ class PagedKVCache:
             device=self.device,
             forward_mode=forward_mode,
         )
-        torch._dynamo.mark_static(batch.block_table, 1)
+        self.mark_table(batch)
         return batch
+
+    def mark_table(self, batch: ForwardBatch) -> None:
+        """Marks the width of `batch`'s block table static for torch.compile (`for_compile`)."""
+        if self.for_compile:
+            torch._dynamo.mark_static(batch.block_table, 1)

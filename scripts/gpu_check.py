@@ -18,7 +18,10 @@
    mode="reduce-overhead") against the same run without graphs: CUDA graphs recorded, "skipping cudagraphs" reasons
    (none expected), tokens/s of each, identical tokens. On the CPU the padding path runs without graphs (and with
    --smoke, without compiling: tests/test_buckets.py covers the compiled padding path).
-4. Decode (batch 1/16/64 x context 1k/4k/32k) and prefill (512/4k new tokens, prefix 0/2k) at Hq 32, Hkv 8, D 128,
+4. The demo model packaged (`hybrid_ops.package`: torch.export + AOTInductor, triton on CUDA) and served from the
+   package with cuda_graphs=True (on CUDA a graph captured per bucket, `generation/graphs.py`) against the eager
+   generator: identical tokens, tokens/s of each. With --smoke on the CPU: a 2-layer model, its padding path only.
+5. Decode (batch 1/16/64 x context 1k/4k/32k) and prefill (512/4k new tokens, prefix 0/2k) at Hq 32, Hkv 8, D 128,
    bf16, page 16, decode also over fp8 (e4m3) caches: KV bandwidth and TFLOP/s against the copy bandwidth and bf16
    matmul rate measured in this run.
 """
@@ -37,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if "--smoke" in sys.argv and not os.environ.get("TRITON_INTERPRET"):
     os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is decorated
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "examples"))  # the demo model: generate.py
 
 import torch  # noqa: E402
 from helpers.reference import (  # noqa: E402
@@ -370,11 +374,9 @@ def count_cuda_graphs():
 
 def check_generator_graphs(device, smoke, report):
     """The demo model through HybridGenerator with and without cuda_graphs: graphs, skips, tokens/s, tokens."""
+    from generate import PROMPT_LENGTHS, demo_model, demo_prompts
     from torch._dynamo.utils import counters
     from torch._inductor.cudagraph_utils import cudagraphs_log
-
-    sys.path.insert(0, str(ROOT / "examples"))
-    from generate import PROMPT_LENGTHS, demo_model, demo_prompts
 
     model = demo_model().to(device)
     prompts = demo_prompts(model.config.vocab_size, PROMPT_LENGTHS[:3] if smoke else PROMPT_LENGTHS)
@@ -417,6 +419,44 @@ def check_generator_graphs(device, smoke, report):
     )
     print(report[-1], flush=True)
     assert padded == plain and skip_count == 0, report[-1]
+
+
+def check_package(device, smoke, report):
+    """The demo model (a 2-layer Llama with --smoke) packaged, served from the package with cuda_graphs=True, against
+    the eager generator on the same backends: tokens/s of each, identical tokens."""
+    import tempfile
+
+    from generate import PROMPT_LENGTHS, demo_model, demo_prompts
+
+    model = demo_model().to(device)
+    if smoke:
+        del model.model.layers[2:]
+        model.config.num_hidden_layers = 2
+    prompts = demo_prompts(model.config.vocab_size, PROMPT_LENGTHS[:3] if smoke else PROMPT_LENGTHS)
+    new_tokens = 4 if smoke else 48
+    backend = "triton" if device == "cuda" else "auto"
+    sizes = dict(max_batch_size=len(prompts), max_seq_len=max(map(len, prompts)) + new_tokens, prefill_chunk=1024)
+    backends = dict(prefill_backend=backend, decode_backend=backend)
+    eager = hybrid_ops.HybridGenerator(model, **sizes, **backends, compile=False)
+    with tempfile.TemporaryDirectory() as folder:
+        start = time.perf_counter()
+        path = hybrid_ops.package(model, Path(folder, "demo.pt2"), **sizes, **backends)
+        packaging = time.perf_counter() - start
+        served = hybrid_ops.HybridGenerator.from_package(path, cuda_graphs=True)
+    runs = []
+    for generator in (eager, served):
+        generator.generate(prompts, new_tokens)  # with graphs: captures them
+        stats = hybrid_ops.GenerationStats()
+        runs.append((generator.generate(prompts, new_tokens, stats=stats), stats.tokens_per_second))
+    (want, eager_rate), (tokens, rate) = runs
+    graphs = len(getattr(served.runner.forward, "graphs", ()))
+    report.append(
+        f"package ({packaging:.0f} s to package), served with cuda_graphs: {graphs} CUDA graphs captured; "
+        f"{rate:.0f} tokens/s against {eager_rate:.0f} eager ({rate / eager_rate:.2f}x); identical tokens for "
+        f"{sum(a == b for a, b in zip(tokens, want))}/{len(prompts)} prompts"
+    )
+    print(report[-1], flush=True)
+    assert tokens == want and (graphs > 0) == (device == "cuda"), report[-1]
 
 
 def paged_batch(q_lens, prefixes, hq, hkv, d, page, dtype, device):
@@ -495,6 +535,7 @@ def main():
     if device == "cuda":
         check_cuda_graphs(report)
     check_generator_graphs(device, args.smoke, report)
+    check_package(device, args.smoke, report)
     rates = benchmark(device, args.smoke, rows)
     lines = report + [
         "",

@@ -19,6 +19,7 @@ to the ops' Python implementation. The backend that loaded them subscribes to th
 """
 
 import hashlib
+import importlib.util
 import os
 import sys
 import time
@@ -27,6 +28,7 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+from torch._appdirs import user_cache_dir
 
 from ..errors import HybridInputError
 from ..modes import ROUTING, SPECULATIVE_ATTENTION_MODES
@@ -81,8 +83,6 @@ def _files(suffix: str) -> list[str]:
 
 def build():
     """Compile (or load the cached) extension module; prints a line while a build runs."""
-    from torch.utils import cpp_extension
-
     capability = torch.backends.cpu.get_cpu_capability()
     flags = _CAPABILITY_FLAGS.get(capability, [])
     name = f"hybrid_ops_cpu_{capability.lower()}"
@@ -92,19 +92,31 @@ def build():
     files = sources + _files(".h")
     header = cpp_header().encode()
     digest = hashlib.sha1(b"".join(Path(p).read_bytes() + os.fsencode(os.path.abspath(p)) for p in files) + header)
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    # cpp_extension's build root (`get_default_build_root`), without importing it.
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.realpath(user_cache_dir("torch_extensions"))
     build_dir = os.path.join(root, f"{name}_torch{torch.__version__.replace('+', '_')}_{digest.hexdigest()[:12]}")
     os.makedirs(os.path.join(build_dir, "generated"), exist_ok=True)
     generated = Path(build_dir, "generated", "options.h")
     if not generated.exists() or generated.read_bytes() != header:  # a new mtime would have ninja rebuild its includers
         generated.write_bytes(header)
-    fresh = not os.path.exists(os.path.join(build_dir, f"{name}.so"))
+    library = os.path.join(build_dir, f"{name}.so")
+    # Built (the directory is this source text's, and a build in progress holds cpp_extension's lock file until it
+    # has linked): loaded directly, as cpp_extension would, without importing cpp_extension (setuptools), which costs
+    # a new process about a second.
+    if os.path.exists(library) and not os.path.exists(os.path.join(build_dir, "lock")):
+        spec = importlib.util.spec_from_file_location(name, library)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    fresh = not os.path.exists(library)
     if fresh:
         print(
             f"hybrid_ops: building the native CPU kernels ({capability}) into {build_dir}, once...",
             file=sys.stderr,
             flush=True,
         )
+    from torch.utils import cpp_extension
+
     start = time.perf_counter()
     module = cpp_extension.load(
         name,

@@ -17,12 +17,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..cache import PagedKVCache
 from ..errors import HybridInputError, HybridOpsError
-from ..fp8 import FP8_DTYPES
 from ..state import StatePool
-from .cache_manager import KVCacheManager
-from .checks import is_int, max_positions, prompt_list, token_list
+from .cache_manager import KVCacheManager, paged_cache
+from .checks import cache_dtype, check_flags, check_sizes, is_int, max_positions, prompt_list, token_list
 from .runner import ModelRunner
 from .sampler import SamplingParams, next_tokens
 from .scheduler import Request, Scheduler
@@ -112,38 +110,19 @@ class HybridGenerator:
         from ..integrations.transformers import check_servable, kv_heads_per_rank, tensor_parallel_group
 
         config = model.config.get_text_config()
-        limit = max_positions(config)
-        if max_seq_len is None:
-            max_seq_len = min(1024, limit or 1024)
-        for name, value in (
-            ("max_batch_size", max_batch_size),
-            ("max_seq_len", max_seq_len),
-            ("page_size", page_size),
-            ("prefill_chunk", prefill_chunk),
-            ("num_pages", num_pages),
-        ):
-            if value is not None and not is_int(value, 1):
-                raise HybridInputError(f"{name} must be a positive int, got {value!r}")
-        for name, value in (("compile", compile), ("cuda_graphs", cuda_graphs), ("prefix_caching", prefix_caching)):
-            if not isinstance(value, bool):
-                raise HybridInputError(f"{name} must be a bool, got {value!r}")
-        if limit and max_seq_len > limit:
-            raise HybridInputError(
-                f"max_seq_len ({max_seq_len}) exceeds the model's max_position_embeddings "
-                f"({limit}); raise model.config.max_position_embeddings to go past it"
-            )
+        max_seq_len = check_sizes(
+            max_positions(config),
+            max_seq_len,
+            max_batch_size=max_batch_size,
+            page_size=page_size,
+            prefill_chunk=prefill_chunk,
+            num_pages=num_pages,
+        )
+        check_flags(compile=compile, cuda_graphs=cuda_graphs, prefix_caching=prefix_caching)
         param = next(model.parameters())
-        kv_cache_dtype = param.dtype if kv_cache_dtype is None else kv_cache_dtype
-        if kv_cache_dtype not in (param.dtype, *FP8_DTYPES):
-            raise HybridInputError(
-                f"kv_cache_dtype must be None (the model's {param.dtype}), torch.float8_e4m3fn "
-                f"or torch.float8_e5m2, got {kv_cache_dtype!r}"
-            )
+        kv_cache_dtype = cache_dtype(kv_cache_dtype, param.dtype)
         model.set_attn_implementation("hybrid")
         self.model = model.eval()
-        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
-        self.vocab_size = config.vocab_size
-        self.eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         if tensor_parallel_group(model) is not None:  # refuses KV heads split across ranks, before any forward
             head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
             kv_heads_per_rank(model, head_dim)
@@ -158,28 +137,21 @@ class HybridGenerator:
                     f"{option}=True is not supported for a model whose layers keep recurrent or convolution state "
                     f"({mixers[0].name}): {reason}"
                 )
-        self.states, self.state_pages = None, 0
+        states, state_pages = None, 0
         if mixers:
             layer_states = [[(s.shape, s.dtype) for s in m.states] for m in mixers]
-            self.states = StatePool(layer_states, max_batch_size, param.device)
+            states = StatePool(layer_states, max_batch_size, param.device)
             # A slot counts as the pages its bytes would fill, so that the budget bounds K/V and state together.
             bytes_per_page = page_size * kv_cache_dtype.itemsize * sum(h * (d + dv) for h, d, dv in layer_shapes)
-            self.state_pages = -(-self.states.bytes_per_slot // bytes_per_page)
+            state_pages = -(-states.bytes_per_slot // bytes_per_page)
         pages_per_request = -(-max_seq_len // page_size)
-        self.cache = PagedKVCache(
-            num_pages or max_batch_size * (pages_per_request + self.state_pages),
-            page_size,
-            *layer_shapes[0][:2],
-            layer_shapes=layer_shapes,
-            max_pages_per_request=pages_per_request,
-            dtype=kv_cache_dtype,
-            device=param.device,
-            reserve_scratch=cuda_graphs,
-        )
-        self.device = param.device
-        self.runner = ModelRunner(
+        cache = paged_cache(
+            layer_shapes, max_batch_size, pages_per_request, page_size,
+            num_pages or max_batch_size * (pages_per_request + state_pages), kv_cache_dtype, param.device, cuda_graphs,
+        )  # fmt: skip
+        runner = ModelRunner(
             model,
-            self.cache,
+            cache,
             max_batch_size,
             max_seq_len,
             prefill_chunk,
@@ -188,10 +160,52 @@ class HybridGenerator:
             decode_backend=decode_backend,
             cuda_graphs=cuda_graphs,
             compile_cache=compile_cache,
-            states=self.states,
+            states=states,
         )
-        kv = KVCacheManager(self.cache, prefix_caching, self.states, self.state_pages)
-        self.scheduler = Scheduler(kv, max_batch_size, prefill_chunk)
+        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        self._serve(runner, prefix_caching, config.vocab_size, eos_token_id, states, state_pages)
+
+    @classmethod
+    def from_package(
+        cls,
+        path,
+        *,
+        max_batch_size: int | None = None,
+        max_seq_len: int | None = None,
+        prefill_chunk: int | None = None,
+        num_pages: int | None = None,
+        cuda_graphs: bool = False,
+        prefix_caching: bool = False,
+        kv_cache_dtype=None,
+        config=None,
+    ):
+        """A generator whose every step runs through the package at `path` (`hybrid_ops.package`), with the same
+        scheduler, sampling, page budget, prefix caching and fp8 cache; nothing traced or compiled, no transformers
+        and no model built in this process. The sizes default to the package's and may be smaller; num_pages is free;
+        cuda_graphs=True pads steps to buckets and, on CUDA, replays a CUDA graph per bucket. A package of another
+        torch, hybrid_ops or op schema, or, when given, of another `config` (a transformers config or its
+        `to_dict()`) or `kv_cache_dtype`, is refused with a `HybridInputError` naming the difference, unloaded.
+        """
+        from .packaged import load
+
+        check_sizes(None, 1, num_pages=num_pages)
+        check_flags(cuda_graphs=cuda_graphs, prefix_caching=prefix_caching)
+        info, runner = load(path, config, kv_cache_dtype, max_batch_size, max_seq_len, prefill_chunk, num_pages,
+                            cuda_graphs)  # fmt: skip
+        generator = cls.__new__(cls)
+        generator.model = None
+        generator._serve(runner, prefix_caching, info.vocab_size, info.eos_token_id)
+        return generator
+
+    def _serve(self, runner, prefix_caching, vocab_size, eos_token_id, states=None, state_pages=0):
+        """Starts serving through `runner` (a `StepRunner` over its cache and, for a hybrid model, `states`, whose
+        slots count as `state_pages` pages each)."""
+        self.runner, self.cache, self.device = runner, runner.cache, runner.device
+        self.max_batch_size, self.max_seq_len = runner.max_batch_size, runner.max_seq_len
+        self.vocab_size, self.eos_token_id = vocab_size, eos_token_id
+        self.states, self.state_pages = states, state_pages
+        kv = KVCacheManager(self.cache, prefix_caching, states, state_pages)
+        self.scheduler = Scheduler(kv, self.max_batch_size, runner.prefill_chunk)
         self._undelivered = []  # step events of step-API requests, produced while `stream` ran the steps
         self._lock = threading.Lock()
 

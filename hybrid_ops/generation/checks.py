@@ -4,6 +4,7 @@ import math
 import numbers
 
 from ..errors import HybridInputError
+from ..fp8 import FP8_DTYPES
 
 
 def is_int(value, low: int) -> bool:
@@ -41,3 +42,37 @@ def prompt_list(prompts) -> list:
     if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
         raise HybridInputError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
     return list(prompts)
+
+
+def check_sizes(limit, max_seq_len, **sizes) -> int:
+    """Raises unless every size of `sizes` (None: its default) and `max_seq_len` is a positive int and max_seq_len is
+    at most `limit` (the model's max_position_embeddings, None for none) -> max_seq_len, by default `limit` capped at
+    1024."""
+    if max_seq_len is None:
+        max_seq_len = min(1024, limit or 1024)
+    for name, value in {"max_seq_len": max_seq_len, **sizes}.items():
+        if value is not None and not is_int(value, 1):
+            raise HybridInputError(f"{name} must be a positive int, got {value!r}")
+    if limit and max_seq_len > limit:
+        raise HybridInputError(
+            f"max_seq_len ({max_seq_len}) exceeds the model's max_position_embeddings "
+            f"({limit}); raise model.config.max_position_embeddings to go past it"
+        )
+    return max_seq_len
+
+
+def check_flags(**flags) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise HybridInputError(f"{name} must be a bool, got {value!r}")
+
+
+def cache_dtype(kv_cache_dtype, model_dtype):
+    """The KV cache's dtype: `kv_cache_dtype`, None meaning the model's, or an fp8 dtype."""
+    kv_cache_dtype = model_dtype if kv_cache_dtype is None else kv_cache_dtype
+    if kv_cache_dtype not in (model_dtype, *FP8_DTYPES):
+        raise HybridInputError(
+            f"kv_cache_dtype must be None (the model's {model_dtype}), torch.float8_e4m3fn "
+            f"or torch.float8_e5m2, got {kv_cache_dtype!r}"
+        )
+    return kv_cache_dtype

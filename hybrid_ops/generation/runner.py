@@ -1,11 +1,11 @@
-"""The model runner: one step of a transformers model over the paged cache, compiled once for every step.
+"""The runners: one step over the paged cache, a step function of tensors called once per step.
 
-`ModelRunner.forward(input_ids, position_ids, logits_index, forward_mode, cu_seqlens_q, seq_lens, block_table,
-`ModelRunner.forward(input_ids, position_ids, logits_index, forward_mode, cu_seqlens_q, seq_lens, block_table,
-state_slots=None, tree_mask=None)` is the whole step as one function of its inputs (the model, the cache's and state
-pool's tensors and the backends are its state), so any callable of that signature can take its place. The runner
-also pads steps to buckets (`cuda_graphs`), warms the compiled graphs up, keeps the compile cache file, and holds the
-tensor-parallel group's agreement helpers.
+`forward(input_ids, position_ids, logits_index, forward_mode, cu_seqlens_q, seq_lens, block_table[, state_slots,
+tree_mask]) -> logits` is the whole step as one function of its inputs (the model, the cache's and state pool's
+tensors and the backends are its state). A `StepRunner` runs any callable of that signature (a loaded package's,
+`packaged.py`), padding steps to buckets (`cuda_graphs`) and holding the tensor-parallel group's agreement helpers; a
+`ModelRunner` is one whose forward is a transformers model's, compiled once for every step, with the warm-up and the
+compile cache file.
 """
 
 import hashlib
@@ -39,16 +39,130 @@ _WARM_UP_STEPS = [
 _FORWARD_CODES = weakref.WeakKeyDictionary()  # model -> {shapes: code object}
 
 
-class ModelRunner:
-    """Runs `model` (attention through `torch.ops.hybrid.attn`) over `cache`, for steps of at most `max_batch_size`
-    requests and `prefill_chunk + max_batch_size` tokens, each request of at most `max_seq_len` tokens.
+def graph_backends(device, cuda_graphs: bool, backends) -> tuple:
+    """(prefill backend, decode backend) as a step runs them: with CUDA graphs on CUDA, "auto" means "triton"
+    (FlashInfer plans on the host, which a captured step cannot do)."""
+    if cuda_graphs and device.type == "cuda":
+        return tuple("triton" if b == "auto" else b for b in backends)
+    return tuple(backends)
+
+
+def step_buckets(cache: PagedKVCache, max_batch_size: int, prefill_chunk: int):
+    """(token counts, batch sizes): the buckets that `cuda_graphs` pads steps of at most `max_batch_size` requests and
+    `prefill_chunk + max_batch_size` tokens to; their last entries bound every step, padded or not."""
+    max_tokens = prefill_chunk + max_batch_size  # a prefill budget plus every other request's decode token
+    # Room for the padding requests of any step, each holding at most a block-table row's capacity.
+    max_padding_requests = -(-max_tokens // (cache.max_pages_per_request * cache.page_size))
+    return token_buckets(max_tokens), batch_buckets(max_batch_size + max_padding_requests)
+
+
+def model_step(model, step, input_ids, position_ids, logits_index):
+    """The model's forward over the paged cache that `step` (a `HybridStep`) names -> logits [n, vocab].
+    input_ids, position_ids: [1, T] int64; logits_index: [n] int64, the token rows to project."""
+    out = model(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        use_cache=False,
+        logits_to_keep=logits_index,
+        hybrid_step=step,
+    )
+    return out.logits[0]
+
+
+class StepRunner:
+    """Runs `forward` (the step function of the module docstring) over `cache`, for steps of at most
+    `max_batch_size` requests and `prefill_chunk + max_batch_size` tokens, each request of at most `max_seq_len`
+    tokens. cuda_graphs=True: every step is padded to a bucket of requests and tokens (`hybrid_ops.buckets`).
+    group: the tensor-parallel process group whose ranks run the same steps, or None."""
+
+    def __init__(
+        self,
+        forward,
+        cache: PagedKVCache,
+        max_batch_size: int,
+        max_seq_len: int,
+        prefill_chunk: int,
+        cuda_graphs: bool = False,
+        group=None,
+    ):
+        self.forward, self.cache, self.device = forward, cache, cache.device
+        self.max_batch_size, self.max_seq_len, self.cuda_graphs = max_batch_size, max_seq_len, cuda_graphs
+        self.prefill_chunk = prefill_chunk
+        self.token_counts, self.batch_sizes = step_buckets(cache, max_batch_size, prefill_chunk)
+        self.warmed_up = True
+        self.group = group
+
+    def run(self, batch: ForwardBatch, num_new_tokens, token_ids, positions, logits_rows, state_slots=None):
+        """One step -> logits [len(logits_rows), vocab]. batch: the step's metadata (its pages allocated);
+        num_new_tokens: per request; token_ids, positions: host lists of the step's T tokens; logits_rows: the token
+        rows whose logits to return; state_slots: the requests' state slots (a hybrid model's). A batch with a
+        `tree_mask` (a speculative tree's step, positions prefix + depth) is not padded to buckets."""
+        num_rows = len(logits_rows)
+        # At least one row even when no request samples (a long prompt mid-chunk): Dynamo gives size 0 a graph
+        # of its own, which a later run could meet for the first time.
+        rows = logits_rows or [len(token_ids) - 1]
+        if self.cuda_graphs:
+            if batch.tree_mask is not None:
+                raise HybridInputError("a step with a tree_mask cannot be padded to buckets (cuda_graphs=True)")
+            batch, token_ids, positions, rows = self._pad(batch, num_new_tokens, token_ids, positions, rows)
+            self.begin_padded_step()
+        # The optional inputs only when in use: a packaged step takes the seven others.
+        extra = () if state_slots is None and batch.tree_mask is None else (state_slots, batch.tree_mask)
+        logits = self.forward(
+            torch.tensor([token_ids], device=self.device),
+            torch.tensor([positions], device=self.device),
+            torch.tensor(rows, device=self.device),
+            int(batch.forward_mode),
+            *batch.metadata,
+            *extra,
+        )
+        return logits[:num_rows]
+
+    def begin_padded_step(self) -> None:
+        """Before each padded step's forward: nothing for a packaged step (its graphs are `graphs.py`'s)."""
+
+    def _pad(self, batch, num_new_tokens, token_ids, positions, rows):
+        """The step padded to buckets: padding requests over the scratch page (`buckets.pad_batch`), their tokens
+        id 0 at position 0, and the logits rows repeated up to the padded batch size (only the first len(rows) are
+        returned)."""
+        capacity = self.cache.max_pages_per_request * self.cache.page_size
+        pad = padding_q_lens(num_new_tokens, batch.forward_mode, self.batch_sizes, self.token_counts, capacity)
+        batch = pad_batch(batch, pad, self.cache.scratch_page, self.cache.page_size)
+        self.cache.mark_table(batch)
+        extra = [0] * sum(pad)
+        return batch, token_ids + extra, positions + extra, rows + rows[-1:] * (batch.batch_size - len(rows))
+
+    # Tensor parallelism: every rank of the group runs the same steps.
+
+    def check_same_on_every_rank(self, args) -> None:
+        """Raises on every rank alike unless `args` are equal on all ranks of the group: ranks given different
+        prompts would take different steps and pair up mismatched collectives. No group: nothing to check."""
+        if self.group is None:
+            return
+        digest = int.from_bytes(hashlib.sha256(repr(args).encode()).digest()[:7], "little")
+        highest = torch.tensor([digest, -digest], device=self.device)
+        dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=self.group)
+        if highest.tolist() != [digest, -digest]:
+            raise HybridInputError(
+                "prompts, max_new_tokens and the sampling options must be the same on every rank of "
+                "the tensor-parallel group"
+            )
+
+    def broadcast_from_rank_0(self, tensor: torch.Tensor) -> None:
+        """Overwrites `tensor` with rank 0's on every rank of the group (the sampled tokens: each rank then
+        schedules alike)."""
+        if self.group is not None:
+            dist.broadcast(tensor, group=self.group, group_src=0)
+
+
+class ModelRunner(StepRunner):
+    """A `StepRunner` of `model` (attention through `torch.ops.hybrid.attn`).
 
     compile=True: `forward` is `torch.compile(fullgraph=True, dynamic=True)` of `_forward` (on CUDA with
     `cuda_graphs`, `mode="reduce-overhead"`); `warm_up` then compiles the graphs Dynamo specialises, and with
     `compile_cache=PATH` the compiled artifacts are loaded from PATH at construction and written there after the
-    warm-up. cuda_graphs=True: every step is padded to a bucket of requests and tokens (`hybrid_ops.buckets`), and
-    "auto" backends mean "triton" on CUDA (FlashInfer plans on the host, outside the graphs). `states`: a hybrid
-    model's state slots (`StatePool`), whose slots each step's `state_slots` name.
+    warm-up. cuda_graphs=True: "auto" backends mean "triton" on CUDA (FlashInfer plans on the host, outside the graphs).
+    `states`: a hybrid model's state slots (`StatePool`), whose slots each step's `state_slots` name.
     speculative_attention_mode: the ops' routing of TARGET_VERIFY and DRAFT_EXTEND steps ("prefill" or "decode").
     compile_backend: torch.compile's backend ("eager" traces and guards as "inductor" does, without code generation).
     """
@@ -71,31 +185,28 @@ class ModelRunner:
     ):
         from ..integrations.transformers import HybridStep, tensor_parallel_group
 
-        self.model, self.cache, self.device, self.states = model, cache, cache.device, states
-        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
-        graphs_on_cuda = cuda_graphs and self.device.type == "cuda"
-        backends = (prefill_backend, decode_backend)
-        if graphs_on_cuda:
-            backends = tuple("triton" if b == "auto" else b for b in backends)
-        self._step_type, self.backends, self.cuda_graphs = HybridStep, backends, cuda_graphs
+        # What `_own_forward` keys the code object by, set before the forward is built.
+        self.model, self.cache, self.cuda_graphs, self._step_type = model, cache, cuda_graphs, HybridStep
+        self.states = states
         self.speculative_attention_mode, self.compile_backend = speculative_attention_mode, compile_backend
-        max_tokens = prefill_chunk + max_batch_size  # a prefill budget plus every other request's decode token
-        self.token_counts = token_buckets(max_tokens)
-        # Room for the padding requests of any step, each holding at most a block-table row's capacity.
-        max_padding_requests = -(-max_tokens // (cache.max_pages_per_request * cache.page_size))
-        self.batch_sizes = batch_buckets(max_batch_size + max_padding_requests)
-        mode = "reduce-overhead" if graphs_on_cuda else None
-        self.forward = self._forward
+        self.backends = graph_backends(cache.device, cuda_graphs, (prefill_backend, decode_backend))
+        mode = "reduce-overhead" if cuda_graphs and cache.device.type == "cuda" else None
+        forward = self._forward
         if compile:
-            self.forward = torch.compile(
+            forward = torch.compile(
                 self._own_forward(), fullgraph=True, dynamic=True, mode=mode, backend=compile_backend
             )
+        super().__init__(
+            forward, cache, max_batch_size, max_seq_len, prefill_chunk, cuda_graphs, tensor_parallel_group(model)
+        )
         self.warmed_up = not compile
         self.compile_cache = compile_cache
         if compile and compile_cache and os.path.exists(compile_cache):
             with open(compile_cache, "rb") as f:
                 torch.compiler.load_cache_artifacts(f.read())
-        self.group = tensor_parallel_group(model)
+
+    def begin_padded_step(self) -> None:
+        torch.compiler.cudagraph_mark_step_begin()  # the last step's logits are read: graphs may reuse them
 
     def _own_forward(self):
         """`_forward` on the code object that this runner's model and shapes share (see _FORWARD_CODES)."""
@@ -143,49 +254,7 @@ class ModelRunner:
             states=None if self.states is None else self.states.states,
             tree_mask=tree_mask,
         )
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            use_cache=False,
-            logits_to_keep=logits_index,
-            hybrid_step=step,
-        )
-        return out.logits[0]
-
-    def run(self, batch: ForwardBatch, num_new_tokens, token_ids, positions, logits_rows, state_slots=None):
-        """One step -> logits [len(logits_rows), vocab]. batch: the step's metadata (its pages allocated);
-        num_new_tokens: per request; token_ids, positions: host lists of the step's T tokens; logits_rows: the token
-        rows whose logits to return; state_slots: the requests' state slots (a hybrid model's). A batch with a
-        `tree_mask` (a speculative tree's step, positions prefix + depth) is not padded to buckets."""
-        num_rows = len(logits_rows)
-        # At least one row even when no request samples (a long prompt mid-chunk): Dynamo gives size 0 a graph
-        # of its own, which a later run could meet for the first time.
-        rows = logits_rows or [len(token_ids) - 1]
-        if self.cuda_graphs:
-            if batch.tree_mask is not None:
-                raise HybridInputError("a step with a tree_mask cannot be padded to buckets (cuda_graphs=True)")
-            batch, token_ids, positions, rows = self._pad(batch, num_new_tokens, token_ids, positions, rows)
-            torch.compiler.cudagraph_mark_step_begin()  # the last step's logits are read: graphs may reuse them
-        logits = self.forward(
-            torch.tensor([token_ids], device=self.device),
-            torch.tensor([positions], device=self.device),
-            torch.tensor(rows, device=self.device),
-            int(batch.forward_mode),
-            *batch.metadata,
-            state_slots,
-            batch.tree_mask,
-        )
-        return logits[:num_rows]
-
-    def _pad(self, batch, num_new_tokens, token_ids, positions, rows):
-        """The step padded to buckets: padding requests over the scratch page (`buckets.pad_batch`), their tokens
-        id 0 at position 0, and the logits rows repeated up to the padded batch size (only the first len(rows) are
-        returned)."""
-        capacity = self.cache.max_pages_per_request * self.cache.page_size
-        pad = padding_q_lens(num_new_tokens, batch.forward_mode, self.batch_sizes, self.token_counts, capacity)
-        batch = pad_batch(batch, pad, self.cache.scratch_page, self.cache.page_size)
-        extra = [0] * sum(pad)
-        return batch, token_ids + extra, positions + extra, rows + rows[-1:] * (batch.batch_size - len(rows))
+        return model_step(self.model, step, input_ids, position_ids, logits_index)
 
     def warm_up(self):
         """Compiles the graphs Dynamo specialises for sizes 1 (one request, one token, one logits row), which a run
@@ -218,25 +287,3 @@ class ModelRunner:
         if artifacts is not None:
             with open(self.compile_cache, "wb") as f:
                 f.write(artifacts[0])
-
-    # Tensor parallelism: every rank of the group runs the same steps.
-
-    def check_same_on_every_rank(self, args) -> None:
-        """Raises on every rank alike unless `args` are equal on all ranks of the group: ranks given different
-        prompts would take different steps and pair up mismatched collectives. No group: nothing to check."""
-        if self.group is None:
-            return
-        digest = int.from_bytes(hashlib.sha256(repr(args).encode()).digest()[:7], "little")
-        highest = torch.tensor([digest, -digest], device=self.device)
-        dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=self.group)
-        if highest.tolist() != [digest, -digest]:
-            raise HybridInputError(
-                "prompts, max_new_tokens and the sampling options must be the same on every rank of "
-                "the tensor-parallel group"
-            )
-
-    def broadcast_from_rank_0(self, tensor: torch.Tensor) -> None:
-        """Overwrites `tensor` with rank 0's on every rank of the group (the sampled tokens: each rank then
-        schedules alike)."""
-        if self.group is not None:
-            dist.broadcast(tensor, group=self.group, group_src=0)

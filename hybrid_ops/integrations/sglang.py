@@ -9,13 +9,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..backends import Spec, check_backend_name, get_backend
-from ..buckets import pad_batch
+from ..backends import check_backend_name
+from ..buckets import pad_batch, plan_for_graph
 from ..errors import HybridInputError
 from ..fp8 import FP8_DTYPES
 from ..metadata import ForwardBatch
 from ..modes import ForwardMode, check_speculative_attention_mode, select_path
-from ..options import Options
 
 
 @dataclass
@@ -169,18 +168,12 @@ class PhaseBackend:
             )
 
     def _plan_cuda_graph(self, batch):
-        """Outside the graph, before capture and replay: a backend that plans (FlashInfer) plans the static metadata
-        into the buffers the graph reads (`plan_cuda_graph`); the others need nothing."""
-        k_cache, v_cache = self.kv_cache.layer(0)
-        # The backend the layers' ops take. An fp8 cache does not tell q's dtype: bf16 stands for it (fp16 is
-        # served alike, and the backend that plans, FlashInfer, has no fp32-q kernel).
+        """Outside the graph, before capture and replay (`buckets.plan_for_graph`)."""
+        # An fp8 cache does not tell q's dtype: bf16 stands for it (fp16 is served alike, and the backend that plans,
+        # FlashInfer, has no fp32-q kernel).
+        k_cache = self.kv_cache.k_caches[0]
         q_dtype = torch.bfloat16 if k_cache.dtype in FP8_DTYPES else k_cache.dtype
-        features = Options(tree_mask=batch.tree_mask).resolve(k_cache.shape[-1], k_cache).features()
-        spec = Spec(k_cache.device, q_dtype, k_cache.dtype, k_cache.shape[-1], v_cache.shape[-1], features)
-        impl = get_backend(self.backend, spec)
-        # The path of the op the layers call: forward_decode for DECODE (and IDLE), forward_extend otherwise.
-        path = "decode" if batch.forward_mode.is_decode_or_idle() else "prefill"
-        impl.plan_cuda_graph(path, k_cache, *batch.metadata, tree_mask=batch.tree_mask)
+        plan_for_graph(self.backend, self.kv_cache, batch, q_dtype)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         # Capture runs with every request at length 1: one valid position, nothing out of range.
