@@ -129,12 +129,16 @@ class Batch:
     def hybrid(self, op, backend):
         return lambda: op(self.q, self.k_new, self.v_new, self.k_cache, self.v_cache, *self.meta, backend=backend)
 
-    def hybrid_fp8(self, op, backend, cache_dtype=torch.float8_e4m3fn):
-        """The same call over copies of the caches in `cache_dtype`, with a scale per kv head (its largest value to the
-        format's largest)."""
+    def fp8_caches(self, cache_dtype=torch.float8_e4m3fn):
+        """(k_cache, v_cache, k_scale, v_scale): copies of the caches in `cache_dtype`, with a scale per kv head (its
+        largest value to the format's largest)."""
         caches = self.k_cache, self.v_cache
         scales = [c.float().abs().amax(dim=(0, 1, 3)) / torch.finfo(cache_dtype).max for c in caches]
-        k_cache, v_cache = (quantize(c, s, cache_dtype) for c, s in zip(caches, scales))
+        return *(quantize(c, s, cache_dtype) for c, s in zip(caches, scales)), *scales
+
+    def hybrid_fp8(self, op, backend, cache_dtype=torch.float8_e4m3fn):
+        """The same call over fp8_caches(cache_dtype)."""
+        k_cache, v_cache, k_scale, v_scale = self.fp8_caches(cache_dtype)
         return lambda: op(
             self.q,
             self.k_new,
@@ -142,8 +146,8 @@ class Batch:
             k_cache,
             v_cache,
             *self.meta,
-            k_scale=scales[0],
-            v_scale=scales[1],
+            k_scale=k_scale,
+            v_scale=v_scale,
             backend=backend,
         )
 
@@ -207,24 +211,27 @@ def hybrid_methods(batch, op):
     return {f"hybrid_ops {b}": (lambda b=b: batch.hybrid(op, b)) for b in HYBRID_BACKENDS}
 
 
+DECODE_LENS = torch.linspace(256, 2048, 16).long().tolist()
+# The op section's cases: name, dtype, prefixes (for decode: the context, the new token included), new tokens, peers
+# measured (pages do not matter to them: consecutive pages only).
+OP_CASES = [
+    ("decode", "fp32", [n - 1 for n in DECODE_LENS], [1] * 16, torch.float32, PEERS),
+    ("decode", "bf16", [n - 1 for n in DECODE_LENS], [1] * 16, torch.bfloat16, PEERS),
+    ("prefill", "fp32", [0] * 4, [512, 256, 1024, 384], torch.float32, PEERS),
+    ("prefill", "bf16", [0] * 4, [512, 256, 1024, 384], torch.bfloat16, PEERS[:1]),
+    ("prefill+prefix", "fp32", [1024, 512, 2048, 768], [256, 128, 512, 192], torch.float32, PEERS),
+    ("prefill+prefix", "bf16", [1024, 512, 2048, 768], [256, 128, 512, 192], torch.bfloat16, PEERS[:1]),
+]
+
+
 def op_section(quick, bandwidth, ipex):
     """Each case's methods timed side by side, `ipex` (an `Ipex`) in its own process."""
     reps = 3 if quick else 15
-    decode_lens = torch.linspace(256, 2048, 16).long().tolist()
-    # case, dtype, prefixes, new tokens, peers measured (pages do not matter to them: consecutive pages only)
-    cases = [
-        ("decode", "fp32", decode_lens, [1] * 16, torch.float32, PEERS),
-        ("decode", "bf16", decode_lens, [1] * 16, torch.bfloat16, PEERS),
-        ("prefill", "fp32", [0] * 4, [512, 256, 1024, 384], torch.float32, PEERS),
-        ("prefill", "bf16", [0] * 4, [512, 256, 1024, 384], torch.bfloat16, PEERS[:1]),
-        ("prefill+prefix", "fp32", [1024, 512, 2048, 768], [256, 128, 512, 192], torch.float32, PEERS),
-        ("prefill+prefix", "bf16", [1024, 512, 2048, 768], [256, 128, 512, 192], torch.bfloat16, PEERS[:1]),
-    ]
+    cases = OP_CASES
     if quick:
         cases = [c for c in cases if c[1] == "fp32" or c[:2] == ("decode", "bf16")]
     rows = []
     for name, dtype_name, prefixes, news, dtype, peers in cases:
-        prefixes = [p - 1 for p in prefixes] if name == "decode" else prefixes  # context includes the new token
         op = torch.ops.hybrid.decode if name == "decode" else torch.ops.hybrid.prefill
         batches = {
             layout: Batch(prefixes, news, dtype, shuffle_pages=layout == "scattered")

@@ -87,26 +87,75 @@ def float_to_fp8(x, FP8: tl.constexpr):
     return (tl.where(is_nan, 0x7F, code) | sign).to(tl.uint8)
 
 
+def kernel_tree(tree_mask, cu_seqlens_q, seq_lens, absent):
+    """The tree as the kernels take it, built on the device without a host sync: (words, W, positions, HAS_TREE).
+
+    tree_mask: [T, Q] bool or None; cu_seqlens_q: [B + 1] int32, seq_lens: [B] int32. words: [T, W] int32,
+    W = cdiv(Q, 32): bit c % 32 of word c // 32 of row t is set where token t (token j of its request) sees new token
+    c < j; entries on and above the diagonal are dropped here, unread. positions: [T] int32, prefix + depth (the
+    number of those bits). Bits rather than the mask's bytes: a tile then reads a few words per row instead of a byte
+    per (row, key), whose addresses cost a GPU program its registers. `absent` (any tensor, never read) stands in for
+    both without a tree.
+    """
+    if tree_mask is None:
+        return absent, 0, absent, False
+    (num_tokens, width), device = tree_mask.shape, tree_mask.device
+    tokens = torch.arange(num_tokens, dtype=torch.int32, device=device)
+    request = torch.searchsorted(cu_seqlens_q[1:], tokens, right=True).clamp_(max=seq_lens.shape[0] - 1)
+    first_token = cu_seqlens_q[request]
+    prefix = seq_lens[request] - (cu_seqlens_q[request + 1] - first_token)
+    num_words = triton.cdiv(width, 32)
+    bits = torch.zeros(num_tokens, num_words * 32, dtype=torch.bool, device=device)
+    bits[:, :width] = tree_mask & (torch.arange(width, device=device) < (tokens - first_token)[:, None])
+    positions = (prefix + bits.sum(1)).to(torch.int32)
+    shifts = torch.arange(32, device=device, dtype=torch.int64)
+    words = (bits.view(num_tokens, num_words, 32).to(torch.int64) << shifts).sum(2).to(torch.int32)
+    return words, num_words, positions, True
+
+
+@triton.jit
+def tree_rows(TreeWords, Positions, q_pos, token, row_ok, num_words,
+              HAS_TREE: tl.constexpr, HAS_POSITIONS: tl.constexpr):  # fmt: skip
+    """(row_pos, rows) of query rows for `attend_pages`: each row's position for the window and chunk (its slot q_pos,
+    or under a tree Positions[token]) and a pointer to its tree words (`kernel_tree`; rows outside the batch read
+    token 0's). token: [R] its token's index in q."""
+    row_pos = q_pos
+    rows = TreeWords
+    if HAS_TREE:
+        token = tl.where(row_ok, token, 0)
+        rows = TreeWords + token.to(tl.int64) * num_words
+        if HAS_POSITIONS:
+            row_pos = tl.load(Positions + token)
+    return row_pos, rows
+
+
 # The signatures of attend_pages, of the kernels that pass its arguments on and of their launchers, the launches and the
 # calls of attend_pages keep a line per kind of argument (`fmt: skip`, `fmt: off`): one argument a line would repeat
 # the same thirty lines in each kernel and hide which launch argument meets which parameter.
 @triton.jit
 def attend_pages(
-    q, q_pos, acc, l_i, m_i,  # q: [R, BLOCK_D]; q_pos: [R] position of each row's token; acc: [R, BLOCK_DV]
+    q, q_pos, acc, l_i, m_i,  # q: [R, BLOCK_D]; q_pos: [R] slot of each row's token; acc: [R, BLOCK_DV]
     KCache, VCache, block_table_row, kv_head,  # block_table_row: pointer to this request's block_table row
     kv_lo, kv_hi, seq_len, num_pages, num_table_pages, scale, logit_cap, sliding_window, attention_chunk,
     stride_kp, stride_kr, stride_kh, stride_vp, stride_vr, stride_vh,  # caches: page, row, head (head dim contiguous)
+    row_pos, tree_words, num_words, prefix, Positions, key_start, num_tokens,  # trees (see below)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, UPCAST: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, HAS_TREE: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax of q's rows over KV positions [kv_lo, kv_hi) of one request, read in place from its pages.
+    """Online softmax of q's rows over KV slots [kv_lo, kv_hi) of one request, read in place from its pages.
 
     K rows have HEAD_DIM elements (padded to BLOCK_D), V rows HEAD_DIM_V (padded to BLOCK_DV). Keys past
-    `seq_len`, beyond the block table, in pages outside [0, num_pages), after a row's own position, or outside its
+    `seq_len`, beyond the block table, in pages outside [0, num_pages), after a row's own slot, or outside its
     sliding window or its chunk of positions are masked: neither loaded nor weighted. fp8 K/V (bytes) are read as
     their stored values in q's dtype, which holds them exactly: the caller folds the scales in.
+
+    row_pos: [R] each row's position for the window and chunk (q_pos without a tree). With HAS_TREE, a new key (slot
+    prefix + c) is seen by a row where bit c of its tree words is set (tree_words: [R] pointers to each row's
+    num_words words, `kernel_tree`), and by the row of slot prefix + c itself: the diagonal is forced. With a window
+    or chunk, new key c's position is Positions[key_start + c] (prefix + its depth; read inside [0, num_tokens)), a
+    prefix key's its slot. Tiles of the prefix alone read no word nor position.
     """
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
@@ -139,10 +188,29 @@ def attend_pages(
             # logit_cap * tanh(s / logit_cap), with tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits at +-inf
             s = logit_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / logit_cap) + 1.0))
         visible = ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        key_pos = pos
+        if HAS_TREE:
+            col = pos - prefix  # [BLOCK_N]: a new key's column, negative in the prefix
+            # The tile's columns span at most (BLOCK_N + 30) // 32 + 1 words from `first`, read for tiles with new
+            # keys only: `readable` of them ([R], as Triton's interpreter refuses a scalar mask for a block load).
+            # Non-negative operands for // and %, which round toward zero in Triton and down in its interpreter.
+            first = tl.maximum(start - prefix, 0) // 32
+            readable = tl.where(start + BLOCK_N > prefix, num_words - first, 0) + tl.zeros_like(q_pos)
+            word_of, bit_of = tl.maximum(col, 0) // 32, tl.maximum(col, 0) % 32
+            seen = (col < 0)[None, :] | (pos[None, :] == q_pos[:, None])
+            for w in tl.static_range((BLOCK_N + 30) // 32 + 1):
+                word = tl.load(tree_words + first + w, mask=w < readable, other=0)  # [R]
+                bit = (word[:, None] >> bit_of[None, :]) & 1
+                seen = seen | ((word_of == first + w)[None, :] & (bit != 0))
+            visible = visible & seen
+            if HAS_WINDOW or HAS_CHUNK:
+                key = key_start + col
+                depth_pos = tl.load(Positions + key, mask=(col >= 0) & (key >= 0) & (key < num_tokens), other=0)
+                key_pos = tl.where(col >= 0, depth_pos, pos)
         if HAS_WINDOW:
-            visible = visible & (pos[None, :] > q_pos[:, None] - sliding_window)
-        if HAS_CHUNK:  # a row sees its own chunk only: positions from q_pos - q_pos % attention_chunk
-            visible = visible & (pos[None, :] >= (q_pos - q_pos % attention_chunk)[:, None])
+            visible = visible & (key_pos[None, :] > row_pos[:, None] - sliding_window)
+        if HAS_CHUNK:  # a row sees its own chunk only: positions from row_pos - row_pos % attention_chunk
+            visible = visible & (key_pos[None, :] >= (row_pos - row_pos % attention_chunk)[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # m_i starts finite, so fully masked rows stay NaN-free
         alpha = tl.exp(m_i - m_new)

@@ -78,10 +78,12 @@ def decode_tiles(dtype: torch.dtype, head_dim: int, rows: int, target: Target) -
     return Tiles(min(max(triton.next_power_of_2(rows), 16), cap), block_n, num_warps, GPU_STAGES)
 
 
-def prefill_tiles(dtype: torch.dtype, head_dim: int, group: int, target: Target) -> Tiles:
-    """Tiles of the prefill kernel; `block_rows` tokens x next_pow2(group) heads per program."""
+def prefill_tiles(dtype: torch.dtype, head_dim: int, group: int, target: Target, tree: bool = False) -> Tiles:
+    """Tiles of the prefill kernel; `block_rows` tokens x next_pow2(group) heads per program. With a tree mask, half
+    the keys per step on a GPU: the tree's bits would otherwise make the largest tiles spill registers."""
     if target.gpu_tiles:
         rows, block_n, num_warps = _lookup(PREFILL_TILES, dtype, head_dim)
+        block_n = block_n // 2 if tree else block_n
         num_stages = GPU_STAGES
     else:
         rows, block_n, num_warps, num_stages = 128, 128, 8 if head_dim > 64 else 4, 1

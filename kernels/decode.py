@@ -9,7 +9,9 @@ range [lo, seq_len) (lo > 0 with a sliding window). Row tiles bound a program's 
 whatever the group size and draft length. It writes a normalised partial output and its log-sum-exp (-inf for
 an empty chunk). Stage 2, grid (T, Hq): combines the splits, weighting each by exp(lse - max lse); a head's sink
 joins there, once, as one more term exp(sink - max) of the denominator with nothing to add to the output. With
-chunked attention, keys before a row's chunk are masked in stage 1.
+chunked attention, keys before a row's chunk are masked in stage 1. A tree mask (HAS_TREE, verify over a draft tree)
+is applied in stage 1 as in prefill; the split ranges stay as they are: a request's lowest position is its first
+token's, prefix, under a tree too (depth 0).
 num_splits comes from static sizes only (batch, kv heads, table capacity, SM count), so it is fixed under a
 CUDA graph; a batch of 1 with a 32k context still fills the GPU.
 """
@@ -18,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import attend_pages, kernel_kv
+from .common import attend_pages, kernel_kv, kernel_tree, tree_rows
 from .config import Target, block_d, decode_tiles
 
 
@@ -26,15 +28,17 @@ from .config import Target, block_d, decode_tiles
 @triton.jit
 def _decode_split_kernel(
     Q, KCache, VCache, PartialOut, PartialLse, SeqLens, BlockTable, KScale, VScale,  # pointers (scales: [Hkv] fp32)
+    TreeWords, Positions,  # trees only (`common.kernel_tree`): [T, W] int32, [T] int32
     q_len, group, row_tiles, num_splits, num_q_heads, num_pages, num_table_pages,  # sizes
     scale, logit_cap, sliding_window, attention_chunk,  # options
     stride_qt, stride_qh, stride_qd,  # q [T, Hq, D], any strides
     stride_kp, stride_kr, stride_kh, stride_vp, stride_vr, stride_vh,  # caches [num_pages, page_size, Hkv, D or Dv]
     stride_bt, stride_ks, stride_vs,  # block_table rows; scales (0 when expanded from one value)
+    num_words,  # W, of the tree words
     BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, UPCAST: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, HAS_TREE: tl.constexpr,
 ):  # fmt: skip
     request = tl.program_id(0)
     kv_head = tl.program_id(1) // row_tiles
@@ -57,11 +61,14 @@ def _decode_split_kernel(
     if UPCAST:
         q = q.to(tl.float32)
     q_pos = prefix + rows // group
+    row_pos, tree_words = tree_rows(
+        TreeWords, Positions, q_pos, token, row_ok, num_words, HAS_TREE, HAS_WINDOW or HAS_CHUNK
+    )
     if KV_FP8 != "":  # k's scale joins the scores' scale; v's scales the output
         scale *= tl.load(KScale + kv_head * stride_ks)
 
     visible_lo = 0
-    if HAS_WINDOW:
+    if HAS_WINDOW:  # the request's lowest position is its first token's, prefix (depth 0 under a tree too)
         visible_lo = tl.maximum(prefix + 1 - sliding_window, 0)
     chunk = tl.cdiv(tl.cdiv(seq_len - visible_lo, num_splits), BLOCK_N) * BLOCK_N
     kv_lo = visible_lo + split * chunk
@@ -74,7 +81,9 @@ def _decode_split_kernel(
         q, q_pos, acc, l_i, m_i, KCache, VCache, BlockTable + request * stride_bt, kv_head,
         kv_lo, kv_hi, seq_len, num_pages, num_table_pages, scale, logit_cap, sliding_window, attention_chunk,
         stride_kp, stride_kr, stride_kh, stride_vp, stride_vr, stride_vh,
+        row_pos, tree_words, num_words, prefix, Positions, request * q_len, q_len * tl.num_programs(0),
         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, PAGE_SIZE, SOFT_CAP, HAS_WINDOW, HAS_CHUNK, UPCAST, KV_FP8,
+        HAS_TREE,
     )
     # fmt: on
     has_keys = l_i > 0
@@ -159,19 +168,24 @@ def decode(q, k_cache, v_cache, seq_lens, block_table, options, target: Target, 
         num_splits = num_kv_splits(programs, block_table.shape[1] * page_size, tiles.block_n, target.num_sms)
     padded_dv = block_d(v_head_dim)
     k_cache, v_cache, k_scale, v_scale, kv_fp8 = kernel_kv(k_cache, v_cache, options.k_scale, options.v_scale)
+    cu_seqlens_q = None  # as the kernel reads q: token j of request i is q[i * q_len + j]
+    if options.tree_mask is not None:
+        cu_seqlens_q = torch.arange(0, num_tokens + 1, q_len, dtype=torch.int32, device=q.device)
+    tree_words, num_words, positions, has_tree = kernel_tree(options.tree_mask, cu_seqlens_q, seq_lens, seq_lens)
     partial_out = torch.empty(num_tokens, num_q_heads, num_splits, padded_dv, dtype=torch.float32, device=q.device)
     partial_lse = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_requests, num_kv_heads * row_tiles, num_splits)](
-        q, k_cache, v_cache, partial_out, partial_lse, seq_lens, block_table, k_scale, v_scale,
+        q, k_cache, v_cache, partial_out, partial_lse, seq_lens, block_table, k_scale, v_scale, tree_words, positions,
         q_len, group, row_tiles, num_splits, num_q_heads, k_cache.shape[0], block_table.shape[1],
         scale, logit_cap, sliding_window, attention_chunk,
         *q.stride(),
         *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0), k_scale.stride(0), v_scale.stride(0),
+        num_words,
         BLOCK_R=tiles.block_rows, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), HEAD_DIM_V=v_head_dim,
         BLOCK_DV=padded_dv, BLOCK_N=tiles.block_n, PAGE_SIZE=page_size,
         SOFT_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0, HAS_CHUNK=attention_chunk > 0,
-        UPCAST=target.interpret and q.dtype == torch.bfloat16, KV_FP8=kv_fp8, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
+        UPCAST=target.interpret and q.dtype == torch.bfloat16, KV_FP8=kv_fp8, HAS_TREE=has_tree,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     _decode_reduce_kernel[(num_tokens, num_q_heads)](
         partial_out,

@@ -8,13 +8,17 @@ P + j and sees positions [max(0, P + j - W + 1), P + j] (W = sliding window, els
 attention none before its chunk's first position; the loop covers the union over the tile's rows, so a tile's keys
 end at its last token: prefix + (tile + 1) * BLOCK_M. With sinks, each row's online softmax starts from its head's
 sink logit (running max = sink, sum = 1, nothing accumulated), which adds exp(sink) to the denominator.
+With a tree mask (HAS_TREE), a row also drops the new tokens its mask row does not name (`common.attend_pages`), and
+the window and chunk compare positions, prefix + depth, computed on the device by the launcher (`common.kernel_tree`);
+a tile's first key then comes from its rows' lowest position, as depths need not grow with the slots. Its last key
+stays its last slot.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from .common import attend_pages, find_segment, kernel_kv
+from .common import attend_pages, find_segment, kernel_kv, kernel_tree, tree_rows
 from .config import Target, block_d, prefill_tiles
 from .kv_store import log2_ceil
 
@@ -24,15 +28,17 @@ from .kv_store import log2_ceil
 def _prefill_kernel(
     Q, KCache, VCache, Out, CuSeqlensQ, SeqLens, BlockTable, TileCu, Sinks,  # pointers (Sinks: [Hq] fp32)
     KScale, VScale,  # [Hkv] fp32, fp8 caches only
+    TreeWords, Positions,  # trees only (`common.kernel_tree`): [T, W] int32, [T] int32
     num_tokens, num_requests, group, num_pages, num_table_pages,  # sizes
     scale, logit_cap, sliding_window, attention_chunk,  # options
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh,  # q [T, Hq, D] any strides; out [T, Hq, Dv]
     stride_kp, stride_kr, stride_kh, stride_vp, stride_vr, stride_vh,  # caches [num_pages, page_size, Hkv, D or Dv]
     stride_bt, stride_ks, stride_vs,  # block_table rows; scales (0 when expanded from one value)
+    num_words,  # W, of the tree words
     BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, LOG_B: tl.constexpr,
     SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr,
-    UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
+    UPCAST: tl.constexpr, KV_FP8: tl.constexpr, HAS_TREE: tl.constexpr,
 ):  # fmt: skip
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -60,13 +66,19 @@ def _prefill_kernel(
     if UPCAST:
         q = q.to(tl.float32)
     q_pos = prefix + token
+    row_pos, tree_words = tree_rows(
+        TreeWords, Positions, q_pos, q_start + token, row_ok, num_words, HAS_TREE, HAS_WINDOW or HAS_CHUNK
+    )
     if KV_FP8 != "":  # k's scale joins the scores' scale; v's scales the output
         scale *= tl.load(KScale + kv_head * stride_ks)
 
     kv_hi = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_M)
     kv_lo = 0
     if HAS_WINDOW:
-        kv_lo = tl.maximum(prefix + tile * BLOCK_M - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
+        first_pos = prefix + tile * BLOCK_M
+        if HAS_TREE:  # positions need not grow with slots: the tile's lowest
+            first_pos = tl.min(tl.where(row_ok, row_pos, first_pos))
+        kv_lo = tl.maximum(first_pos - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
     acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_DV], dtype=tl.float32)
     if HAS_SINKS:  # max(sink, -1e30) keeps the running max finite even for a sink of -inf (which adds 0)
         sink = tl.load(Sinks + head, mask=row_ok, other=float("-inf"))
@@ -80,7 +92,9 @@ def _prefill_kernel(
         q, q_pos, acc, l_i, m_i, KCache, VCache, BlockTable + request * stride_bt, kv_head,
         kv_lo, kv_hi, seq_len, num_pages, num_table_pages, scale, logit_cap, sliding_window, attention_chunk,
         stride_kp, stride_kr, stride_kh, stride_vp, stride_vr, stride_vh,
+        row_pos, tree_words, num_words, prefix, Positions, q_start, num_tokens,
         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, PAGE_SIZE, SOFT_CAP, HAS_WINDOW, HAS_CHUNK, UPCAST, KV_FP8,
+        HAS_TREE,
     )
     # fmt: on
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -108,24 +122,26 @@ def prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, options, t
         return out
     group = num_q_heads // num_kv_heads
     k_cache, v_cache, k_scale, v_scale, kv_fp8 = kernel_kv(k_cache, v_cache, options.k_scale, options.v_scale)
-    tiles = prefill_tiles(q.dtype, max(head_dim, v_head_dim), group, target)
+    tiles = prefill_tiles(q.dtype, max(head_dim, v_head_dim), group, target, options.tree_mask is not None)
     block_m = tiles.block_rows
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).clamp(min=0)
     tile_cu = torch.zeros(num_requests + 1, dtype=torch.int32, device=q.device)
     torch.cumsum((q_lens + block_m - 1) // block_m, 0, out=tile_cu[1:])
+    tree_words, num_words, positions, has_tree = kernel_tree(options.tree_mask, cu_seqlens_q, seq_lens, seq_lens)
     grid = (triton.cdiv(num_tokens, block_m) + num_requests, num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, tile_cu, q if sinks is None else sinks,
-        k_scale, v_scale,
+        k_scale, v_scale, tree_words, positions,
         num_tokens, num_requests, group, k_cache.shape[0], block_table.shape[1],
         scale, logit_cap, sliding_window, attention_chunk,
         *q.stride(), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0), k_scale.stride(0), v_scale.stride(0),
+        num_words,
         BLOCK_G=triton.next_power_of_2(group), HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         HEAD_DIM_V=v_head_dim, BLOCK_DV=block_d(v_head_dim),
         BLOCK_M=block_m, BLOCK_N=tiles.block_n, PAGE_SIZE=k_cache.shape[1], LOG_B=log2_ceil(num_requests),
         SOFT_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0, HAS_CHUNK=attention_chunk > 0,
         HAS_SINKS=sinks is not None, UPCAST=target.interpret and q.dtype == torch.bfloat16, KV_FP8=kv_fp8,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        HAS_TREE=has_tree, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     return out

@@ -4,12 +4,13 @@
     python scripts/gpu_check.py --smoke    # tiny sizes, on the CPU too (Triton through its interpreter)
 
 1. Every backend (torch, triton, flashinfer when importable) and mode against the float64 reference, with a sliding
-   window and soft-cap, over caches of q's dtype and fp8 caches (e4m3, e5m2, per kv head scales; exact cache bytes);
-   prefill queries up to 100 tokens (FlashInfer's FA3 kernels on an H100/H200 past 64). Triton with fp8 caches also
-   over long prefixes, and its store's bytes against torch's conversion where an approximate division would show.
-   Speculative trees (`tree_mask`) on every backend that serves them: random trees of depths 1-6 and widths 1-4,
-   prefill and verify, with a window shorter than their depths and a soft-cap, bf16 and e4m3 caches (FlashInfer: its
-   fa2 kernel reading the custom mask that kernels/custom_mask.py packs on the GPU).
+   window and soft-cap, over caches of q's dtype and fp8 caches (e4m3, e5m2, per kv head scales; exact cache bytes),
+   and again under a random tree mask where the backend serves one; prefill queries up to 100 tokens (FlashInfer's
+   FA3 kernels on an H100/H200 past 64). Triton with fp8 caches also over long prefixes, and its store's bytes
+   against torch's conversion where an approximate division would show. Speculative trees (`tree_mask`) on every
+   backend that serves them: random trees of depths 1-6 and widths 1-4, prefill and verify, with a window shorter
+   than their depths and a soft-cap, bf16 and e4m3 caches (FlashInfer: its fa2 kernel reading the custom mask that
+   kernels/custom_mask.py packs on the GPU).
 2. torch.compile(mode="reduce-overhead") of a module calling torch.ops.hybrid.plan(cuda_graph=True) then
    torch.ops.hybrid.attn with EXTEND, DECODE and TARGET_VERIFY alternating: CUDA-graph trees must replay it (no
    "skipping cudagraphs"), with correct outputs and the KV writes landing in the caller's cache.
@@ -76,9 +77,24 @@ def available_backends(device):
     return names
 
 
+def random_tree_mask(q_lens, rng):
+    """[T, max q_len] bool: for each request a random tree over its new tokens, each node's parent an earlier one;
+    a row sees its node and its ancestors."""
+    width, blocks = max(q_lens), []
+    for n in q_lens:
+        rows = torch.zeros(n, width, dtype=torch.bool)
+        for j in range(n):
+            if j:
+                rows[j] = rows[rng.randrange(j)]
+            rows[j, j] = True
+        blocks.append(rows)
+    return torch.cat(blocks)
+
+
 def check_correctness(device, smoke, report):
     """Every mode of every backend for q in fp16 and bf16 (and fp32 on the CPU, where FlashInfer does not run), over
-    caches of q's dtype and over fp8 caches (per kv head scales), against float64 over what the cache holds."""
+    caches of q's dtype and over fp8 caches (per kv head scales), against float64 over what the cache holds; modes
+    with new tokens again under a random tree mask, on the backends that serve one."""
     kinds = [
         (torch.bfloat16, None),
         (torch.float16, None),
@@ -91,6 +107,7 @@ def check_correctness(device, smoke, report):
     long_query = 100 if device == "cuda" else 19
     kv_scales = {"k_scale": torch.tensor([0.3, 1.7], device=device), "v_scale": torch.tensor([2.5, 0.6], device=device)}
     for backend in available_backends(device):
+        trees = "tree_mask" in hybrid_ops.get_backend(backend).features
         for dtype, cache_dtype in kinds:
             for mode in ForwardMode:
                 for spec in ("prefill", "decode"):
@@ -116,20 +133,26 @@ def check_correctness(device, smoke, report):
                     if cache_dtype is not None:
                         case, read, (k_ref, v_ref) = fp8_case(case, cache_dtype, *kv_scales.values())
                         options.update(kv_scales)
-                    out = torch.ops.hybrid.attn(
-                        *case.args,
-                        int(mode),
-                        **options,
-                        prefill_backend=backend,
-                        decode_backend=backend,
-                        speculative_attention_mode=spec,
-                    )
-                    options = {k: v for k, v in options.items() if k not in kv_scales}
-                    assert_close(out.cpu(), reference(read, **options), dtype)
+                    tree_masks = [None]
+                    if trees and sum(q_lens):
+                        tree_masks.append(random_tree_mask(q_lens, random.Random(int(mode))))
+                    for tree_mask in tree_masks:
+                        out = torch.ops.hybrid.attn(
+                            *case.args,
+                            int(mode),
+                            **options,
+                            tree_mask=None if tree_mask is None else tree_mask.to(device),
+                            prefill_backend=backend,
+                            decode_backend=backend,
+                            speculative_attention_mode=spec,
+                        )
+                        ref_options = {k: v for k, v in options.items() if k not in kv_scales}
+                        assert_close(out.cpu(), reference(read, tree_mask=tree_mask, **ref_options), dtype)
                     raw = (lambda t: t.cpu().view(torch.uint8)) if cache_dtype else (lambda t: t.cpu())
                     assert torch.equal(raw(case.k_cache), k_ref.cpu()) and torch.equal(raw(case.v_cache), v_ref.cpu())
             report.append(
                 f"correct: {backend} q {dtype}, cache {cache_dtype or dtype}, every mode, both speculative settings"
+                + (", with and without a tree" if trees else "")
             )
             print(report[-1], flush=True)
 

@@ -68,6 +68,8 @@ class Case:
     batch: int = 2
     kv_dtype: torch.dtype = None  # an fp8 cache's dtype; None: q's
     v_head_dim: int = None  # v's own head dim Dv (MLA); None: head_dim
+    tree: bool = False  # a tree mask (speculative verify, a draft's prefill)
+    chunk: int = -1  # attention_chunk
 
     def __str__(self):
         mode = ("decode" if self.q_len == 1 else f"verify {self.q_len}") if self.kind == "decode" else "prefill"
@@ -79,7 +81,9 @@ class Case:
         return (
             text
             + (" window+cap" if self.options else "")
+            + (f" chunk {self.chunk}" if self.chunk > 0 else "")
             + (f" kv {DTYPE_NAMES[self.kv_dtype]}" if self.kv_dtype else "")
+            + (" tree" if self.tree else "")
         )
 
 
@@ -127,6 +131,16 @@ def cases():
     )
     for kind, q_len, hq, hkv, kv_dtype in mla:  # MLA (DeepSeek): q/k head dim 192, v head dim 128
         out.append(Case(kind, torch.bfloat16, 192, hq, hkv, q_len, kv_dtype=kv_dtype, v_head_dim=128))
+    # Trees (HAS_TREE): verify over 16 and 64 drafts and a draft's prefill, with positions (window, chunk) or not.
+    tree_dims = ((torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float32, 128), (torch.bfloat16, 256))
+    for kind, q_len in (("decode", 16), ("prefill", 40)):
+        for dtype, head_dim in tree_dims:
+            out.append(Case(kind, dtype, head_dim, 32, 8, q_len, tree=True))
+            out.append(Case(kind, dtype, head_dim, 32, 8, q_len, options=(256, 30.0), tree=True))
+        out.append(Case(kind, torch.float16, 128, 32, 8, q_len, chunk=256, tree=True))
+        out.append(Case(kind, torch.bfloat16, 128, 32, 8, q_len, kv_dtype=torch.float8_e4m3fn, tree=True))
+        out.append(Case(kind, torch.bfloat16, 192, 16, 16, q_len, v_head_dim=128, options=(256, 30.0), tree=True))
+    out.append(Case("decode", torch.bfloat16, 128, 64, 8, 64, tree=True))  # 64 drafts x GQA 8
     return out
 
 
@@ -177,6 +191,7 @@ def call_backend(backend, case):
     seq_lens = torch.full((case.batch,), prefix + case.q_len, dtype=torch.int32)
     block_table = torch.arange(case.batch * pages_per_request, dtype=torch.int32).view(case.batch, -1)
     window, cap = case.options or (-1, 0.0)
+    tree = torch.ones(case.q_len, case.q_len, dtype=torch.bool).tril().repeat(case.batch, 1) if case.tree else None
     scales = {}
     if case.kv_dtype is not None:
         scale = (
@@ -188,7 +203,14 @@ def call_backend(backend, case):
     v_head_dim = case.v_head_dim or case.head_dim
     v = torch.randn(num_tokens, case.num_kv_heads, v_head_dim, generator=gen).to(case.dtype)
     v_cache = k_cache.new_zeros(*k_cache.shape[:3], v_head_dim)
-    options = Options(scale=case.head_dim**-0.5, sliding_window=window, logit_cap=cap, **scales)
+    options = Options(
+        scale=case.head_dim**-0.5,
+        sliding_window=window,
+        logit_cap=cap,
+        attention_chunk=case.chunk,
+        tree_mask=tree,
+        **scales,
+    )
     getattr(backend, case.kind)(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, options)
 
 

@@ -2,6 +2,7 @@
 1-6, widths 1-4) with every option, in every mode that carries new tokens; the causal tree is the chain, bit for bit;
 bad masks are refused by name with the cache untouched."""
 
+import itertools
 import random
 
 import pytest
@@ -12,7 +13,8 @@ from torch._dynamo.testing import CompileCounter
 import hybrid_ops
 from hybrid_ops import ForwardMode
 
-TREE_BACKENDS = ["torch"]
+TREE_BACKENDS = ["torch", "triton"]
+SLOW_BACKENDS = {"triton"}  # the interpreter takes seconds a case: one case per test in the fast tier
 E4M3 = torch.float8_e4m3fn
 
 OPTIONS = {
@@ -22,6 +24,17 @@ OPTIONS = {
     "softcap_sinks": dict(logit_cap=2.0, sinks=torch.randn(8, generator=torch.Generator().manual_seed(3))),
     "scale_window_chunk": dict(scale=0.3, sliding_window=5, attention_chunk=7),
 }
+
+
+def with_backends(fast, *axes):
+    """Parameters (backend, *values) for each backend of TREE_BACKENDS and each combination of `axes` (a tuple value
+    gives several arguments); a backend of SLOW_BACKENDS on any combination but `fast` in the slow tier."""
+    params = []
+    for backend, combination in itertools.product(TREE_BACKENDS, itertools.product(*axes)):
+        values = [x for v in combination for x in (v if isinstance(v, tuple) else (v,))]
+        slow = backend in SLOW_BACKENDS and combination != fast
+        params.append(pytest.param(backend, *values, marks=[pytest.mark.slow] if slow else []))
+    return params
 
 
 def tree_batch(num_requests, depth, width, seed, uniform=False):
@@ -37,9 +50,12 @@ def tree_case(trees, prefixes, width, seed, **case_kwargs):
     return case, tree_mask_for(trees, width, random.Random(seed))
 
 
-@pytest.mark.parametrize("backend", TREE_BACKENDS)
-@pytest.mark.parametrize("option", OPTIONS)
-@pytest.mark.parametrize("depth, width, seed", [(1, 1, 0), (3, 2, 1), (6, 4, 2), (4, 3, 3)])
+PREFILL_TREES = [(1, 1, 0), (3, 2, 1), (6, 4, 2), (4, 3, 3)]
+
+
+@pytest.mark.parametrize(
+    "backend, option, depth, width, seed", with_backends(("scale_window_chunk", (6, 4, 2)), OPTIONS, PREFILL_TREES)
+)
 def test_prefill_trees(backend, option, depth, width, seed):
     """Ragged trees, one request without new tokens, Q past every request's length (garbage there is ignored)."""
     trees, prefixes = tree_batch(3, depth, width, seed)
@@ -52,9 +68,12 @@ def test_prefill_trees(backend, option, depth, width, seed):
     assert torch.equal(case.k_cache, k_ref) and torch.equal(case.v_cache, v_ref)
 
 
-@pytest.mark.parametrize("backend", TREE_BACKENDS)
-@pytest.mark.parametrize("option", OPTIONS)
-@pytest.mark.parametrize("depth, width, seed", [(2, 1, 4), (3, 4, 5), (6, 2, 6)])
+VERIFY_TREES = [(2, 1, 4), (3, 4, 5), (6, 2, 6)]
+
+
+@pytest.mark.parametrize(
+    "backend, option, depth, width, seed", with_backends(("scale_window_chunk", (6, 2, 6)), OPTIONS, VERIFY_TREES)
+)
 def test_verify_trees(backend, option, depth, width, seed):
     """`decode`, as TARGET_VERIFY takes it: the same tree size for every request."""
     trees, prefixes = tree_batch(3, depth, width, seed, uniform=True)
@@ -64,10 +83,12 @@ def test_verify_trees(backend, option, depth, width, seed):
     assert_close(out, reference(case, tree_mask=tree_mask, **options), torch.float32)
 
 
-@pytest.mark.parametrize("backend", TREE_BACKENDS)
-@pytest.mark.parametrize("spec", ["prefill", "decode"])
-@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY,
-                                  ForwardMode.DRAFT_EXTEND])  # fmt: skip
+MODES = [ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND]
+
+
+@pytest.mark.parametrize(
+    "backend, spec, mode", with_backends(("decode", ForwardMode.TARGET_VERIFY), ["prefill", "decode"], MODES)
+)
 def test_every_mode_with_new_tokens(backend, spec, mode):
     uniform = hybrid_ops.select_path(mode, spec) == "decode"
     trees, prefixes = tree_batch(3, 3, 2, int(mode), uniform=uniform)
@@ -84,8 +105,7 @@ def test_every_mode_with_new_tokens(backend, spec, mode):
     assert_close(out, reference(case, tree_mask=tree_mask, sliding_window=4), torch.float32)
 
 
-@pytest.mark.parametrize("backend", TREE_BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend, dtype", with_backends((torch.bfloat16,), [torch.bfloat16, torch.float16]))
 def test_trees_with_fp8_caches_and_value_head_dim(backend, dtype):
     trees, prefixes = tree_batch(2, 4, 3, 11)
     case, tree_mask = tree_case(trees, prefixes, 20, 11, dtype=dtype, v_head_dim=8, head_dim=32)
@@ -98,9 +118,12 @@ def test_trees_with_fp8_caches_and_value_head_dim(backend, dtype):
     assert torch.equal(fp8.k_cache.view(torch.uint8), k_expected)
 
 
-@pytest.mark.parametrize("backend", ["torch"])
-@pytest.mark.parametrize("op, q_lens, prefixes", [("prefill", [5, 1, 8], [0, 9, 30]), ("decode", [4, 4], [0, 17])])
-@pytest.mark.parametrize("option", ["plain", "window"])
+CHAIN_BATCHES = [("prefill", [5, 1, 8], [0, 9, 30]), ("decode", [4, 4], [0, 17])]
+
+
+@pytest.mark.parametrize(
+    "backend, op, q_lens, prefixes, option", with_backends((CHAIN_BATCHES[0], "window"), CHAIN_BATCHES, OPTIONS)
+)
 def test_causal_tree_is_the_chain_bit_for_bit(backend, op, q_lens, prefixes, option):
     """A tree whose rows see every earlier token gives exactly tree_mask=None's output: the same computation."""
     case = make_case(q_lens, prefixes, num_q_heads=8, num_kv_heads=2, seed=5)

@@ -3,6 +3,7 @@ caches (at the kernels' boundaries, and the conversions against torch's)."""
 
 import math
 import os
+import random
 import subprocess
 import sys
 
@@ -17,8 +18,10 @@ from helpers.reference import (
     fp8_hard_values,
     fp8_store_case,
     make_case,
+    random_tree,
     reference,
     slow_except,
+    tree_mask_for,
 )
 
 import hybrid_ops
@@ -33,16 +36,17 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 GPU_TILES = Target(num_sms=2, interpret=True)  # a GPU's tiles and stages; the tests choose the KV splits
 
 
-def run_kernel(path, case, options, num_splits=None):
-    """The kernel of `path` ("prefill" or "decode") on the case's q, caches and metadata with a GPU's tiles; options:
-    the ops' keywords, scale required (k_scale, v_scale [Hkv] with fp8 caches), as backends receive them."""
+def run_kernel(path, case, options, num_splits=None, target=GPU_TILES):
+    """The kernel of `path` ("prefill" or "decode") on the case's q, caches and metadata with a GPU's tiles (or
+    `target`'s); options: the ops' keywords, scale required (k_scale, v_scale [Hkv] with fp8 caches), as backends
+    receive them."""
     options = Options(**options)
     if path == "decode":
         return decode_kernels.decode(
-            case.q, case.k_cache, case.v_cache, case.seq_lens, case.block_table, options, GPU_TILES, num_splits
+            case.q, case.k_cache, case.v_cache, case.seq_lens, case.block_table, options, target, num_splits
         )
     metadata = (case.cu_seqlens_q, case.seq_lens, case.block_table)
-    return prefill_kernels.prefill(case.q, case.k_cache, case.v_cache, *metadata, options, GPU_TILES)
+    return prefill_kernels.prefill(case.q, case.k_cache, case.v_cache, *metadata, options, target)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -371,3 +375,103 @@ def test_fp8_store_at_ties(cache_dtype):
     assert torch.equal(fp8.k_cache.view(torch.uint8), k_expected) and torch.equal(
         fp8.v_cache.view(torch.uint8), v_expected
     )
+
+
+# -- speculative trees -------------------------------------------------------------------------------------------
+
+# (q dtype, D, Dv, Hq/Hkv, page size, cache dtype, options): windows and chunks shorter than the trees' depths, so
+# that positions (prefix + depth), not slots, decide what a node sees of the prefix and of its ancestors.
+TREES = {
+    "fp32_window_chunk_softcap": (
+        torch.float32, 64, 64, (4, 2), 16, None,
+        dict(scale=0.25, sliding_window=5, attention_chunk=7, logit_cap=10.0),
+    ),
+    "bf16_dv24_sinks_window": (
+        torch.bfloat16, 64, 24, (4, 1), 4, None,
+        dict(scale=0.25, sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]), sliding_window=12),
+    ),
+    "fp16_d80_e4m3_chunk": (torch.float16, 80, 80, (4, 1), 1, torch.float8_e4m3fn, dict(scale=0.25, attention_chunk=6)),
+}  # fmt: skip
+
+
+def tree_mask_unread_random(trees, width, rng):
+    """The [T, width] tree mask of `trees` (`tree_mask_for`) with every entry the kernels must not read random: past
+    each request's tokens, and on and above each request's diagonal (the diagonal False about half the time)."""
+    mask, start = tree_mask_for(trees, width, rng), 0
+    for rows in trees:
+        n = rows.shape[0]
+        noise = torch.tensor([[rng.random() < 0.5 for _ in range(n)] for _ in range(n)], dtype=torch.bool)
+        unread = torch.ones(n, n, dtype=torch.bool).triu()
+        mask[start : start + n, :n] = torch.where(unread, noise.view(n, n), rows)
+        start += n
+    return mask
+
+
+def check_tree_kernel(name, path, trees, prefixes, num_splits=None):
+    """The kernel of `path` with a GPU's tiles over `trees` (a column-major mask of 64 columns, the unread entries
+    random) against the float64 reference; fp8 caches through the Triton store, their bytes checked."""
+    dtype, head_dim, v_head_dim, (num_q_heads, num_kv_heads), page_size, cache_dtype, options = TREES[name]
+    heads = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads)
+    dims = dict(head_dim=head_dim, v_head_dim=v_head_dim, page_size=page_size, dtype=dtype)
+    case = make_case([t.shape[0] for t in trees], prefixes, **heads, **dims)
+    tree_mask = tree_mask_unread_random(trees, 64, random.Random(len(trees)))
+    options = dict(options, tree_mask=tree_mask.t().contiguous().t())  # column-major: both strides count
+    splits = {} if num_splits is None else dict(num_splits=num_splits)
+
+    def attend(attended, k_scale=None, v_scale=None):
+        scales = {} if k_scale is None else dict(k_scale=k_scale, v_scale=v_scale)
+        return run_kernel(path, attended, options | scales, **splits)
+
+    if cache_dtype is not None:
+        return run_fp8(case, cache_dtype, True, attend, **options)
+    kv_store.store_kv(case.k, case.v, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seq_lens, case.block_table)
+    assert_close(attend(case), reference(case, **options), dtype)
+
+
+@pytest.mark.parametrize("name", slow_except("fp32_window_chunk_softcap", TREES))
+def test_tree_prefill(name):
+    """A 64-node tree over a long prefix across several query tiles and KV blocks (a tile's first key from its
+    rows' lowest position), a smaller tree without prefix, a single node."""
+    rng = random.Random(1)
+    trees = [random_tree(9, 7, rng, full=True)[0], random_tree(5, 4, rng)[0], random_tree(0, 1, rng)[0]]
+    dtype, head_dim, v_head_dim, (num_q_heads, num_kv_heads), *_ = TREES[name]
+    tiles = prefill_tiles(dtype, max(head_dim, v_head_dim), num_q_heads // num_kv_heads, GPU_TILES, tree=True)
+    assert trees[0].shape[0] == 64 >= 2 * tiles.block_rows and 150 > 2 * tiles.block_n
+    check_tree_kernel(name, "prefill", trees, [150, 0, 37])
+
+
+@pytest.mark.parametrize("name", slow_except("bf16_dv24_sinks_window", TREES))
+def test_tree_verify(name):
+    """Verify over two 64-node trees: several row tiles, 3 KV splits, the new tokens across a split boundary."""
+    rng = random.Random(2)
+    trees = [random_tree(9, 7, rng, full=True)[0] for _ in range(2)]
+    dtype, head_dim, v_head_dim, (num_q_heads, num_kv_heads), *_, options = TREES[name]
+    rows = 64 * num_q_heads // num_kv_heads
+    tiles = decode_tiles(dtype, max(head_dim, v_head_dim), rows, GPU_TILES)
+    prefix = 230
+    lo = max(prefix + 1 - options.get("sliding_window", prefix + 1), 0)
+    chunk = math.ceil(math.ceil((prefix + 64 - lo) / 3) / tiles.block_n) * tiles.block_n  # as the kernel splits
+    assert rows >= 4 * tiles.block_rows and (prefix - lo) // chunk < (prefix + 63 - lo) // chunk
+    check_tree_kernel(name, "decode", trees, [prefix, 90], num_splits=3)
+
+
+@pytest.mark.parametrize("path", slow_except("prefill", ["prefill", "decode"]))
+def test_causal_tree_is_the_chain(path):
+    """A causal tree (its unread entries random), window and chunk on: its bits are all set and its positions are the
+    slots (so are the tiles' first keys and the splits), and the tree only ANDs them into the same computation. So
+    where the tiles are the same, decode's with a GPU's tiles and prefill's with the interpreter's, the output is
+    tree_mask=None's bit for bit; a GPU's prefill takes half the keys per step with a tree (the reference's
+    tolerance there)."""
+    q_lens = [64, 64] if path == "decode" else [64, 9, 30]
+    case = make_case(q_lens, [230, 90, 7][: len(q_lens)], num_q_heads=4, num_kv_heads=2, page_size=16)
+    kv_store.store_kv(case.k, case.v, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seq_lens, case.block_table)
+    causal = [torch.ones(n, n, dtype=torch.bool).tril() for n in q_lens]
+    options = dict(scale=0.25, sliding_window=5, attention_chunk=7)
+    tree = options | dict(tree_mask=tree_mask_unread_random(causal, 64, random.Random(3)))
+    if path == "decode":
+        assert torch.equal(run_kernel(path, case, tree, num_splits=3), run_kernel(path, case, options, num_splits=3))
+        return
+    assert torch.equal(
+        run_kernel(path, case, tree, target=INTERPRETER), run_kernel(path, case, options, target=INTERPRETER)
+    )
+    assert_close(run_kernel(path, case, tree), reference(case, **options), torch.float32)

@@ -1,4 +1,4 @@
-"""The native CPU backend ("cpu"): the C++ kernels of `kernels/cpu/paged_attention.cpp`.
+"""The native CPU backend ("cpu"): the C++ kernels of `kernels/cpu/` (entry: `paged_attention.cpp`).
 
 One call stores the new k, v and attends, reading the pages where they lie (no gather), split across the threads
 of `at::parallel_for`; the caches in q's dtype, or fp8 with their scales (`options`: "fp8_kv"). The kernels build at
@@ -63,8 +63,6 @@ _CAPABILITY_FLAGS = {
 }
 
 
-_SOURCES = ("paged_attention.cpp", "dispatch.cpp")
-_HEADERS = ("paged_attention.h",)
 # modes.ROUTING for the C++ entry points: (forward_mode, speculative_attention_mode, routed to decode?).
 _ROUTES = [
     (int(mode), spec, paths[i] == "decode")
@@ -73,8 +71,10 @@ _ROUTES = [
 ]
 
 
-def _path(name: str) -> str:
-    return str(resources.files("hybrid_ops.kernels").joinpath("cpu", name))
+def _files(suffix: str) -> list[str]:
+    """The files of kernels/cpu/ that end in `suffix`, sorted: every .cpp is compiled, every .cpp and .h hashed."""
+    folder = resources.files("hybrid_ops.kernels").joinpath("cpu")
+    return sorted(str(f) for f in folder.iterdir() if f.name.endswith(suffix))
 
 
 def build():
@@ -84,10 +84,10 @@ def build():
     capability = torch.backends.cpu.get_cpu_capability()
     flags = _CAPABILITY_FLAGS.get(capability, [])
     name = f"hybrid_ops_cpu_{capability.lower()}"
-    sources = [_path(n) for n in _SOURCES]
+    sources = _files(".cpp")
     # One directory per source text (the generated options.h included) and place: checkouts that share the build root
     # never load each other's kernels, nor rebuild in turn (ninja's build file names the sources' paths).
-    files = sources + [_path(n) for n in _HEADERS]
+    files = sources + _files(".h")
     header = cpp_header().encode()
     digest = hashlib.sha1(b"".join(Path(p).read_bytes() + os.fsencode(os.path.abspath(p)) for p in files) + header)
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()

@@ -40,7 +40,7 @@ def _store(k, v, k_cache, v_cache, metadata, options):
 class TritonBackend(Backend):
     name = "triton"
     requirement = "triton (pip install 'hybrid_ops[triton]')"
-    features = ALL_FEATURES - {"tree_mask"}
+    features = ALL_FEATURES
 
     def __init__(self):
         self.target = None  # a kernels.config.Target that overrides the device's

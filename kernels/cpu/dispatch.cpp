@@ -26,6 +26,7 @@
 
 #include "options.h"  // generated from hybrid_ops/options.py when the kernels build: HYBRID_OPTIONS(X)
 #include "paged_attention.h"
+#include "schedule.h"
 
 // The ops' options, expanded from the table: as parameters (in schema order, each after a comma), as the fields of
 // `Options` (references to the call's arguments), as the values that initialise it, as keyword arguments to Python
@@ -239,6 +240,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("cu_seqlens_q"), py::arg("seq_lens"), py::arg("block_table") HYBRID_OPTIONS(OPTION_NAME));
   m.def("decode_shape_ok", &decode_shape_ok);
   m.def("metadata_values_ok", &hybrid_ops::metadata_values_ok);
+  // The work schedule and the sizes it cuts by, for tests of its properties.
+  m.def("schedule", &hybrid_ops::work_schedule,
+        "(units, merges, pack_jobs): int64 rows of (request, head, num_heads, t0, num_tokens, lo, hi, partial, "
+        "packed, packed_from), (request, head, num_tokens, num_splits, partial, split_stride), (request, head, j0, n)",
+        py::arg("cu_seqlens_q"), py::arg("seq_lens"), py::arg("num_kv_heads"), py::arg("group"), py::arg("head_dim"),
+        py::arg("v_head_dim"), py::arg("sliding_window") = -1, py::arg("attention_chunk") = -1);
+  m.attr("KV_SPLIT") = hybrid_ops::cpu::KV_SPLIT;
+  m.attr("KV_SPLIT_ALL_HEADS") = hybrid_ops::cpu::KV_SPLIT_ALL_HEADS;
+  m.attr("BLOCK_ROWS") = hybrid_ops::cpu::BLOCK_ROWS;
+  m.attr("GEMM_ROWS") = hybrid_ops::cpu::GEMM_ROWS;
+  m.attr("GEMM_BLOCK_N") = hybrid_ops::cpu::GEMM_BLOCK_N;
   m.def("multiplies_in_cache_dtype", &hybrid_ops::multiplies_in_cache_dtype,
         "Whether many query rows over a 16-bit cache multiply in 16 bits (AMX) rather than fp32");
   m.def("configure", &configure,

@@ -4,6 +4,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <tuple>
+
 namespace hybrid_ops {
 
 // Stores k [T, Hkv, D], v [T, Hkv, Dv] into the caches [num_pages, page_size, Hkv, D or Dv], then returns the
@@ -26,5 +28,12 @@ bool multiplies_in_cache_dtype(at::ScalarType dtype);
 // length for every request when `decode`), for metadata whose shapes and dtypes the entry points' checks passed.
 bool metadata_values_ok(const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, const at::Tensor& block_table,
                         int64_t num_tokens, int64_t num_pages, int64_t page_size, bool decode);
+
+// The kernel's work for requests of cu_seqlens_q [B + 1] and seq_lens [B] int32 (schedule.h), for tests: int64 rows of
+// its units, merges and pack jobs, each row the fields of a Unit, Merge or PackJob in order.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> work_schedule(const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+                                                             int64_t num_kv_heads, int64_t group, int64_t head_dim,
+                                                             int64_t v_head_dim, int64_t window,
+                                                             int64_t attention_chunk);
 
 }  // namespace hybrid_ops

@@ -138,6 +138,13 @@ def tree_sees(tree_mask, start, n):
     ]
 
 
+def first_visible_key(pos, sliding_window=-1, attention_chunk=-1):
+    """The first key a query at position `pos` sees (it sees keys first_visible_key .. pos): the window's last
+    sliding_window positions, from the start of its attention_chunk-long chunk."""
+    lo = max(0, pos - sliding_window + 1) if sliding_window > 0 else 0
+    return max(lo, pos - pos % attention_chunk) if attention_chunk > 0 else lo
+
+
 def reference(case: Case, scale=None, sliding_window=-1, logit_cap=0.0, sinks=None, attention_chunk=-1, tree_mask=None):
     """float64 attention from the dense per-request K/V, written plainly: [T, Hq, Dv] float64.
 
@@ -158,9 +165,7 @@ def reference(case: Case, scale=None, sliding_window=-1, logit_cap=0.0, sinks=No
         positions = list(range(prefix)) + [prefix + sum(row) - 1 for row in sees]  # of every key
         for j in range(n):
             pos = positions[prefix + j]
-            lo = max(0, pos - sliding_window + 1) if sliding_window > 0 else 0
-            if attention_chunk > 0:
-                lo = max(lo, pos - pos % attention_chunk)
+            lo = first_visible_key(pos, sliding_window, attention_chunk)
             seen = [s for s in range(prefix + n) if (s < prefix or sees[j][s - prefix]) and lo <= positions[s] <= pos]
             for h in range(num_q_heads):
                 s = keys[seen, h // group] @ q[start + j, h] * scale

@@ -1,0 +1,206 @@
+// Few query rows per kv head (decode, short verify): dot products over tiles of BLOCK_N keys read in place, a unit
+// taking every kv head and reading each 4 KiB page of memory in order (a position's Hkv * D elements lie together; see
+// attend_tile). fp8 rows are read in place one byte per element and widened in registers (fp8.h); the query rows hold
+// the scale and the kv head's k_scale, and unit.cpp applies v_scale to the output.
+
+#include "kernel.h"
+
+namespace hybrid_ops::cpu {
+namespace {
+
+// The hardware prefetcher follows streams that rise within a 4 KiB page of memory: units of every kv head read each
+// such page in order, PAGES_PER_PASS of them side by side (attend_tile); units of one kv head, whose rows lie Hkv * D
+// apart, prefetch in software.
+constexpr int64_t PAGE_BYTES = 4096;
+constexpr int64_t PAGES_PER_PASS = 8;  // with 4 (fewer streams in flight), bf16 decode from L3 ran 20% slower
+
+// scores[r, j] = q[r] . k_j for RB rows (few rows: decode, verify), KB keys j + c * ks at a time: one load of each K
+// chunk serves the RB rows, and RB x KB independent accumulators keep the FMA units busy. Key j's row is at k[j] +
+// offset (offset: a kv head's place in the rows of every head). Always inlined, as accumulate_pv: decode ran 4% slower
+// where the compiler did not inline them.
+template <int RB, int KB, typename R>
+[[gnu::always_inline]] inline void scores_dot_keys(const float* q, int64_t dim, const R* const* k, int64_t j,
+                                                   int64_t ks, int64_t offset, float* scores) {
+  Vec acc[RB][KB];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < KB; ++c) acc[r][c] = Vec(0.f);
+  for (int64_t d = 0; d < dim; d += VEC) {
+    Vec kv[KB];
+    for (int c = 0; c < KB; ++c) kv[c] = load_row(k[j + c * ks] + offset + d);
+    for (int r = 0; r < RB; ++r) {
+      const Vec qv = Vec::loadu(q + r * dim + d);
+      for (int c = 0; c < KB; ++c) acc[r][c] = at::vec::fmadd(qv, kv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < KB; ++c) scores[r * BLOCK_N + j + c * ks] = hsum(acc[r][c]);
+}
+
+// Keys a, a + ks, ... below b, KEY_BLOCK at a time: with 4 rows, the accumulators, key chunks and query chunk then fit
+// the vector registers (16 with AVX2, 32 with AVX512) instead of spilling to the stack.
+constexpr int KEY_BLOCK = VEC >= 16 ? 4 : 2;
+template <int RB, typename R>
+void scores_dot(const float* q, int64_t dim, const R* const* k, int64_t a, int64_t b, int64_t ks, int64_t offset,
+                float* scores) {
+  int64_t j = a;
+  for (; j + (KEY_BLOCK - 1) * ks < b; j += KEY_BLOCK * ks) {
+    scores_dot_keys<RB, KEY_BLOCK>(q, dim, k, j, ks, offset, scores);
+  }
+  for (; j < b; j += ks) scores_dot_keys<RB, 1>(q, dim, k, j, ks, offset, scores);
+}
+
+// acc[r] += sum_j p[r, j] v_j for RB rows and DB vectors of the head dim, j = a, a + ks, ... below b, v_j at v[j] +
+// offset: one load of each V chunk serves the RB rows.
+template <int RB, int DB, typename R>
+[[gnu::always_inline]] inline void accumulate_pv(const float* p, const R* const* v, int64_t a, int64_t b, int64_t ks,
+                                                 int64_t offset, int64_t d0, int64_t dim, float* acc) {
+  Vec sum[RB][DB];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < DB; ++c) sum[r][c] = Vec::loadu(acc + r * dim + d0 + c * VEC);
+  for (int64_t j = a; j < b; j += ks) {
+    Vec vv[DB];
+    for (int c = 0; c < DB; ++c) vv[c] = load_row(v[j] + offset + d0 + c * VEC);
+    for (int r = 0; r < RB; ++r) {
+      const Vec pr(p[r * BLOCK_N + j]);
+      for (int c = 0; c < DB; ++c) sum[r][c] = at::vec::fmadd(pr, vv[c], sum[r][c]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < DB; ++c) sum[r][c].store(acc + r * dim + d0 + c * VEC);
+}
+
+// Calls fn.template operator()<RB>() for row blocks of up to 4 rows.
+template <typename F>
+void for_row_blocks(int64_t rows, F&& fn) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) fn(std::integral_constant<int, 4>(), r);
+  switch (rows - r) {
+    case 3:
+      fn(std::integral_constant<int, 3>(), r);
+      break;
+    case 2:
+      fn(std::integral_constant<int, 2>(), r);
+      break;
+    case 1:
+      fn(std::integral_constant<int, 1>(), r);
+      break;
+    default:
+      break;
+  }
+}
+
+template <typename T>
+void prefetch_rows(const T* const* rows, int64_t n, int64_t row_bytes) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(rows[j]) + b, 0, 2);
+}
+
+// One tile of n keys for few rows per kv head, rows given as pointers to `padded_dim` (K) and `v_padded_dim` (V)
+// values (cache rows in place, or packed fp32 rows) of the unit's first kv head; head h's rows are h * head_dim and
+// h * v_head_dim further. Scratch rows are head-major: [num_heads][rows].
+//
+// A unit of several heads reads each memory page (PAGE_BYTES) front to back, as the hardware prefetcher follows: it
+// takes keys in groups of `pages` memory pages of per_page positions each, and each group in per_page passes of one
+// key from each page (s, s + per_page, ...), every kv head in turn. So pass s reads position s of each page, head by
+// head: within the page, in order.
+template <typename T, typename C, typename R>
+void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, const R* const* k, const R* const* v,
+                 int64_t rows, Scratch<T, C>& s) {
+  const int64_t dim = pb.padded_dim, heads = u.num_heads;
+  const int64_t position_bytes = heads * pb.head_dim * static_cast<int64_t>(sizeof(R));
+  // Positions per memory page, when passes are worth taking: a page of BLOCK_N or more positions (16-bit rows of
+  // D 8, read in place where a vector is 8 floats) holds the whole tile, which key order reads front to back.
+  const int64_t fit = PAGE_BYTES / position_bytes;
+  const int64_t per_page = heads > 1 && fit > 1 && fit < BLOCK_N ? fit : 1;
+  const int64_t pages = std::min(PAGES_PER_PASS, BLOCK_N / per_page);
+  const int64_t group = heads > 1 ? pages * per_page : BLOCK_N;
+  const float* q = s.q.data();
+  // Calls fn(a, b, ks) for the passes over keys [j, jb): whole groups in per_page passes, a partial one in order.
+  const auto passes = [&](int64_t j, int64_t jb, auto&& fn) {
+    if (jb - j < group) return fn(j, jb, int64_t{1});
+    for (int64_t p = 0; p < per_page; ++p) fn(j + p, jb, per_page);
+  };
+  for (int64_t j = 0; j < n; j += group) {
+    passes(j, std::min(j + group, n), [&](int64_t a, int64_t b, int64_t ks) {
+      for (int64_t h = 0; h < heads; ++h) {
+        for_row_blocks(rows, [&](auto rb, int64_t r) {
+          scores_dot<decltype(rb)::value>(q + (h * rows + r) * dim, dim, k, a, b, ks, h * pb.head_dim,
+                                          s.scores.data() + (h * rows + r) * BLOCK_N);
+        });
+      }
+    });
+  }
+  // The query rows hold the scale (and the kv head's k_scale): the scores and probabilities take the rest of raw_unit.
+  const auto [a_min, b_max] =
+      softmax_tile(pb, j0, n, BLOCK_N, raw_unit<C>() / lifted<C>(), lifted<C>(), 0, heads * rows, s);
+  for (int64_t j = a_min; j < b_max; j += group) {
+    passes(j, std::min(j + group, b_max), [&](int64_t a, int64_t b, int64_t ks) {
+      for (int64_t h = 0; h < heads; ++h) {
+        for_row_blocks(rows, [&](auto rb, int64_t r) {
+          constexpr int RB = decltype(rb)::value;
+          const int64_t v_dim = pb.v_padded_dim, offset = h * pb.v_head_dim;
+          const float* p = s.scores.data() + (h * rows + r) * BLOCK_N;
+          float* acc = s.acc.data() + (h * rows + r) * v_dim;
+          int64_t d = 0;
+          for (; d + 2 * VEC <= v_dim; d += 2 * VEC) accumulate_pv<RB, 2>(p, v, a, b, ks, offset, d, v_dim, acc);
+          if (d < v_dim) accumulate_pv<RB, 1>(p, v, a, b, ks, offset, d, v_dim, acc);
+        });
+      }
+    });
+  }
+}
+
+}  // namespace
+
+// The unit's query rows in fp32, scaled; its tiles (attend_tile) with K/V rows in place when the head dim is whole
+// vectors (always for a unit of several heads, see schedule.cpp), else copied (fp32 raw values, zero-padded) into the
+// scratch tile.
+template <typename T, typename C>
+void attend_inplace(const Problem<T, C>& pb, const Unit& u, Scratch<T, C>& s) {
+  const QueryRows q_rows = pb.rows_of(u);
+  const int64_t dim = pb.padded_dim, v_dim = pb.v_padded_dim, rows = q_rows.per_head;
+  for (int64_t r = 0; r < q_rows.count; ++r) {
+    const T* src = pb.q_row(q_rows, r);
+    float* dst = s.q.data() + r * dim;
+    const float q_scale = pb.scale * pb.k_scale[q_rows.kv_head(r)] * lifted<C>();  // see attend_tile
+    for (int64_t d = 0; d < pb.head_dim; ++d) dst[d] = static_cast<float>(src[d * pb.q_strides[2]]) * q_scale;
+    std::fill(dst + pb.head_dim, dst + dim, 0.f);
+  }
+  const C* k_tiles[2][BLOCK_N];
+  const C* v_tiles[2][BLOCK_N];
+  const float* k_packed[BLOCK_N];
+  const float* v_packed[BLOCK_N];
+  tile_rows(pb, u.request, u.head, u.lo, std::min(BLOCK_N, u.hi - u.lo), k_tiles[0], v_tiles[0]);
+  for (int64_t j0 = u.lo, t = 0; j0 < u.hi; j0 += BLOCK_N, t ^= 1) {
+    const int64_t n = std::min(BLOCK_N, u.hi - j0), next = j0 + BLOCK_N;
+    const C** k_rows = k_tiles[t];
+    const C** v_rows = v_tiles[t];
+    // A unit of one kv head prefetches the whole next tile (see PAGE_BYTES).
+    if (next < u.hi) {
+      const int64_t n_next = std::min(BLOCK_N, u.hi - next);
+      tile_rows(pb, u.request, u.head, next, n_next, k_tiles[t ^ 1], v_tiles[t ^ 1]);
+      if (u.num_heads == 1) {
+        prefetch_rows(k_tiles[t ^ 1], n_next, pb.head_dim * static_cast<int64_t>(sizeof(C)));
+        prefetch_rows(v_tiles[t ^ 1], n_next, pb.v_head_dim * static_cast<int64_t>(sizeof(C)));
+      }
+    }
+    if (pb.head_dim == dim && pb.v_head_dim == v_dim) {
+      attend_tile(pb, u, j0, n, k_rows, v_rows, rows, s);
+      continue;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      float* kd = s.packed_k.data() + j * dim;
+      float* vd = s.packed_v.data() + j * v_dim;
+      for (int64_t d = 0; d < pb.head_dim; ++d) kd[d] = raw_value(k_rows[j][d]);
+      for (int64_t d = 0; d < pb.v_head_dim; ++d) vd[d] = raw_value(v_rows[j][d]);
+      k_packed[j] = kd;
+      v_packed[j] = vd;
+    }
+    attend_tile(pb, u, j0, n, k_packed, v_packed, rows, s);
+  }
+}
+
+#define INSTANTIATE(T, C) template void attend_inplace(const Problem<T, C>&, const Unit&, Scratch<T, C>&);
+HYBRID_OPS_CPU_TYPES(INSTANTIATE)
+
+}  // namespace hybrid_ops::cpu

@@ -1,0 +1,85 @@
+#include "schedule.h"
+
+namespace hybrid_ops::cpu {
+
+bool metadata_ok(const Metadata& md, int64_t num_tokens, int64_t num_pages, int64_t page_size, bool decode) {
+  if (md.cu[0] != 0 || md.cu[md.num_requests] != num_tokens) return false;
+  for (int64_t i = 0; i < md.num_requests; ++i) {
+    const int64_t q_len = md.cu[i + 1] - md.cu[i], len = md.lens[i];
+    if (q_len < 0 || len < q_len || len > md.width * page_size) return false;
+    if (decode && q_len != md.cu[1] - md.cu[0]) return false;
+    const int32_t* pages = md.table + i * md.table_stride;
+    for (int64_t p = 0; p < (len + page_size - 1) / page_size; ++p) {
+      if (pages[p] < 0 || pages[p] >= num_pages) return false;
+    }
+  }
+  return true;
+}
+
+Schedule schedule(const Metadata& md, const ScheduleParams& params) {
+  const int64_t num_kv_heads = params.num_kv_heads, group = params.group;
+  const int64_t block_tokens = std::max<int64_t>(1, BLOCK_ROWS / group);
+  Schedule out;
+  for (int64_t i = 0; i < md.num_requests; ++i) {
+    const int64_t q_len = md.cu[i + 1] - md.cu[i], len = md.lens[i], prefix = len - q_len;
+    // A block of queries from token t0 sees keys from its first token's first on.
+    const auto block_first_key = [&](int64_t t0) { return first_key(prefix + t0, params.window, params.chunk); };
+    // Several query blocks (the first through brgemm) share their keys: each kv head's tiles are packed once, from
+    // the tile of the first block's first key.
+    const int64_t packed_from = block_first_key(0) / GEMM_BLOCK_N * GEMM_BLOCK_N;
+    const int64_t num_tiles = (len - packed_from + GEMM_BLOCK_N - 1) / GEMM_BLOCK_N;
+    const int64_t packed = q_len > block_tokens ? static_cast<int64_t>(out.pack_jobs.size()) : -1;
+    for (int64_t h = 0; packed >= 0 && h < num_kv_heads; ++h) {
+      for (int64_t t = 0; t < num_tiles; ++t) {
+        const int64_t j0 = packed_from + t * GEMM_BLOCK_N;
+        out.pack_jobs.push_back({.request = i, .head = h, .j0 = j0, .n = std::min(GEMM_BLOCK_N, len - j0)});
+      }
+    }
+    for (int64_t t0 = 0; t0 < q_len; t0 += block_tokens) {
+      const int64_t nt = std::min(block_tokens, q_len - t0), lo = block_first_key(t0), hi = prefix + t0 + nt;
+      // Few rows per kv head, whole-vector rows: a unit takes every kv head, so that it reads each position's
+      // Hkv * D elements together (one stream per page); else a unit per kv head.
+      const int64_t rows = nt * group;
+      const int64_t heads = rows < GEMM_ROWS && params.rows_in_place ? num_kv_heads : 1;
+      const int64_t split = heads > 1 ? KV_SPLIT_ALL_HEADS : KV_SPLIT;
+      const int64_t splits = q_len <= block_tokens ? (hi - lo + split - 1) / split : 1;
+      out.max_rows = std::max(out.max_rows, heads * rows);
+      if (rows >= GEMM_ROWS) out.max_gemm_rows = std::max(out.max_gemm_rows, rows);
+      for (int64_t h = 0; h < num_kv_heads; h += heads) {
+        Unit u{.request = i,
+               .head = h,
+               .num_heads = heads,
+               .t0 = t0,
+               .num_tokens = nt,
+               .lo = lo,
+               .hi = hi,
+               .partial = -1,
+               .packed = -1,
+               .packed_from = packed_from};
+        if (splits <= 1) {
+          if (packed >= 0 && rows >= GEMM_ROWS) u.packed = packed + h * num_tiles;
+          out.units.push_back(u);
+          continue;
+        }
+        for (int64_t g = 0; g < heads; ++g) {
+          out.merges.push_back({.request = i,
+                                .head = h + g,
+                                .num_tokens = nt,
+                                .num_splits = splits,
+                                .partial = out.partial_rows + g * rows,
+                                .split_stride = heads * rows});
+        }
+        for (int64_t sp = 0; sp < splits; ++sp) {
+          u.lo = lo + sp * split;
+          u.hi = std::min(hi, lo + (sp + 1) * split);
+          u.partial = out.partial_rows;
+          out.units.push_back(u);
+          out.partial_rows += heads * rows;
+        }
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace hybrid_ops::cpu

@@ -1,0 +1,79 @@
+// The work of a call, from the metadata alone: units (request, kv heads, block of query tokens, slice of keys), taken
+// by the threads of at::parallel_for from a shared counter since units differ in length; the tiles of keys packed
+// before them; and the merges of split requests. A request with one block of queries (decode, verify, a short chunk
+// over a long prefix) splits its keys into slices, merged by log-sum-exp, so a batch of one still uses several cores.
+// The slicing depends on the request alone, so a request's result is the same in any batch and on any number of
+// threads.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace hybrid_ops::cpu {
+
+constexpr int64_t BLOCK_N = 64;              // keys per tile of few-rows units (a multiple of VEC)
+constexpr int64_t KV_SPLIT = 512;            // keys per slice of a request with one query block (a multiple of BLOCK_N)
+constexpr int64_t KV_SPLIT_ALL_HEADS = 256;  // the same for a unit of every kv head
+constexpr int64_t BLOCK_ROWS = 512;          // query rows (tokens x group) per unit of a longer prefill
+constexpr int64_t GEMM_ROWS = 16;            // from this many rows, the products go through brgemm (attend_brgemm.cpp)
+constexpr int64_t GEMM_BLOCK_N = 256;        // keys per tile of the brgemm path
+
+// Views of contiguous metadata tensors: cu_seqlens_q [B + 1], seq_lens [B], block_table [B, width].
+struct Metadata {
+  const int32_t* cu;
+  const int32_t* lens;
+  const int32_t* table;
+  int64_t table_stride, width, num_requests;  // table_stride: elements between rows
+};
+
+// The values check_metadata_values (validation.py) enforces: nothing is read or written out of bounds after it.
+bool metadata_ok(const Metadata& md, int64_t num_tokens, int64_t num_pages, int64_t page_size, bool decode);
+
+// The first key that a query at position pos sees: from its window's start and its chunk's (attention_chunk).
+inline int64_t first_key(int64_t pos, int64_t window, int64_t chunk) {
+  const int64_t from = window > 0 ? std::max<int64_t>(0, pos + 1 - window) : 0;
+  return chunk > 0 ? std::max(from, pos - pos % chunk) : from;
+}
+
+// Fields of int64_t only (the Python module reads the schedule as rows of them).
+struct Unit {
+  int64_t request, head, num_heads;  // kv heads head .. head + num_heads - 1
+  int64_t t0, num_tokens;            // query tokens t0 .. t0 + num_tokens - 1 of the request
+  int64_t lo, hi;                    // keys [lo, hi) of the request
+  int64_t partial;                   // first row in the split partials, or -1: write the output directly
+  int64_t packed, packed_from;       // its packed tile of keys [packed_from, + GEMM_BLOCK_N), or -1: packs its own
+};
+
+// A tile of keys [j0, j0 + n) of a request's kv head, packed before the units; the i-th job's tile is the i-th of
+// Problem::packed.
+struct PackJob {
+  int64_t request, head, j0, n;
+};
+
+// One kv head's rows of a request's slices: slice s's rows start at partial + s * split_stride.
+struct Merge {
+  int64_t request, head, num_tokens, num_splits, partial, split_stride;
+};
+
+// What the schedule depends on besides the metadata. rows_in_place: the head dims are whole vectors, so few-rows
+// units read K/V rows in place and take every kv head.
+struct ScheduleParams {
+  int64_t num_kv_heads, group;
+  bool rows_in_place;
+  int64_t window, chunk;
+};
+
+struct Schedule {
+  std::vector<Unit> units;
+  std::vector<Merge> merges;
+  std::vector<PackJob> pack_jobs;
+  int64_t partial_rows = 0;   // rows of the split partials
+  int64_t max_rows = 0;       // the most query rows of a unit
+  int64_t max_gemm_rows = 0;  // of a unit whose products go through brgemm (0: none)
+};
+
+// The schedule of requests whose cu_seqlens_q and seq_lens metadata_ok accepted (the block table is not read).
+Schedule schedule(const Metadata& md, const ScheduleParams& params);
+
+}  // namespace hybrid_ops::cpu
