@@ -4,6 +4,7 @@
     python -m bench op dispatch     # some sections
     python -m bench fp8             # the accuracy of fp8 KV caches on the demo model (no timing)
     python -m bench --quick         # smaller sizes, fewer repetitions (prints only)
+    python -m bench op e2e --save   # some sections, their tables written as the kept results
 
 IPEX's rows (op) and llama.cpp's (e2e) run in processes of their own python, named by HYBRID_OPS_IPEX_PYTHON,
 HYBRID_OPS_LLAMA_CPP_PYTHON and HYBRID_OPS_LLAMA_CPP_CONVERTER or the flags (docs/benchmarks.md makes them).
@@ -151,6 +152,12 @@ class Batch:
             backend=backend,
         )
 
+    def read_floor(self):
+        """A sum over the caches' bytes (as fp32 words, whatever their dtype): the time of reading them once, in the
+        same rounds as the decode rows, so that a loaded moment slows both."""
+        words = [c.view(torch.float32) for c in (self.k_cache, self.v_cache)]
+        return lambda: sum(w.sum() for w in words)
+
     def sdpa_exact(self):
         """Per-request SDPA over exact contiguous K/V: the dense ideal."""
 
@@ -205,6 +212,8 @@ PEER_METHODS = {
 PEERS = list(PEER_METHODS)
 # bf16 decode's extra rows: the cpu backend over an fp8 copy of the cache, timed in the same rounds.
 FP8_METHOD = f"hybrid_ops {HYBRID_BACKENDS[0]}, fp8 e4m3 cache"
+# Decode's floor: one read of the cache's bytes, timed in the same rounds.
+READ_METHOD = "read the KV cache once (sum)"
 
 
 def hybrid_methods(batch, op):
@@ -242,6 +251,8 @@ def op_section(quick, bandwidth, ipex):
             methods |= {(layout, m): fn for m, fn in hybrid_methods(batch, op).items()}
             if layout == "consecutive" or name == "decode":
                 methods |= {(layout, m): getattr(batch, PEER_METHODS[m]) for m in peers}
+            if name == "decode":
+                methods[(layout, READ_METHOD)] = batch.read_floor
             if (name, dtype) == ("decode", torch.bfloat16):
                 methods[(layout, FP8_METHOD)] = lambda batch=batch: batch.hybrid_fp8(op, HYBRID_BACKENDS[0])
             methods[(layout, IPEX_METHOD)] = ipex.method(f"{name} {dtype_name} {layout}", batch)
@@ -253,6 +264,8 @@ def op_section(quick, bandwidth, ipex):
             measured = {m: t for (pages, m), t in times.items() if pages == layout}
             for method, seconds in measured.items():
                 kv_bytes = batch.kv_bytes // 2 if method == FP8_METHOD else batch.kv_bytes  # 1 byte, not 2
+                if method == READ_METHOD:  # every page's rows, the unused tails of last pages too
+                    kv_bytes = batch.k_cache.nbytes + batch.v_cache.nbytes
                 rows.append(
                     dict(
                         case=name,
@@ -734,13 +747,19 @@ def main(argv=None):
     parser.add_argument(
         "--llama-cpp-converter", default=os.environ.get(LLAMA_CPP_CONVERTER), help=f"default: ${LLAMA_CPP_CONVERTER}"
     )
+    parser.add_argument(
+        "--save", action="store_true", help="write bench/results/cpu.md and .json from these sections (no plot)"
+    )
     args = parser.parse_args(argv)
     args.sections = args.sections or SECTIONS
     if set(args.sections) - set(SECTIONS):
         parser.error(f"sections must be among {SECTIONS}, got {args.sections}")
-    # Only a full run replaces the kept results; a partial or quick one just prints.
-    save = set(args.sections) == set(SECTIONS) and not args.quick
-    if save:  # its last step draws the plot: checked now, not after half an hour of measurements
+    # A full run replaces the kept results; a partial one only when asked, a quick one never.
+    full = set(args.sections) == set(SECTIONS)
+    if args.quick and args.save:
+        parser.error("--save keeps full-size runs only")
+    save = (full or args.save) and not args.quick
+    if full and save:  # its last step draws the plot: checked now, not after half an hour of measurements
         try:
             import matplotlib  # noqa: F401
         except ImportError:
@@ -776,7 +795,8 @@ def main(argv=None):
     print(table)
     if save:
         RESULTS.mkdir(exist_ok=True)
-        plot(results["sweep"], RESULTS / f"{device}.png")
+        if "sweep" in results:
+            plot(results["sweep"], RESULTS / f"{device}.png")
         (RESULTS / f"{device}.json").write_text(json.dumps(results, indent=1))
         (RESULTS / f"{device}.md").write_text(table)
     return results
