@@ -233,9 +233,10 @@ OP_CASES = [
 ]
 
 
-def op_section(quick, bandwidth, ipex):
-    """Each case's methods timed side by side, `ipex` (an `Ipex`) in its own process."""
-    reps = 3 if quick else 15
+def op_section(quick, bandwidth, ipex, reps=None):
+    """Each case's methods timed side by side in `reps` rounds (default 3 quick, else 15), `ipex` (an `Ipex`) in its
+    own process."""
+    reps = reps or (3 if quick else 15)
     cases = OP_CASES
     if quick:
         cases = [c for c in cases if c[1] == "fp32" or c[:2] == ("decode", "bf16")]
@@ -747,6 +748,7 @@ def main(argv=None):
     parser.add_argument(
         "--llama-cpp-converter", default=os.environ.get(LLAMA_CPP_CONVERTER), help=f"default: ${LLAMA_CPP_CONVERTER}"
     )
+    parser.add_argument("--reps", type=int, help="rounds per op case (default: 15, quick 3)")
     parser.add_argument(
         "--save", action="store_true", help="write bench/results/cpu.md and .json from these sections (no plot)"
     )
@@ -778,7 +780,7 @@ def main(argv=None):
     print(f"{results['machine']}; read bandwidth {bandwidth:.1f} GB/s; load average {load[0]:.1f}")
     if "op" in args.sections:
         with Ipex(args.ipex_python) as ipex:
-            results["op"] = op_section(args.quick, bandwidth, ipex)
+            results["op"] = op_section(args.quick, bandwidth, ipex, args.reps)
     if "dispatch" in args.sections:
         results["dispatch"] = dispatch_section()
     if "e2e" in args.sections:
