@@ -78,7 +78,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     print(f"| case ({args.threads} threads) | other ms | this ms | this / other |\n|---|---:|---:|---:|")
     for name, batch, decode, fp8 in cases(args.name):
-        caches = batch.fp8_caches() if fp8 else (*batch.cache.layer(0), None, None)
+        caches = batch.fp8_caches() if fp8 else (batch.k_cache, batch.v_cache, None, None)
         kv_args = (batch.q, batch.k_new, batch.v_new, *caches[:2], *batch.meta)
         options = (1 / math.sqrt(batch.q.shape[-1]), -1, 0.0, None, -1, decode, *caches[2:])
         fns = {label: (lambda m=m: lambda: m.forward(*kv_args, *options)) for label, m in kernels.items()}

@@ -6,12 +6,17 @@
     python -m bench tree            # a speculative tree's verify step against the chain's, cpu backend
     python -m bench startup         # seconds from a new process's start to its first token (bench/startup.py)
     python -m bench --quick         # smaller sizes, fewer repetitions (prints only)
+    python -m bench op e2e --save   # some sections, their tables written as the kept results
+
+IPEX's rows (op) and llama.cpp's (e2e) run in processes of their own python, named by HYBRID_OPS_IPEX_PYTHON,
+HYBRID_OPS_LLAMA_CPP_PYTHON and HYBRID_OPS_LLAMA_CPP_CONVERTER or the flags (docs/benchmarks.md makes them).
 
 A full run writes bench/results/cpu.json, .md (the tables) and .png (decode time against context length).
 """
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -28,6 +33,9 @@ import hybrid_ops
 from hybrid_ops import PagedKVCache
 from hybrid_ops.fp8 import quantize
 from hybrid_ops.options import Options, cpp_header
+
+from .peer_worker import case_spec, make_case, paged
+from .peers import IPEX_METHOD, IPEX_PYTHON, LLAMA_CPP_CONVERTER, LLAMA_CPP_PYTHON, Ipex, LlamaCpp, PeerError
 
 RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parent.parent))  # the e2e and prefix sections import examples/generate.py
@@ -49,12 +57,13 @@ def timeit(fn, reps=7, warmup=5):
     return statistics.median(times)
 
 
-def timeit_side_by_side(make_fns, reps, warmup=5):
+def timeit_side_by_side(make_fns, reps, warmup=5, notes=None):
     """Median seconds of each `make_fns[name]()`, timed in `reps` rounds that call every method once: this machine's
     speed drifts, so methods timed one after the other would compare different moments, and a method called many times
     in a row would find its data still in the last-level cache, which decode on a serving engine does not (a layer's
-    cache is read once per step). None where building or running a method fails (a peer that does not support the
-    case)."""
+    cache is read once per step). A method run in another process returns the seconds it measured there (a float), so
+    that the pipe to it is not timed. None where building or running a method fails (a peer that does not support the
+    case, or is not installed), with the reason in `notes[name]`."""
     fns = {}
     for name, make_fn in make_fns.items():
         try:
@@ -63,14 +72,36 @@ def timeit_side_by_side(make_fns, reps, warmup=5):
                 fns[name]()
         except Exception as e:  # noqa: BLE001 - a failing peer is a result to report, not a reason to stop
             fns.pop(name, None)
+            reason = str(e).splitlines()[0][:120] if isinstance(e, PeerError) else type(e).__name__
             print(f"    {name} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            if notes is not None:
+                notes[name] = reason
     times = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
             start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+            own = fn()
+            times[name].append(own if isinstance(own, float) else time.perf_counter() - start)
     return {name: statistics.median(times[name]) if name in fns else None for name in make_fns}
+
+
+def cpu_description():
+    """The CPU's model name, family and model numbers, and which of the vector extensions these kernels use it has."""
+    fields = dict(
+        line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines() if ":" in line
+    )
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    isa = [
+        f
+        for f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16")
+        if f in flags
+    ]
+    absent = [name for name, flag in (("AVX-512", "avx512f"), ("AMX", "amx_bf16")) if flag not in flags]
+    return (
+        f"{fields.get('model name', platform.processor())} (family {fields.get('cpu family')}, model "
+        f"{fields.get('model')}; {' '.join(isa)}" + "".join(f"; no {name}" for name in absent) + ")"
+    )
 
 
 def read_bandwidth():
@@ -80,50 +111,33 @@ def read_bandwidth():
 
 
 class Batch:
-    """Requests with a cached prefix and `n` new tokens each, in a paged cache and as the peers hold them."""
+    """Requests with a cached prefix and `n` new tokens each (`peer_worker.make_case`: a process of another python
+    builds the same tensors from `spec`), in a paged cache and as the peers hold them."""
 
     def __init__(self, prefix_lens, new_lens, dtype, shuffle_pages):
-        gen = torch.Generator().manual_seed(0)
+        self.spec = case_spec(prefix_lens, new_lens, dtype, shuffle_pages, HQ, HKV, D, PAGE)
+        self.case = make_case(self.spec)
         self.prefix_lens, self.new_lens = prefix_lens, new_lens
-        self.seq_lens = [p + n for p, n in zip(prefix_lens, new_lens)]
+        self.seq_lens = self.case.seq_lens.tolist()
         self.dtype = dtype
-        pages_needed = sum(-(-s // PAGE) for s in self.seq_lens)
-        self.cache = PagedKVCache(pages_needed, PAGE, HKV, D, dtype=dtype)
-        if shuffle_pages:  # pages as a long-running server leaves them: scattered
-            perm = torch.randperm(pages_needed, generator=gen).tolist()
-            self.cache._free_pages = perm
-        for i in range(len(self.seq_lens)):
-            self.cache.add(i)
-        self.cache.step(list(range(len(prefix_lens))), prefix_lens)
-        self.meta = self.cache.step(list(range(len(new_lens))), new_lens).metadata
         # Dense K/V per request: [1, Hkv, L, D], contiguous, the cache's contents
-        self.k = [torch.randn(1, HKV, s, D, generator=gen).to(dtype) for s in self.seq_lens]
-        self.v = [torch.randn(1, HKV, s, D, generator=gen).to(dtype) for s in self.seq_lens]
-        k_cache, v_cache = self.cache.layer(0)
-        for i, s in enumerate(self.seq_lens):
-            pages = self.cache.pages(i)
-            for dense, cache in ((self.k[i], k_cache), (self.v[i], v_cache)):
-                rows = dense[0].transpose(0, 1)  # [L, Hkv, D]
-                padded = torch.zeros(len(pages) * PAGE, HKV, D, dtype=dtype)
-                padded[:s] = rows
-                cache[pages] = padded.view(len(pages), PAGE, HKV, D)
-        total = sum(new_lens)
-        self.q = torch.randn(total, HQ, D, generator=gen).to(dtype)
-        starts = [0] + torch.tensor(new_lens).cumsum(0).tolist()
-        # The new tokens' k, v are the last rows of each request's dense K/V.
-        self.k_new = torch.cat([k[0, :, -n:].transpose(0, 1) for k, n in zip(self.k, new_lens)])
-        self.v_new = torch.cat([v[0, :, -n:].transpose(0, 1) for v, n in zip(self.v, new_lens)])
+        self.k, self.v, self.q = self.case.k, self.case.v, self.case.q
+        self.k_cache, self.v_cache = paged(self.case, self.k), paged(self.case, self.v)
+        self.meta = self.case.cu_seqlens_q, self.case.seq_lens, self.case.block_table
+        starts = self.case.cu_seqlens_q.tolist()
+        self.k_new, self.v_new = self.case.k_new, self.case.v_new
         self.q_per_request = [self.q[a:b].transpose(0, 1)[None] for a, b in zip(starts, starts[1:])]
         self.kv_bytes = sum(self.seq_lens) * HKV * D * 2 * torch.finfo(dtype).bits // 8
 
     def hybrid(self, op, backend, **options):
-        k_cache, v_cache = self.cache.layer(0)
-        return lambda: op(self.q, self.k_new, self.v_new, k_cache, v_cache, *self.meta, backend=backend, **options)
+        return lambda: op(
+            self.q, self.k_new, self.v_new, self.k_cache, self.v_cache, *self.meta, backend=backend, **options
+        )
 
     def fp8_caches(self, cache_dtype=torch.float8_e4m3fn):
         """(k_cache, v_cache, k_scale, v_scale): copies of the caches in `cache_dtype`, with a scale per kv head (its
         largest value to the format's largest)."""
-        caches = self.cache.layer(0)
+        caches = self.k_cache, self.v_cache
         scales = [c.float().abs().amax(dim=(0, 1, 3)) / torch.finfo(cache_dtype).max for c in caches]
         return *(quantize(c, s, cache_dtype) for c, s in zip(caches, scales)), *scales
 
@@ -141,6 +155,12 @@ class Batch:
             v_scale=v_scale,
             backend=backend,
         )
+
+    def read_floor(self):
+        """A sum over the caches' bytes (as fp32 words, whatever their dtype): the time of reading them once, in the
+        same rounds as the decode rows, so that a loaded moment slows both."""
+        words = [c.view(torch.float32) for c in (self.k_cache, self.v_cache)]
+        return lambda: sum(w.sum() for w in words)
 
     def sdpa_exact(self):
         """Per-request SDPA over exact contiguous K/V: the dense ideal."""
@@ -196,6 +216,8 @@ PEER_METHODS = {
 PEERS = list(PEER_METHODS)
 # bf16 decode's extra rows: the cpu backend over an fp8 copy of the cache, timed in the same rounds.
 FP8_METHOD = f"hybrid_ops {HYBRID_BACKENDS[0]}, fp8 e4m3 cache"
+# Decode's floor: one read of the cache's bytes, timed in the same rounds.
+READ_METHOD = "read the KV cache once (sum)"
 
 
 def hybrid_methods(batch, op):
@@ -215,8 +237,10 @@ OP_CASES = [
 ]
 
 
-def op_section(quick, bandwidth):
-    reps = 3 if quick else 15
+def op_section(quick, bandwidth, ipex, reps=None):
+    """Each case's methods timed side by side in `reps` rounds (default 3 quick, else 15), `ipex` (an `Ipex`) in its
+    own process."""
+    reps = reps or (3 if quick else 15)
     cases = OP_CASES
     if quick:
         cases = [c for c in cases if c[1] == "fp32" or c[:2] == ("decode", "bf16")]
@@ -232,14 +256,21 @@ def op_section(quick, bandwidth):
             methods |= {(layout, m): fn for m, fn in hybrid_methods(batch, op).items()}
             if layout == "consecutive" or name == "decode":
                 methods |= {(layout, m): getattr(batch, PEER_METHODS[m]) for m in peers}
+            if name == "decode":
+                methods[(layout, READ_METHOD)] = batch.read_floor
             if (name, dtype) == ("decode", torch.bfloat16):
                 methods[(layout, FP8_METHOD)] = lambda batch=batch: batch.hybrid_fp8(op, HYBRID_BACKENDS[0])
-        times = timeit_side_by_side(methods, reps)
+            methods[(layout, IPEX_METHOD)] = ipex.method(f"{name} {dtype_name} {layout}", batch)
+        notes = {}
+        times = timeit_side_by_side(methods, reps, notes=notes)
+        ipex.forget()
         for layout, batch in batches.items():
             ours = times[(layout, f"hybrid_ops {HYBRID_BACKENDS[0]}")]
             measured = {m: t for (pages, m), t in times.items() if pages == layout}
             for method, seconds in measured.items():
                 kv_bytes = batch.kv_bytes // 2 if method == FP8_METHOD else batch.kv_bytes  # 1 byte, not 2
+                if method == READ_METHOD:  # every page's rows, the unused tails of last pages too
+                    kv_bytes = batch.k_cache.nbytes + batch.v_cache.nbytes
                 rows.append(
                     dict(
                         case=name,
@@ -250,6 +281,7 @@ def op_section(quick, bandwidth):
                         kv_gbps=seconds and kv_bytes / seconds / 1e9,
                         of_read_bandwidth=seconds and kv_bytes / seconds / 1e9 / bandwidth,
                         vs_hybrid=seconds and ours and seconds / ours,
+                        note=notes.get((layout, method)),
                     )
                 )
             print(
@@ -401,47 +433,81 @@ def dispatch_section():
     return rows
 
 
-def e2e_section(quick):
-    """The demo's model through our generation loop and transformers' static-cache compiled generate, on the demo's
-    prompts and on a more ragged batch."""
+# A larger random Llama beside the demo's, where the model's work outweighs the per-step overhead.
+LARGER_SIZES = dict(
+    hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4
+)
+LLAMA_CPP_TYPES = ["f32", "bf16"]  # the GGUF types converted from the fp32 model
+
+
+def tokens_as_ours(tokens, ours):
+    """Tokens equal to ours before each request's first difference, summed over the requests."""
+    return sum(next((i for i, (a, b) in enumerate(zip(t, o)) if a != b), len(o)) for t, o in zip(tokens, ours))
+
+
+def e2e_section(quick, llama_cpp):
+    """Generation through our loop, transformers' static-cache compiled generate and llama.cpp (`llama_cpp`, a
+    `LlamaCpp`: a GGUF of each type in LLAMA_CPP_TYPES), greedy, on the demo's model and a larger one: one prompt, the
+    demo's prompts and a more ragged batch. Each method's tokens are compared with ours; llama.cpp's logits at the
+    prompts' last positions with transformers' eager fp32 forward (their first token)."""
     from examples.generate import PROMPT_LENGTHS, demo_model, demo_prompts, run_hybrid, run_transformers_static
 
-    model = demo_model()
+    models = {"demo": demo_model()}
     workloads = [
-        ("demo: 8 prompts of 7..150, 48 new", PROMPT_LENGTHS, 16 if quick else 48),
-        ("16 prompts of 16..1000, 32 new", torch.linspace(16, 1000, 16).long().tolist(), 32),
+        ("demo", "1 prompt of 150, 48 new", [150], 48),
+        ("demo", "8 prompts of 7..150, 48 new", PROMPT_LENGTHS, 48),
+        ("demo", "16 prompts of 16..1000, 32 new", torch.linspace(16, 1000, 16).long().tolist(), 32),
+        ("8 layers, 1024 wide", "1 prompt of 150, 48 new", [150], 48),
+        ("8 layers, 1024 wide", "8 prompts of 7..150, 48 new", PROMPT_LENGTHS, 48),
     ]
+    if quick:
+        workloads = [("demo", "8 prompts of 7..150, 16 new", PROMPT_LENGTHS, 16)]
+    else:
+        models["8 layers, 1024 wide"] = demo_model(**LARGER_SIZES)
     rows = []
-    for name, lengths, new_tokens in workloads[:1] if quick else workloads:
+    for model_name, name, lengths, new_tokens in workloads:
+        model = models[model_name]
+        workload = f"{model_name}: {name}"
         prompts = demo_prompts(model.config.vocab_size, lengths)
-        _, stats, _, recompiles = run_hybrid(model, prompts, new_tokens)
-        _, seconds = run_transformers_static(model, prompts, new_tokens)
+        tokens, stats, _, recompiles = run_hybrid(model, prompts, new_tokens)
+        ref_tokens, seconds = run_transformers_static(model, prompts, new_tokens)
         _, first_seconds = run_transformers_static(model, prompts, 1)
-        ours_ttft = statistics.mean(stats.first_token_seconds)
-        ref_rate = len(prompts) * new_tokens / seconds
-        rows += [
-            dict(
-                workload=name,
-                method="hybrid_ops generate (compiled)",
-                tokens_per_s=stats.tokens_per_second,
-                ttft_ms=ours_ttft * 1e3,
-                recompiles=recompiles,
-            ),
-            dict(
-                workload=name,
-                method="transformers static cache (compiled)",
-                tokens_per_s=ref_rate,
+        ours = dict(tokens_per_s=stats.tokens_per_second, ttft_ms=statistics.mean(stats.first_token_seconds) * 1e3)
+        total = len(prompts) * new_tokens
+        measured = {
+            "hybrid_ops generate (compiled)": ours | dict(recompiles=recompiles),
+            "transformers static cache (compiled)": dict(
+                tokens_per_s=total / seconds,
                 ttft_ms=first_seconds * 1e3,
-                recompiles=None,
+                same_tokens=tokens_as_ours(ref_tokens, tokens),
             ),
-            dict(
-                workload=name,
-                method="ratio hybrid_ops / transformers",
-                tokens_per_s=stats.tokens_per_second / ref_rate,
-                ttft_ms=ours_ttft / first_seconds,
-                recompiles=None,
-            ),
-        ]
+        }
+        with torch.no_grad():
+            logits = torch.stack([model(torch.tensor([p])).logits[0, -1] for p in prompts])
+        for outtype in LLAMA_CPP_TYPES:
+            method = f"llama.cpp {outtype} (llama-cpp-python)"
+            try:
+                out = llama_cpp.generate(model, prompts, new_tokens, outtype)
+            except PeerError as e:
+                measured[method] = dict(note=str(e))
+                print(f"  {workload}: {method} failed: {e}", flush=True)
+                continue
+            measured[method] = dict(
+                tokens_per_s=total / out["seconds"],
+                ttft_ms=statistics.mean(out["first_token_seconds"]) * 1e3,
+                same_tokens=tokens_as_ours(out["tokens"], tokens),
+                logits_error=(torch.tensor(out["first_logits"]) - logits).abs().max().item(),
+                logits_std=logits.std().item(),
+            )
+        for peer in ("transformers static cache (compiled)", f"llama.cpp {LLAMA_CPP_TYPES[0]} (llama-cpp-python)"):
+            if measured[peer].get("tokens_per_s"):
+                measured[f"ratio hybrid_ops / {peer.split(' ')[0]}"] = dict(
+                    tokens_per_s=ours["tokens_per_s"] / measured[peer]["tokens_per_s"],
+                    ttft_ms=ours["ttft_ms"] / measured[peer]["ttft_ms"],
+                )
+        for method, row in measured.items():
+            rows.append(dict(workload=workload, method=method, tokens=total) | row)
+            print(f"  {workload}: {method} {row}", flush=True)
     return rows
 
 
@@ -620,7 +686,12 @@ def tree_section(quick):
 
 
 def markdown(results):
-    lines = [f"Measured {results['date']} on {results['machine']}; read bandwidth {results['read_gbps']:.1f} GB/s.", ""]
+    lines = [
+        f"Measured {results['date']} on {results['machine']}; read bandwidth {results['read_gbps']:.1f} GB/s. "
+        f"`{results['command']}`; load average (1 min, {os.cpu_count()} CPUs) {results['load'][0]:.1f} at the start, "
+        f"{results['load'][-1]:.1f} at the end.",
+        "",
+    ]
     if "op" in results:
         lines += [
             f"| case | dtype | pages | method | ms | KV GB/s | of read bw | time / hybrid_ops {HYBRID_BACKENDS[0]} |",
@@ -630,7 +701,7 @@ def markdown(results):
             f"| {r['case']} | {r['dtype']} | {r['pages']} | {r['method']} | {r['ms']:.1f} | {r['kv_gbps']:.1f} "
             f"| {r['of_read_bandwidth']:.0%} | {r['vs_hybrid']:.2f} |"
             if r["ms"]
-            else f"| {r['case']} | {r['dtype']} | {r['pages']} | {r['method']} | failed | | | |"
+            else f"| {r['case']} | {r['dtype']} | {r['pages']} | {r['method']} | {r.get('note') or 'failed'} | | | |"
             for r in results["op"]
         ]
         lines.append("")
@@ -651,12 +722,18 @@ def markdown(results):
         ]
         lines.append("")
     if "e2e" in results:
-        lines += ["| end to end | method | tokens/s | time to first token (ms) |", "|---|---|---:|---:|"]
+        lines += [
+            "| end to end | method | tokens/s | time to first token (ms) | greedy tokens as ours "
+            "| first token's logits: max abs diff to transformers (their std) |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
         for r in results["e2e"]:
             fmt = "{:.2f}x" if r["method"].startswith("ratio") else "{:.1f}"
-            lines.append(
-                f"| {r['workload']} | {r['method']} | {fmt.format(r['tokens_per_s'])} | {fmt.format(r['ttft_ms'])} |"
-            )
+            cells = [fmt.format(r[k]) if r.get(k) else "" for k in ("tokens_per_s", "ttft_ms")]
+            cells[0] = cells[0] or r.get("note", "")
+            cells.append("" if r.get("same_tokens") is None else f"{r['same_tokens']} / {r['tokens']}")
+            cells.append(f"{r['logits_error']:.2g} ({r['logits_std']:.2f})" if "logits_error" in r else "")
+            lines.append(f"| {r['workload']} | {r['method']} | " + " | ".join(cells) + " |")
         lines.append("")
     if "prefix" in results:
         lines += [
@@ -717,33 +794,51 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sections", nargs="*", help=f"any of {SECTIONS} (default: all)")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--ipex-python", default=os.environ.get(IPEX_PYTHON), help=f"default: ${IPEX_PYTHON}")
+    parser.add_argument(
+        "--llama-cpp-python", default=os.environ.get(LLAMA_CPP_PYTHON), help=f"default: ${LLAMA_CPP_PYTHON}"
+    )
+    parser.add_argument(
+        "--llama-cpp-converter", default=os.environ.get(LLAMA_CPP_CONVERTER), help=f"default: ${LLAMA_CPP_CONVERTER}"
+    )
+    parser.add_argument("--reps", type=int, help="rounds per op case (default: 15, quick 3)")
+    parser.add_argument(
+        "--save", action="store_true", help="write bench/results/cpu.md and .json from these sections (no plot)"
+    )
     args = parser.parse_args(argv)
     args.sections = args.sections or SECTIONS
     if set(args.sections) - set(SECTIONS):
         parser.error(f"sections must be among {SECTIONS}, got {args.sections}")
-    # Only a full run replaces the kept results; a partial or quick one just prints.
-    save = set(args.sections) == set(SECTIONS) and not args.quick
-    if save:  # its last step draws the plot: checked now, not after half an hour of measurements
+    # A full run replaces the kept results; a partial one only when asked, a quick one never.
+    full = set(args.sections) == set(SECTIONS)
+    if args.quick and args.save:
+        parser.error("--save keeps full-size runs only")
+    save = (full or args.save) and not args.quick
+    if full and save:  # its last step draws the plot: checked now, not after half an hour of measurements
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             parser.error("a full run draws bench/results/cpu.png with matplotlib: pip install -e '.[bench]'")
     torch.manual_seed(0)
+    load = [os.getloadavg()[0]]
     bandwidth = read_bandwidth()
     device = "cpu"
     results = dict(
         date=time.strftime("%Y-%m-%d"),
-        machine=f"{platform.processor() or platform.machine()}, "
-        f"{torch.get_num_threads()} threads, torch {torch.__version__}",
+        machine=f"{cpu_description()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        command=" ".join(["python -m bench", *(argv if argv is not None else sys.argv[1:])]),
         read_gbps=bandwidth,
+        load=load,
     )
-    print(f"read bandwidth {bandwidth:.1f} GB/s")
+    print(f"{results['machine']}; read bandwidth {bandwidth:.1f} GB/s; load average {load[0]:.1f}")
     if "op" in args.sections:
-        results["op"] = op_section(args.quick, bandwidth)
+        with Ipex(args.ipex_python) as ipex:
+            results["op"] = op_section(args.quick, bandwidth, ipex, args.reps)
     if "dispatch" in args.sections:
         results["dispatch"] = dispatch_section()
     if "e2e" in args.sections:
-        results["e2e"] = e2e_section(args.quick)
+        with LlamaCpp(args.llama_cpp_python, args.llama_cpp_converter) as llama_cpp:
+            results["e2e"] = e2e_section(args.quick, llama_cpp)
     if "prefix" in args.sections:
         results["prefix"] = prefix_section(args.quick)
     if "fp8" in args.sections:
@@ -756,11 +851,13 @@ def main(argv=None):
         results["startup"] = startup_section(args.quick)
     if "plot" in args.sections:
         results["sweep"] = context_sweep(args.quick)
+    load.append(os.getloadavg()[0])
     table = markdown(results)
     print(table)
     if save:
         RESULTS.mkdir(exist_ok=True)
-        plot(results["sweep"], RESULTS / f"{device}.png")
+        if "sweep" in results:
+            plot(results["sweep"], RESULTS / f"{device}.png")
         (RESULTS / f"{device}.json").write_text(json.dumps(results, indent=1))
         (RESULTS / f"{device}.md").write_text(table)
     return results

@@ -17,19 +17,23 @@ from transformers import AutoModelForCausalLM, CompileConfig, LlamaConfig
 import hybrid_ops
 
 PROMPT_LENGTHS = [12, 96, 7, 150, 40, 64, 23, 110]
+DEMO_SIZES = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+)
 
 
-def demo_model(path=None, dtype=torch.float32):
-    """A local checkpoint, or a small random Llama (4 layers, 256 wide, GQA 8/2 heads)."""
+def demo_model(path=None, dtype=torch.float32, **sizes):
+    """A local checkpoint, or a small random Llama (DEMO_SIZES: 4 layers, 256 wide, GQA 8/2 heads; `sizes` replaces
+    any of them)."""
     if path:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     config = LlamaConfig(
-        vocab_size=4096,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
+        **(DEMO_SIZES | sizes),
         max_position_embeddings=2048,
         bos_token_id=None,
         eos_token_id=None,

@@ -644,6 +644,19 @@ MUTANTS = [
       "return page * page_size + position.remainder(page_size)",
       "return page * page_size + (position + 1).remainder(page_size)",
       "tests/test_ops.py -k 'torch or routing'"),
+    # -- the bench's peer worker (tests/test_bench_peers.py) ------------------------------------------------------
+    M("peer_reference_sees_the_future", "bench/peer_worker.py",
+      "visible = torch.arange(length)[None, :] <= torch.arange(length - (end - start), length)[:, None]",
+      "visible = torch.arange(length)[None, :] <= torch.arange(length - (end - start), length)[:, None] + 1",
+      "tests/test_bench_peers.py"),
+    M("peer_pages_in_order", "bench/peer_worker.py",
+      "cache[slots] = x[0].transpose(0, 1)",
+      "cache[: len(slots)] = x[0].transpose(0, 1)",
+      "tests/test_bench_peers.py"),
+    M("peer_check_accepts_anything", "bench/peer_worker.py",
+      "((out.double().flatten(1) - ref).norm(dim=1) / ref.norm(dim=1)).max()",
+      "((out.double().flatten(1) - ref).norm(dim=1) / ref.norm(dim=1)).min()",
+      "tests/test_bench_peers.py"),
 ]
 # fmt: on
 

@@ -1,0 +1,63 @@
+"""What bounds decode: the cpu kernel beside a sum of the same bytes, in alternating rounds, the best call of each,
+with the keys in cache (16 requests of 64 keys, called again and again: the kernel's arithmetic ceiling) and from
+memory (the op section's decode case).
+
+    python -m bench.bound                  # one thread, 200 rounds in cache, 20 from memory
+    python -m bench.bound --threads 2 --reps 50
+
+Prints ns per (key, kv head), the GB/s of K/V consumed and the kernel's time over the read's.
+"""
+
+import argparse
+import time
+
+import torch
+
+from .run import DECODE_LENS, HKV, Batch
+
+
+def best_seconds(fns, reps, warmup=5):
+    """The fastest of `reps` alternating calls of each function."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=200)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(
+        f"| {args.threads} thread(s) | keys | ns per (key, kv head): kernel, read | K/V GB/s: kernel, read "
+        "| kernel / read |\n|---|---|---:|---:|---:|"
+    )
+    places = {
+        "in cache (16 x 64)": ([63] * 16, args.reps),
+        "from memory (decode case)": ([n - 1 for n in DECODE_LENS], args.reps // 10),
+    }
+    for dtype in (torch.float32, torch.bfloat16):
+        for place, (prefixes, reps) in places.items():
+            batch = Batch(prefixes, [1] * 16, dtype, shuffle_pages=True)
+            fns = {"kernel": batch.hybrid(torch.ops.hybrid.decode, "cpu"), "read": batch.read_floor()}
+            best = best_seconds(fns, reps)
+            ns = [best[k] / (sum(batch.seq_lens) * HKV) * 1e9 for k in fns]
+            gbps = [batch.kv_bytes / best[k] / 1e9 for k in fns]
+            dtype_name = str(dtype).removeprefix("torch.")
+            print(
+                f"| {dtype_name} | {place} | {ns[0]:.1f}, {ns[1]:.1f} | {gbps[0]:.1f}, {gbps[1]:.1f} "
+                f"| {best['kernel'] / best['read']:.2f} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
