@@ -21,7 +21,7 @@ PACK_JOB = ("request", "head", "j0", "n")
 
 
 def kernels():
-    return hybrid_ops.get_backend("cpu", torch.device("cpu"), torch.float32, 16)._module
+    return hybrid_ops.get_backend("cpu")._module
 
 
 def schedule(q_lens, prefix_lens, num_kv_heads, group, head_dim, v_head_dim, sliding_window, attention_chunk):

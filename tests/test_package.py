@@ -251,5 +251,5 @@ def test_a_model_that_cannot_be_packaged_is_refused_with_its_reason(tmp_path):
     )
     assert_expected_inline(
         packaging_refusal(make_model(tiny_config("lfm2")), tmp_path),
-        """lfm2 cannot be packaged: its layer_types include ['conv'], layers with state or attention other than the op's (full, sliding, chunked): a package does not carry per-request state; serve it with HybridGenerator(model)""",
+        """lfm2 cannot be packaged: its layer model.layers.0.conv keeps recurrent or convolution state, which a package does not carry; serve it with HybridGenerator(model)""",
     )
