@@ -27,9 +27,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import hybrid_ops
 from hybrid_ops import ForwardMode, HybridInputError, PagedKVCache
 from hybrid_ops.generation.runner import ModelRunner
-from hybrid_ops.integrations.transformers import check_servable
+from hybrid_ops.integrations.servable import check_servable
 
-PROMPTS = [[5, 9, 11, 3, 7], [8, 1, 2], [4, 4, 6, 9, 10, 12, 13]]
+# 16 ragged prompts of 3..11 tokens (ids 1..63 of the 64-token vocabulary).
+PROMPTS = [[(7 * i + 5 * j) % 63 + 1 for j in range(3 + (5 * i) % 9)] for i in range(16)]
 
 
 def tiny_llama(layers, seed):
@@ -75,7 +76,7 @@ def chain(n):
 class PagedModel:
     """A model over a paged cache of its own; each step is one call of its compiled `ModelRunner` with a tree mask."""
 
-    def __init__(self, model, speculative_attention_mode, max_q_len, compile_backend, max_batch_size=8):
+    def __init__(self, model, speculative_attention_mode, max_q_len, compile_backend, max_batch_size=16):
         config = model.config
         self.cache = PagedKVCache(
             num_pages=16 * max_batch_size,

@@ -18,7 +18,8 @@ from helpers.models import PROMPTS, SIZES, make_model, preempting_pages, referen
 from torch.library import opcheck
 
 from hybrid_ops import ForwardMode, GenerationStats, HybridGenerator, HybridInputError, PagedKVCache
-from hybrid_ops.integrations.transformers import HybridStep, check_servable
+from hybrid_ops.integrations.servable import check_servable
+from hybrid_ops.integrations.transformers import HybridStep
 from hybrid_ops.state import StatePool
 
 # model type -> the class of its stateful layers (each its own code in transformers).

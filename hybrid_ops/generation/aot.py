@@ -88,7 +88,8 @@ def package(
     """
     from torch.export import Dim
 
-    from ..integrations.transformers import check_servable, tensor_parallel_group
+    from ..integrations.servable import check_servable
+    from ..integrations.transformers import tensor_parallel_group
 
     model_type = getattr(model.config, "model_type", type(model).__name__)
 

@@ -107,7 +107,8 @@ class HybridGenerator:
         prefix_caching: bool = False,
         kv_cache_dtype=None,
     ):
-        from ..integrations.transformers import check_servable, kv_heads_per_rank, tensor_parallel_group
+        from ..integrations.servable import check_servable
+        from ..integrations.transformers import kv_heads_per_rank, tensor_parallel_group
 
         config = model.config.get_text_config()
         max_seq_len = check_sizes(
