@@ -221,7 +221,7 @@ class ModelRunner(StepRunner):
         )
         fn = ModelRunner._forward
         code = _FORWARD_CODES.setdefault(self.model, {}).setdefault(shapes, fn.__code__.replace())
-        return types.MethodType(types.FunctionType(code, fn.__globals__, fn.__name__), self)
+        return types.MethodType(types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__), self)
 
     def _forward(
         self,
