@@ -36,6 +36,7 @@ from hybrid_ops.options import Options, cpp_header
 
 from .peer_worker import case_spec, make_case, paged
 from .peers import IPEX_METHOD, IPEX_PYTHON, LLAMA_CPP_CONVERTER, LLAMA_CPP_PYTHON, Ipex, LlamaCpp, PeerError
+from .startup import LARGER_SIZES
 
 RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parent.parent))  # the e2e and prefix sections import examples/generate.py
@@ -433,10 +434,6 @@ def dispatch_section():
     return rows
 
 
-# A larger random Llama beside the demo's, where the model's work outweighs the per-step overhead.
-LARGER_SIZES = dict(
-    hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4
-)
 LLAMA_CPP_TYPES = ["f32", "bf16"]  # the GGUF types converted from the fp32 model
 
 

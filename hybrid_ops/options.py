@@ -53,21 +53,22 @@ def _chunk(name, value, options, q, k_cache):
         raise HybridInputError(f"{name} must be -1 (no chunking) or a positive int, got {value}")
 
 
-def _sinks(name, value, options, q, k_cache):
-    if value.dtype != torch.float32 or value.dim() != 1 or value.device != q.device:
+def _check_tensor(name, value, q, dtype, shape: str):
+    """value must be a tensor of `dtype` with as many dims as `shape` ("[T, Q]") names, on q's device."""
+    if value.dtype != dtype or value.dim() != shape.count(",") + 1 or value.device != q.device:
         raise HybridInputError(
-            f"{name} must be a [Hq] float32 tensor on q's device {q.device}, got "
+            f"{name} must be a {shape} {str(dtype).removeprefix('torch.')} tensor on q's device {q.device}, got "
             f"{value.dtype} of shape {tuple(value.shape)} on {value.device}"
         )
+
+
+def _sinks(name, value, options, q, k_cache):
+    _check_tensor(name, value, q, torch.float32, "[Hq]")
     check_input(value.shape[0] == q.shape[1], lambda: f"{name} must have q's {q.shape[1]} heads, got {value.shape[0]}")
 
 
 def _tree_mask(name, value, options, q, k_cache):
-    if value.dtype != torch.bool or value.dim() != 2 or value.device != q.device:
-        raise HybridInputError(
-            f"{name} must be a [T, Q] bool tensor on q's device {q.device}, got "
-            f"{value.dtype} of shape {tuple(value.shape)} on {value.device}"
-        )
+    _check_tensor(name, value, q, torch.bool, "[T, Q]")
     check_input(value.shape[0] == q.shape[0], lambda: f"{name} must have q's {q.shape[0]} rows, got {value.shape[0]}")
     check_input(value.shape[1] > 0, lambda: f"{name} must have Q >= 1 columns, got shape {tuple(value.shape)}")
 

@@ -66,9 +66,10 @@ def serve(model, prompts=PROMPTS, new_tokens=NEW_TOKENS, chunk=5, preempt_after=
     for i in range(len(prompts)):
         cache.add(i)
         pool.add(i)
-    last = len(prompts) - 1
+    last, preempted = len(prompts) - 1, False
     while any(len(t) < len(p) + new_tokens for t, p in zip(tokens, prompts)):
-        if len(tokens[last]) == len(prompts[last]) + preempt_after and cached[last] == len(tokens[last]) - 1:
+        if not preempted and len(tokens[last]) == len(prompts[last]) + preempt_after:
+            preempted = True
             cache.free(last)
             pool.free(last)
             fill_free_slots(pool)

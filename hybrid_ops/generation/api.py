@@ -18,8 +18,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..errors import HybridInputError, HybridOpsError
-from ..state import StatePool
-from .cache_manager import KVCacheManager, paged_cache
+from .cache_manager import KVCacheManager, paged_cache, state_pool
 from .checks import cache_dtype, check_flags, check_sizes, is_int, max_positions, prompt_list, token_list
 from .runner import ModelRunner
 from .sampler import SamplingParams, next_tokens
@@ -138,13 +137,7 @@ class HybridGenerator:
                     f"{option}=True is not supported for a model whose layers keep recurrent or convolution state "
                     f"({mixers[0].name}): {reason}"
                 )
-        states, state_pages = None, 0
-        if mixers:
-            layer_states = [[(s.shape, s.dtype) for s in m.states] for m in mixers]
-            states = StatePool(layer_states, max_batch_size, param.device)
-            # A slot counts as the pages its bytes would fill, so that the budget bounds K/V and state together.
-            bytes_per_page = page_size * kv_cache_dtype.itemsize * sum(h * (d + dv) for h, d, dv in layer_shapes)
-            state_pages = -(-states.bytes_per_slot // bytes_per_page)
+        states, state_pages = state_pool(mixers, layer_shapes, max_batch_size, page_size, kv_cache_dtype, param.device)
         pages_per_request = -(-max_seq_len // page_size)
         cache = paged_cache(
             layer_shapes, max_batch_size, pages_per_request, page_size,
@@ -285,13 +278,15 @@ class HybridGenerator:
                     if rid in index:
                         if len(requests[index[rid]].generated) == len(tokens):  # its first tokens
                             stats.first_token_seconds.append(time.perf_counter() - start)
-                        bar.update(len(tokens))
+                        if bar is not None:
+                            bar.update(len(tokens))
                         yield index[rid], tokens, finished
         finally:
             with self._lock:
                 for rid in index:
                     self.scheduler.abort(rid)
-            bar.close()
+            if bar is not None:
+                bar.close()
             stats.seconds += time.perf_counter() - start
 
     def _make_request(self, name, prompt, max_new_tokens, sampling: SamplingParams) -> Request:
@@ -351,17 +346,10 @@ def _collective_args(request: Request):
     return request.prompt, request.max_new_tokens, sampling, sorted(request.stop_token_ids)
 
 
-class _NoBar:
-    def update(self, n):
-        pass
-
-    def close(self):
-        pass
-
-
 def _progress_bar(total, enabled):
+    """A tqdm bar of `total` tokens, or none (tqdm is imported only for a bar)."""
     if not enabled:
-        return _NoBar()
+        return None
     from tqdm import tqdm
 
     return tqdm(total=total, unit="tok", desc="generating")

@@ -34,6 +34,17 @@ def paged_cache(
     )
 
 
+def state_pool(mixers, layer_shapes, max_batch_size, page_size, kv_cache_dtype, device):
+    """(a `StatePool` of `max_batch_size` slots for the stateful layers `mixers`, the pages a slot counts as) for a
+    cache of `layer_shapes` ((Hkv, D, Dv) per layer) in `kv_cache_dtype`; (None, 0) for a model without state. A slot
+    counts as the pages its bytes would fill, so that the budget bounds K/V and state together."""
+    if not mixers:
+        return None, 0
+    states = StatePool([[(s.shape, s.dtype) for s in m.states] for m in mixers], max_batch_size, device)
+    bytes_per_page = page_size * kv_cache_dtype.itemsize * sum(h * (d + dv) for h, d, dv in layer_shapes)
+    return states, -(-states.bytes_per_slot // bytes_per_page)
+
+
 class KVCacheManager:
     """Requests' pages in a `PagedKVCache`, keyed by request id. With `prefix_caching`, a request starts on the
     cached pages of its tokens but its last (`admit`), and the pages its steps fill are offered to later requests
