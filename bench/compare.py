@@ -43,7 +43,7 @@ def build(checkout: Path, label: str):
     build_dir.mkdir(parents=True, exist_ok=True)
     binding = build_dir / "binding.cpp"
     binding.write_text(_BINDING)
-    flags = cpu._CAPABILITY_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
+    flags = cpu._CAPABILITY_FLAGS.get(cpu.kernel_capability(), [])
     return cpp_extension.load(
         f"hybrid_ops_compare_{label}",
         [str(p) for p in [*sources, binding]],
@@ -80,7 +80,8 @@ def main(argv=None):
     for name, batch, decode, fp8 in cases(args.name):
         caches = batch.fp8_caches() if fp8 else (batch.k_cache, batch.v_cache, None, None)
         kv_args = (batch.q, batch.k_new, batch.v_new, *caches[:2], *batch.meta)
-        options = (1 / math.sqrt(batch.q.shape[-1]), -1, 0.0, None, -1, decode, *caches[2:])
+        # scale, window, logit_cap, sinks, attention_chunk, decode, k_scale, v_scale, tree_mask
+        options = (1 / math.sqrt(batch.q.shape[-1]), -1, 0.0, None, -1, decode, *caches[2:], None)
         fns = {label: (lambda m=m: lambda: m.forward(*kv_args, *options)) for label, m in kernels.items()}
         times = timeit_side_by_side(fns, args.reps)
         other, this = times["other"] * 1e3, times["this"] * 1e3

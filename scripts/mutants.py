@@ -31,11 +31,14 @@ from pathlib import Path
 import tomllib
 import torch
 
+from hybrid_ops.backends.cpu import kernel_capability
+
 ROOT = Path(__file__).resolve().parent.parent
 
 Mutant = namedtuple("Mutant", "name file original mutated tests")
-# Mutants of code that runs only on CPUs with AMX.
+# Mutants of code that runs only on CPUs with AMX; with AVX512-VBMI (the AVX512_VBMI build).
 AMX_ONLY = {"cpu_vnni_pairs_swapped"}
+VBMI_ONLY = {"cpu_fp8_wide_load_drops_the_sign", "cpu_fp8_wide_load_places_the_next_value"}
 M = Mutant
 # fmt: off
 MUTANTS = [
@@ -177,6 +180,14 @@ MUTANTS = [
       "(magnitude + rounding + ((magnitude >> shift) & one)) >> shift",
       "(magnitude + rounding) >> shift",
       "tests/test_cpu.py -k fp8"),
+    M("cpu_fp8_wide_load_drops_the_sign", "kernels/cpu/fp8.h",
+      "high[i] = raw_bits<C>(i << high_shift & 0xFF) >> 24;",
+      "high[i] = raw_bits<C>(i << high_shift & 0x7F) >> 24;",
+      "tests/test_cpu.py -k 'wide or vbmi'"),
+    M("cpu_fp8_wide_load_places_the_next_value", "kernels/cpu/fp8.h",
+      "i % 4 == 2 ? 16 * v + i / 4 :",
+      "i % 4 == 2 ? 16 * v + i / 4 + 1 :",
+      "tests/test_cpu.py -k 'wide or vbmi'"),
     M("cpu_fp8_all_heads_units_take_the_first_heads_k_scale", "kernels/cpu/attend_inplace.cpp",
       "pb.scale * pb.k_scale[q_rows.kv_head(r)] * lifted<C>();",
       "pb.scale * pb.k_scale[u.head] * lifted<C>();",
@@ -773,6 +784,9 @@ def main() -> int:
     if not torch.cpu._is_amx_tile_supported():  # the VNNI-packed tiles run only on AMX; their test skips elsewhere
         print("skipped (this CPU has no AMX): " + ", ".join(m.name for m in mutants if m.name in AMX_ONLY))
         mutants = [m for m in mutants if m.name not in AMX_ONLY]
+    if kernel_capability() != "AVX512_VBMI":  # the look-up build's fp8 loads; their tests skip elsewhere
+        print("skipped (this CPU has no AVX512-VBMI): " + ", ".join(m.name for m in mutants if m.name in VBMI_ONLY))
+        mutants = [m for m in mutants if m.name not in VBMI_ONLY]
     if args.list or not mutants:
         for m in MUTANTS:
             print(f"{m.name:42} {m.file:42} {m.tests}")

@@ -6,8 +6,12 @@ padded), with -1 past each request's pages; with sinks, chunks and value head di
 caches, whose bytes must be torch's quantization; speculative trees (tree_mask) on both row paths."""
 
 import math
+import os
 import random
 import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +19,7 @@ from helpers.reference import expected_cache, fp8_case, fp8_store_case, make_cas
 
 import hybrid_ops
 from hybrid_ops import ForwardMode, select_path
+from hybrid_ops.backends.cpu import _CAPABILITY_FLAGS, _cpu_flags, _files
 from hybrid_ops.backends.torch_ref import TorchBackend
 from hybrid_ops.fp8 import per_head
 from hybrid_ops.options import Options
@@ -183,6 +188,71 @@ def test_fp8_backend_object_takes_per_head_views():
     assert_relative(out, reference(read, scale=0.125), torch.bfloat16)
     assert torch.equal(fp8.k_cache.view(torch.uint8), k_expected)
     assert torch.equal(fp8.v_cache.view(torch.uint8), v_expected)
+
+
+# fp8 widened 64 values at a time by byte look-ups (kernels/cpu/fp8.h: load_raw_wide), in the AVX512_VBMI build that
+# CPUs with AVX512-VBMI load (hybrid_ops/backends/cpu.py).
+VBMI = torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512vbmi" in _cpu_flags()
+needs_vbmi = pytest.mark.skipif(not VBMI, reason="this CPU has no AVX512-VBMI: the look-up build cannot run here")
+WIDE_LOAD = """#include "fp8.h"
+using namespace hybrid_ops::cpu;
+void widen_e4m3(const at::Float8_e4m3fn* p, Vec* out) { load_raw_wide(p, out); }
+void widen_e5m2(const at::Float8_e5m2* p, Vec* out) { load_raw_wide(p, out); }
+"""
+
+
+def test_fp8_wide_load_compiles_to_byte_permutes(tmp_path):
+    """The wide load of the AVX512_VBMI build, compiled alone with its flags, is made of byte permutes (vpermb for the
+    look-ups, vpermt2b or vpermi2b to place the bytes) and not of load_raw's sign extensions: on any machine."""
+    from torch.utils.cpp_extension import include_paths
+
+    compiler, objdump = shutil.which(os.environ.get("CXX", "g++")), shutil.which("objdump")
+    if not compiler or not objdump:
+        pytest.skip("no C++ compiler or objdump to build and read the object")
+    source, obj = tmp_path / "wide.cpp", tmp_path / "wide.o"
+    source.write_text(WIDE_LOAD)
+    includes = [f"-I{p}" for p in [*include_paths(), str(Path(_files(".h")[0]).parent)]]
+    flags = ["-std=c++17", "-O3", "-c", *_CAPABILITY_FLAGS["AVX512_VBMI"]]
+    subprocess.run([compiler, *flags, *includes, str(source), "-o", str(obj)], check=True)
+    code = subprocess.run([objdump, "-d", str(obj)], check=True, capture_output=True, text=True).stdout
+    for function in ("widen_e4m3", "widen_e5m2"):
+        body = code.split(function, 1)[1].split("\n\n", 1)[0]
+        assert body.count("vpermb") == 2 and re.search(r"vperm[ti]2b", body), body
+        assert "vpmovsxbd" not in body
+
+
+def test_fp8_wide_load_is_load_raw_bit_for_bit():
+    """Every pair of fp8 codes side by side (a code's high bits are looked up after a 16-bit shift, which brings in
+    its neighbour's): the wide load's raw values are load_raw's bit for bit, and those are each finite code's value
+    over raw_unit (2^(127 - bias)) exactly."""
+    kernels = hybrid_ops.get_backend("cpu")._module
+    pairs = torch.cartesian_prod(torch.arange(256), torch.arange(256)).flatten().to(torch.uint8)
+    for cache_dtype, bias in ((torch.float8_e4m3fn, 7), (torch.float8_e5m2, 15)):
+        codes = pairs.view(cache_dtype)
+        wide, narrow = kernels.widen_fp8(codes, wide=True), kernels.widen_fp8(codes, wide=False)
+        assert torch.equal(wide.view(torch.int32), narrow.view(torch.int32)), cache_dtype
+        finite = codes.float().isfinite()
+        assert torch.equal(narrow.double()[finite] * 2.0 ** (127 - bias), codes.double()[finite]), cache_dtype
+
+
+@needs_vbmi
+def test_vbmi_cpus_load_the_look_up_build():
+    kernels = hybrid_ops.get_backend("cpu")._module
+    assert kernels.__name__ == "hybrid_ops_cpu_avx512_vbmi" and kernels.FP8_WIDE_VECS == 4
+
+
+@needs_vbmi
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("head_dim", [64, 96, 128])  # one wide load a row; one and a rest of 32; two
+@pytest.mark.parametrize("op, q_len", [("decode", 1), ("decode", 3), ("prefill", 40)])  # decode, verify: few rows
+def test_vbmi_fp8_against_float64(op, q_len, head_dim, cache_dtype, dtype):
+    """fp8 caches through the look-up build's few rows (V read 64 values a load) and many rows (tiles widened 64 at a
+    time), with a value head dim 16 past D (a rest of 16), against float64."""
+    case = make_case(
+        [q_len] * 2, [150, 70], 8, head_dim=head_dim, page_size=16, dtype=dtype, seed=head_dim, v_head_dim=head_dim + 16
+    )
+    check_fp8(op, case, FP8[cache_dtype], *fp8_scales("per_head", 2))
 
 
 # Trees (tree_mask) laid out parents first but not level by level (`recursive_tree`): positions (prefix + depth) far

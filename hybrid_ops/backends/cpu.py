@@ -4,8 +4,12 @@ One call stores the new k, v and attends, reading the pages where they lie (no g
 of `at::parallel_for`; the caches in q's dtype, or fp8 with their scales (`options`: "fp8_kv"). The kernels build at
 first use with `torch.utils.cpp_extension` (g++ or clang, and ninja) into torch's extension directory, for the vector
 instructions ATen detected on this machine (`torch.backends.cpu.get_cpu_capability()`: DEFAULT, AVX2 or AVX512), so a
-build never uses instructions the CPU lacks; later processes load the cached library (one per source text). Without a
-compiler, "auto" warns once and takes the torch backend, and `backend="cpu"` is an error.
+build never uses instructions the CPU lacks; later processes load the cached library (one per source text). Where
+ATen's capability is AVX512 and the CPU also reports AVX512-VBMI (Ice Lake and later, Zen 4 and later; the `avx512vbmi`
+flag of /proc/cpuinfo), the build is AVX512_VBMI, which widens fp8 caches by byte look-ups (`kernel_capability()`); so
+`ATEN_CPU_CAPABILITY=avx2` or `default` still forces those builds. The module's `FP8_WIDE_VECS` says which widening
+it compiled (4: look-ups, 1: shifts). Without a compiler, "auto" warns once and takes the torch backend, and
+`backend="cpu"` is an error.
 
 The metadata lives on the host, so the kernel checks its values (a tree mask's included) on every call before writing
 anything (`checks_values`); on bad values it returns None and `check_metadata_values` names the culprit. A tree
@@ -65,6 +69,8 @@ _CAPABILITY_FLAGS = {
         "-DCPU_CAPABILITY_AVX512",
     ],
 }
+# at::vec's AVX512 code, and fp8 widened by byte look-ups (kernels/cpu/fp8.h).
+_CAPABILITY_FLAGS["AVX512_VBMI"] = [*_CAPABILITY_FLAGS["AVX512"], "-mavx512vbmi"]
 
 
 # modes.ROUTING for the C++ entry points: (forward_mode, speculative_attention_mode, routed to decode?).
@@ -81,9 +87,25 @@ def _files(suffix: str) -> list[str]:
     return sorted(str(f) for f in folder.iterdir() if f.name.endswith(suffix))
 
 
+def _cpu_flags() -> set[str]:
+    """The first CPU's flags in /proc/cpuinfo (none elsewhere than Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def kernel_capability() -> str:
+    """The build the kernels take here: ATen's CPU capability, or AVX512_VBMI where it is AVX512 and the CPU has
+    AVX512-VBMI."""
+    aten = torch.backends.cpu.get_cpu_capability()
+    return "AVX512_VBMI" if aten == "AVX512" and "avx512vbmi" in _cpu_flags() else aten
+
+
 def build():
     """Compile (or load the cached) extension module; prints a line while a build runs."""
-    capability = torch.backends.cpu.get_cpu_capability()
+    capability = kernel_capability()
     flags = _CAPABILITY_FLAGS.get(capability, [])
     name = f"hybrid_ops_cpu_{capability.lower()}"
     sources = _files(".cpp")

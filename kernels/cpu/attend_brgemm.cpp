@@ -54,8 +54,14 @@ void copy_row(const S* src, D* dst, int64_t n) {
     std::memcpy(dst, src, n * sizeof(S));
   } else if constexpr (is_fp8<S>) {
     static_assert(std::is_same_v<D, float>);
+    constexpr int W = row_vecs<S>;
     const Vec unit(raw_unit<S>());
     int64_t i = 0;
+    for (; i + W * VEC <= n; i += W * VEC) {
+      Vec raw[W];
+      load_rows(src + i, raw);
+      for (int v = 0; v < W; ++v) (raw[v] * unit).store(dst + i + v * VEC);
+    }
     for (; i + VEC <= n; i += VEC) (load_raw(src + i) * unit).store(dst + i);
     for (; i < n; ++i) dst[i] = raw_value(src[i]) * raw_unit<S>();
   } else {

@@ -17,7 +17,9 @@ constexpr int64_t PAGES_PER_PASS = 8;  // with 4 (fewer streams in flight), bf16
 // scores[r, j] = q[r] . k_j for RB rows (few rows: decode, verify), KB keys j + c * ks at a time: one load of each K
 // chunk serves the RB rows, and RB x KB independent accumulators keep the FMA units busy. Key j's row is at k[j] +
 // offset (offset: a kv head's place in the rows of every head). Always inlined, as accumulate_pv: decode ran 4% slower
-// where the compiler did not inline them.
+// where the compiler did not inline them. fp8 rows are widened a vector at a time here even where a load widens 4
+// (row_vecs): a key's 4 vectors in turn take 4 times the query loads, 2 keys at a time halve the key block, and either
+// ran fp8 decode 8-15% slower on a Zen 5.
 template <int RB, int KB, typename R>
 [[gnu::always_inline]] inline void scores_dot_keys(const float* q, int64_t dim, const R* const* k, int64_t j,
                                                    int64_t ks, int64_t offset, float* scores) {
@@ -50,7 +52,7 @@ void scores_dot(const float* q, int64_t dim, const R* const* k, int64_t a, int64
 }
 
 // acc[r] += sum_j p[r, j] v_j for RB rows and DB vectors of the head dim, j = a, a + ks, ... below b, v_j at v[j] +
-// offset: one load of each V chunk serves the RB rows.
+// offset: one load of each V chunk serves the RB rows (DB == row_vecs<R> > 1: one wide load of fp8 values).
 template <int RB, int DB, typename R>
 [[gnu::always_inline]] inline void accumulate_pv(const float* p, const R* const* v, int64_t a, int64_t b, int64_t ks,
                                                  int64_t offset, int64_t d0, int64_t dim, float* acc) {
@@ -59,7 +61,11 @@ template <int RB, int DB, typename R>
     for (int c = 0; c < DB; ++c) sum[r][c] = Vec::loadu(acc + r * dim + d0 + c * VEC);
   for (int64_t j = a; j < b; j += ks) {
     Vec vv[DB];
-    for (int c = 0; c < DB; ++c) vv[c] = load_row(v[j] + offset + d0 + c * VEC);
+    if constexpr (DB == row_vecs<R>) {
+      load_rows(v[j] + offset + d0, vv);
+    } else {
+      for (int c = 0; c < DB; ++c) vv[c] = load_row(v[j] + offset + d0 + c * VEC);
+    }
     for (int r = 0; r < RB; ++r) {
       const Vec pr(p[r * BLOCK_N + j]);
       for (int c = 0; c < DB; ++c) sum[r][c] = at::vec::fmadd(pr, vv[c], sum[r][c]);
@@ -142,6 +148,11 @@ void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, 
           const float* p = s.scores.data() + (h * rows + r) * BLOCK_N;
           float* acc = s.acc.data() + (h * rows + r) * v_dim;
           int64_t d = 0;
+          // Where a load widens W > 1 vectors (fp8 with AVX512-VBMI), W at a time: a broadcast of p per W vectors.
+          constexpr int W = row_vecs<R>;
+          if constexpr (W > 1) {
+            for (; d + W * VEC <= v_dim; d += W * VEC) accumulate_pv<RB, W>(p, v, a, b, ks, offset, d, v_dim, acc);
+          }
           for (; d + 2 * VEC <= v_dim; d += 2 * VEC) accumulate_pv<RB, 2>(p, v, a, b, ks, offset, d, v_dim, acc);
           if (d < v_dim) accumulate_pv<RB, 1>(p, v, a, b, ks, offset, d, v_dim, acc);
         });

@@ -251,6 +251,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("BLOCK_ROWS") = hybrid_ops::cpu::BLOCK_ROWS;
   m.attr("GEMM_ROWS") = hybrid_ops::cpu::GEMM_ROWS;
   m.attr("GEMM_BLOCK_N") = hybrid_ops::cpu::GEMM_BLOCK_N;
+  m.def("widen_fp8", &hybrid_ops::widen_fp8,
+        "fp8 codes [n] (n a multiple of 64) as raw float32 values, by the wide load or 16 at a time", py::arg("codes"),
+        py::arg("wide"));
+  m.attr("FP8_WIDE_VECS") = hybrid_ops::fp8_wide_vecs();
   m.def("multiplies_in_cache_dtype", &hybrid_ops::multiplies_in_cache_dtype,
         "Whether many query rows over a 16-bit cache multiply in 16 bits (AMX) rather than fp32");
   m.def("configure", &configure,

@@ -55,12 +55,17 @@ constexpr float lifted() {
   return is_fp8<C> ? 0x1p64f : 1.f;
 }
 
+// The fp32 bits of a byte's raw value.
+template <typename C>
+constexpr uint32_t raw_bits(uint8_t byte) {
+  return static_cast<uint32_t>(static_cast<int32_t>(static_cast<int8_t>(byte))) << Fp8<C>::shift & Fp8<C>::mask;
+}
+
 // A cache element as few-rows units read it: its value, or (fp8) its raw value.
 template <typename C>
 inline float raw_value(C x) {
   if constexpr (is_fp8<C>) {
-    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(static_cast<int8_t>(x.x))) << Fp8<C>::shift;
-    return c10::bit_cast<float>(bits & Fp8<C>::mask);
+    return c10::bit_cast<float>(raw_bits<C>(x.x));
   } else {
     return static_cast<float>(x);
   }
@@ -82,6 +87,61 @@ inline Vec load_raw(const C* p) {
   return Vec::loadu(raw);
 #endif
 }
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512VBMI__)
+// With AVX512-VBMI, 64 bytes widen at once, to the same raw values, by byte look-ups (vpermb: a table of 64 bytes,
+// indexed by each byte's low 6 bits). A raw value's bytes 0 and 1 are zero, its byte 2 is a function of the byte's
+// low bits and its byte 3 of its high bits (sign, exponent), which a 16-bit shift brings down: the bits it brings in
+// from the next byte lie above the ones the table reads (its entries repeat). A load, a shift and two look-ups per
+// 64 values, then one two-table permutation per 16 that places bytes 2 and 3: fewer than load_raw's 3 per 16, but
+// more shuffles (about as fast on a Zen 5: docs/benchmarks.md).
+constexpr int WIDE_VECS = 4;  // vectors load_raw_wide fills
+
+template <typename C>
+struct RawBytes {
+  static constexpr int high_shift = 24 - Fp8<C>::shift;  // the byte's bit that lands on bit 24
+  static_assert((Fp8<C>::mask & 0xFFFFu) == 0 && high_shift <= 6);
+  alignas(64) uint8_t low[64] = {}, high[64] = {};  // byte 2 by the byte's low bits; byte 3 by its high bits
+  constexpr RawBytes() {
+    for (int i = 0; i < 64; ++i) {
+      low[i] = raw_bits<C>(i) >> 16 & 0xFF;
+      high[i] = raw_bits<C>(i << high_shift & 0xFF) >> 24;
+    }
+  }
+};
+
+// For the 4 vectors of 16 raw values: byte 2 of value j from `low` (index 16 * vector + j), byte 3 from `high`
+// (64 more); bytes 0 and 1 are zeroed by the mask.
+struct RawPlaces {
+  static constexpr uint64_t mask = 0xCCCCCCCCCCCCCCCCull;
+  alignas(64) uint8_t index[4][64] = {};
+  constexpr RawPlaces() {
+    for (int v = 0; v < 4; ++v)
+      for (int i = 0; i < 64; ++i) index[v][i] = i % 4 == 2 ? 16 * v + i / 4 : 64 + 16 * v + i / 4;
+  }
+};
+
+// WIDE_VECS * VEC raw fp8 values, out[v] holding values v * VEC ..: load_raw's, bit for bit.
+template <typename C>
+inline void load_raw_wide(const C* p, Vec* out) {
+  static constexpr RawBytes<C> bytes{};
+  static constexpr RawPlaces places{};
+  const __m512i b = _mm512_loadu_si512(p);
+  const __m512i low = _mm512_permutexvar_epi8(b, _mm512_load_si512(bytes.low));
+  const __m512i high =
+      _mm512_permutexvar_epi8(_mm512_srli_epi16(b, RawBytes<C>::high_shift), _mm512_load_si512(bytes.high));
+  for (int v = 0; v < 4; ++v) {
+    const __m512i index = _mm512_load_si512(places.index[v]);
+    out[v] = _mm512_castsi512_ps(_mm512_maskz_permutex2var_epi8(RawPlaces::mask, low, index, high));
+  }
+}
+#else
+constexpr int WIDE_VECS = 1;
+template <typename C>
+inline void load_raw_wide(const C* p, Vec* out) {
+  out[0] = load_raw(p);
+}
+#endif
 
 // x as an fp8 cache of C holds it, as hybrid_ops.fp8.quantize stores it: divided by its kv head's scale in fp32,
 // saturated (NaN stays NaN), then rounded to nearest even by c10's conversion.

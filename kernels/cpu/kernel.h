@@ -43,6 +43,20 @@ inline Vec load_row(const T* p) {
   }
 }
 
+// Vectors of a row that load_rows widens from one load: WIDE_VECS for fp8 (4 with AVX512-VBMI), else 1.
+template <typename R>
+constexpr int row_vecs = is_fp8<R> ? WIDE_VECS : 1;
+
+// row_vecs<R> vectors of a row, out[v] holding values v * VEC ..
+template <typename R>
+inline void load_rows(const R* p, Vec* out) {
+  if constexpr (is_fp8<R>) {
+    load_raw_wide(p, out);
+  } else {
+    out[0] = load_row(p);
+  }
+}
+
 inline float hsum(const Vec& x) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, x);
 }

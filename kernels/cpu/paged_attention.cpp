@@ -232,6 +232,35 @@ bool multiplies_in_cache_dtype(at::ScalarType dtype) {
   }
 }
 
+at::Tensor widen_fp8(const at::Tensor& codes, bool wide) {
+  constexpr int64_t W = cpu::WIDE_VECS, step = W * cpu::VEC;
+  static_assert(64 % step == 0);
+  TORCH_CHECK(codes.dim() == 1 && codes.is_contiguous() && codes.numel() % 64 == 0,
+              "widen_fp8 takes contiguous codes [n], n a multiple of 64");
+  at::Tensor out = at::empty({codes.numel()}, codes.options().dtype(at::kFloat));
+  float* dst = out.data_ptr<float>();
+  const auto widen = [&](const auto* src) {
+    for (int64_t i = 0; i < codes.numel(); i += step) {
+      cpu::Vec raw[W];
+      if (wide) {
+        cpu::load_raw_wide(src + i, raw);
+      } else {
+        for (int64_t v = 0; v < W; ++v) raw[v] = cpu::load_raw(src + i + v * cpu::VEC);
+      }
+      for (int64_t v = 0; v < W; ++v) raw[v].store(dst + i + v * cpu::VEC);
+    }
+  };
+  if (codes.scalar_type() == at::kFloat8_e4m3fn) {
+    widen(codes.data_ptr<at::Float8_e4m3fn>());
+  } else {
+    TORCH_CHECK(codes.scalar_type() == at::kFloat8_e5m2, "widen_fp8 takes float8_e4m3fn or float8_e5m2 codes");
+    widen(codes.data_ptr<at::Float8_e5m2>());
+  }
+  return out;
+}
+
+int64_t fp8_wide_vecs() { return cpu::WIDE_VECS; }
+
 bool metadata_values_ok(const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, const at::Tensor& block_table,
                         int64_t num_tokens, int64_t num_pages, int64_t page_size, bool decode) {
   const auto cu = cu_seqlens_q.contiguous(), lens = seq_lens.contiguous(), table = block_table.contiguous();

@@ -25,6 +25,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 // Whether many query rows over a cache of `dtype` multiply in that dtype (16-bit brgemm on AMX), not in fp32.
 bool multiplies_in_cache_dtype(at::ScalarType dtype);
 
+// fp8 codes [n] (float8_e4m3fn or float8_e5m2, n a multiple of 64) widened as the few-rows units widen them, to their
+// raw values [n] float32 (fp8.h): by the wide load (`wide`: 64 at a time, by byte look-ups where the build has
+// AVX512-VBMI) or by load_raw, 16 at a time; for tests.
+at::Tensor widen_fp8(const at::Tensor& codes, bool wide);
+
+// Vectors that the wide load of fp8 codes fills: 4 where the build widens by byte look-ups (AVX512-VBMI), else 1.
+int64_t fp8_wide_vecs();
+
 // The values validation.check_metadata_values accepts (cu_seqlens_q from 0 to num_tokens, non-decreasing; each
 // request's length within its table row and at least its new tokens; its pages' ids in [0, num_pages); one query
 // length for every request when `decode`), for metadata whose shapes and dtypes the entry points' checks passed.
