@@ -20,7 +20,7 @@ import torch
 
 from ..errors import HybridInputError, HybridOpsError
 from .cache_manager import paged_cache
-from .checks import cache_dtype, check_sizes, max_positions
+from .checks import check_model_sizes
 from .packaged import INFO, PackageInfo, config_fields, library_versions
 from .runner import graph_backends, model_step, step_buckets
 
@@ -96,18 +96,13 @@ def package(
     def refuse(reason):
         raise HybridInputError(f"{model_type} cannot be packaged: {reason}; serve it with HybridGenerator(model)")
 
-    config = model.config.get_text_config()
-    max_seq_len = check_sizes(
-        max_positions(config),
-        max_seq_len,
-        max_batch_size=max_batch_size,
-        page_size=page_size,
+    max_seq_len, kv_cache_dtype = check_model_sizes(
+        model, max_seq_len, kv_cache_dtype, max_batch_size=max_batch_size, page_size=page_size,
         prefill_chunk=prefill_chunk,
-    )
+    )  # fmt: skip
     if not (isinstance(path, (str, os.PathLike)) and os.fspath(path).endswith(".pt2")):
         raise HybridInputError(f"path must be a file name ending in .pt2, got {path!r}")
     param = next(model.parameters())
-    kv_cache_dtype = cache_dtype(kv_cache_dtype, param.dtype)
     if param.device.type not in ("cpu", "cuda"):
         refuse(f"it is on {param.device.type}; packages run on the CPU or CUDA")
     if "flashinfer" in (prefill_backend, decode_backend):
@@ -155,7 +150,7 @@ def package(
         **library_versions(),
         model_type=model_type,
         config=config_fields(model.config),
-        vocab_size=config.vocab_size,
+        vocab_size=model.config.get_text_config().vocab_size,
         eos_token_id=getattr(getattr(model, "generation_config", None), "eos_token_id", None),
         device=param.device.type,
         dtype=str(param.dtype).removeprefix("torch."),

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import HybridInputError, HybridOpsError
 from .cache_manager import KVCacheManager, paged_cache, state_pool
-from .checks import cache_dtype, check_flags, check_sizes, is_int, max_positions, prompt_list, token_list
+from .checks import check_flags, check_model_sizes, check_sizes, is_int, max_positions, prompt_list, token_list
 from .runner import ModelRunner
 from .sampler import SamplingParams, next_tokens
 from .scheduler import Request, Scheduler
@@ -110,17 +110,12 @@ class HybridGenerator:
         from ..integrations.transformers import kv_heads_per_rank, tensor_parallel_group
 
         config = model.config.get_text_config()
-        max_seq_len = check_sizes(
-            max_positions(config),
-            max_seq_len,
-            max_batch_size=max_batch_size,
-            page_size=page_size,
-            prefill_chunk=prefill_chunk,
-            num_pages=num_pages,
-        )
+        max_seq_len, kv_cache_dtype = check_model_sizes(
+            model, max_seq_len, kv_cache_dtype, max_batch_size=max_batch_size, page_size=page_size,
+            prefill_chunk=prefill_chunk, num_pages=num_pages,
+        )  # fmt: skip
         check_flags(compile=compile, cuda_graphs=cuda_graphs, prefix_caching=prefix_caching)
         param = next(model.parameters())
-        kv_cache_dtype = cache_dtype(kv_cache_dtype, param.dtype)
         model.set_attn_implementation("hybrid")
         self.model = model.eval()
         if tensor_parallel_group(model) is not None:  # refuses KV heads split across ranks, before any forward

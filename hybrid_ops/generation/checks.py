@@ -76,3 +76,10 @@ def cache_dtype(kv_cache_dtype, model_dtype):
             f"or torch.float8_e5m2, got {kv_cache_dtype!r}"
         )
     return kv_cache_dtype
+
+
+def check_model_sizes(model, max_seq_len, kv_cache_dtype, **sizes):
+    """`check_sizes` against the model's max_position_embeddings and `cache_dtype` against its parameters' dtype ->
+    (max_seq_len, the cache's dtype)."""
+    max_seq_len = check_sizes(max_positions(model.config.get_text_config()), max_seq_len, **sizes)
+    return max_seq_len, cache_dtype(kv_cache_dtype, next(model.parameters()).dtype)
