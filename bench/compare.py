@@ -67,14 +67,14 @@ def cases(selected):
             yield name, Batch(prefixes, news, dtype, shuffle_pages=True), decode, fp8
 
 
-def caller(module, kv_args, options):
-    """A call of `module`'s forward: with every option, or, for a kernel from before `tree_mask` (the last), without
-    it (a first call finds which: it stores the same k, v as every later one)."""
+def make_caller(module, kv_args, options):
+    """A maker (as `timeit_side_by_side` takes) of a call of `module`'s forward: with every option, or, for a kernel
+    from before `tree_mask` (the last), without it (a first call finds which: it stores the k, v every call stores)."""
     try:
         module.forward(*kv_args, *options)
     except TypeError:
         options = options[:-1]
-    return lambda: module.forward(*kv_args, *options)
+    return lambda: lambda: module.forward(*kv_args, *options)
 
 
 def main(argv=None):
@@ -92,7 +92,7 @@ def main(argv=None):
         kv_args = (batch.q, batch.k_new, batch.v_new, *caches[:2], *batch.meta)
         # scale, window, logit_cap, sinks, attention_chunk, decode, k_scale, v_scale, tree_mask
         options = (1 / math.sqrt(batch.q.shape[-1]), -1, 0.0, None, -1, decode, *caches[2:], None)
-        fns = {label: caller(m, kv_args, options) for label, m in kernels.items()}
+        fns = {label: make_caller(m, kv_args, options) for label, m in kernels.items()}
         times = timeit_side_by_side(fns, args.reps)
         other, this = times["other"] * 1e3, times["this"] * 1e3
         print(f"| {name} | {other:.2f} | {this:.2f} | {this / other:.3f} |", flush=True)
