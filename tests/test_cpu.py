@@ -192,8 +192,13 @@ def test_fp8_backend_object_takes_per_head_views():
 
 # fp8 widened 64 values at a time by byte look-ups (kernels/cpu/fp8.h: load_raw_wide), in the AVX512_VBMI build that
 # CPUs with AVX512-VBMI load (hybrid_ops/backends/cpu.py).
-VBMI = torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512vbmi" in _cpu_flags()
-needs_vbmi = pytest.mark.skipif(not VBMI, reason="this CPU has no AVX512-VBMI: the look-up build cannot run here")
+CAPABILITY, HAS_VBMI = torch.backends.cpu.get_cpu_capability(), "avx512vbmi" in _cpu_flags()
+VBMI = CAPABILITY == "AVX512" and HAS_VBMI
+needs_vbmi = pytest.mark.skipif(
+    not VBMI,
+    reason=f"the look-up build takes ATen's AVX512 level and a CPU with AVX512-VBMI; here: {CAPABILITY}, "
+    f"{'with' if HAS_VBMI else 'without'} AVX512-VBMI",
+)
 WIDE_LOAD = """#include "fp8.h"
 using namespace hybrid_ops::cpu;
 void widen_e4m3(const at::Float8_e4m3fn* p, Vec* out) { load_raw_wide(p, out); }
