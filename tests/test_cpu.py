@@ -19,7 +19,7 @@ from helpers.reference import expected_cache, fp8_case, fp8_store_case, make_cas
 
 import hybrid_ops
 from hybrid_ops import ForwardMode, select_path
-from hybrid_ops.backends.cpu import _CAPABILITY_FLAGS, _cpu_flags, _files
+from hybrid_ops.backends.cpu import _CAPABILITY_FLAGS, _files, kernel_capability
 from hybrid_ops.backends.torch_ref import TorchBackend
 from hybrid_ops.fp8 import per_head
 from hybrid_ops.options import Options
@@ -192,12 +192,10 @@ def test_fp8_backend_object_takes_per_head_views():
 
 # fp8 widened 64 values at a time by byte look-ups (kernels/cpu/fp8.h: load_raw_wide), in the AVX512_VBMI build that
 # CPUs with AVX512-VBMI load (hybrid_ops/backends/cpu.py).
-CAPABILITY, HAS_VBMI = torch.backends.cpu.get_cpu_capability(), "avx512vbmi" in _cpu_flags()
-VBMI = CAPABILITY == "AVX512" and HAS_VBMI
 needs_vbmi = pytest.mark.skipif(
-    not VBMI,
-    reason=f"the look-up build takes ATen's AVX512 level and a CPU with AVX512-VBMI; here: {CAPABILITY}, "
-    f"{'with' if HAS_VBMI else 'without'} AVX512-VBMI",
+    kernel_capability() != "AVX512_VBMI",
+    reason=f"the look-up build is AVX512_VBMI (ATen's AVX512 level on a CPU with AVX512-VBMI); here it is "
+    f"{kernel_capability()}",
 )
 WIDE_LOAD = """#include "fp8.h"
 using namespace hybrid_ops::cpu;
@@ -222,7 +220,7 @@ def test_fp8_wide_load_compiles_to_byte_permutes(tmp_path):
     code = subprocess.run([objdump, "-d", str(obj)], check=True, capture_output=True, text=True).stdout
     for function in ("widen_e4m3", "widen_e5m2"):
         body = code.split(function, 1)[1].split("\n\n", 1)[0]
-        assert body.count("vpermb") == 2 and re.search(r"vperm[ti]2b", body), body
+        assert body.count("vpermb") >= 2 and re.search(r"vperm[ti]2b", body), body
         assert "vpmovsxbd" not in body
 
 
