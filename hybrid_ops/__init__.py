@@ -7,7 +7,7 @@ Set `HYBRID_OPS_VALIDATE=1` or call `set_validation(True)` to check the metadata
 
 __version__ = "0.1.0"  # pyproject.toml reads it; packages (`package`) record it
 
-from . import ops  # noqa: F401  (registers torch.ops.hybrid.*)
+from . import ops, state_ops  # noqa: F401  (registers torch.ops.hybrid.*)
 from .backends import Backend, backend_names, get_backend, register_backend, unregister_backend
 from .cache import PagedKVCache
 from .errors import HybridInputError, HybridOpsError, OutOfPagesError

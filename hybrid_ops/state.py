@@ -10,6 +10,10 @@ current ones at run time.
 Slots are not zeroed when reused: a request's first forward has no previous state, and every stateful layer then
 computes its states from zero and writes them, whatever its slot held (tests/test_stateful.py fills free slots with
 NaN to check it).
+
+Speculative decoding: with `max_verify_tokens=Q`, each state also has `intermediate_states` [num_slots, Q, *shape],
+where a TARGET_VERIFY step's state ops leave the state after each of a request's draft tokens (`state_ops`); once the
+verifier knows how many it accepts, `commit` copies the state after the last accepted token into the slot.
 """
 
 import math
@@ -24,16 +28,27 @@ class StatePool:
 
     layer_states: per stateful layer, the (shape, dtype) of each of its states, one request's (no batch dim).
     states[i][j]: layer i's state j, [num_slots, *shape]; its address never changes (`mark_static_address`).
+    max_verify_tokens: Q > 0 gives every state its `intermediate_states[i][j]`, [num_slots, Q, *shape] (TARGET_VERIFY
+    steps of up to Q tokens per request); 0 gives none (`intermediate_states` is None).
     """
 
-    def __init__(self, layer_states, num_slots: int, device="cpu"):
+    def __init__(self, layer_states, num_slots: int, device="cpu", max_verify_tokens: int = 0):
         if not (isinstance(num_slots, int) and num_slots > 0):
             raise HybridInputError(f"num_slots must be a positive int, got {num_slots!r}")
+        if not (isinstance(max_verify_tokens, int) and max_verify_tokens >= 0):
+            raise HybridInputError(f"max_verify_tokens must be an int >= 0, got {max_verify_tokens!r}")
         self.states = [
             [torch.zeros((num_slots, *shape), dtype=dtype, device=device) for shape, dtype in layer]
             for layer in layer_states
         ]
-        for t in self.all_states:  # static sizes too: Dynamo would otherwise unify a token count equal to one
+        self.intermediate_states = None
+        if max_verify_tokens:
+            self.intermediate_states = [
+                [t.new_zeros((num_slots, max_verify_tokens, *t.shape[1:])) for t in layer] for layer in self.states
+            ]
+        self.max_verify_tokens = max_verify_tokens
+        every = self.all_states + [t for layer in self.intermediate_states or [] for t in layer]
+        for t in every:  # static sizes too: Dynamo would otherwise unify a token count equal to one
             torch._dynamo.mark_static_address(t)
             torch._dynamo.mark_static(t)
         self.num_slots = num_slots
@@ -81,3 +96,20 @@ class StatePool:
     def slots(self, request_ids) -> torch.Tensor:
         """The step's `state_slots`: [len(request_ids)] int32, each request's slot."""
         return torch.tensor([self.slot(r) for r in request_ids], dtype=torch.int32, device=self.device)
+
+    def commit(self, request_ids, tokens) -> None:
+        """After a TARGET_VERIFY step: each request's state becomes the one after its draft token `tokens[i]` (its
+        index among the step's new tokens for that request), in every layer."""
+        if self.intermediate_states is None:
+            raise HybridInputError("commit needs intermediate states: make the pool with max_verify_tokens > 0")
+        tokens = list(tokens)
+        if len(tokens) != len(request_ids) or not all(0 <= t < self.max_verify_tokens for t in tokens):
+            raise HybridInputError(
+                f"tokens must give each of the {len(request_ids)} requests a token index in "
+                f"[0, {self.max_verify_tokens}), got {tokens}"
+            )
+        slots = self.slots(request_ids).long()
+        index = torch.tensor(tokens, device=self.device)
+        for layer, intermediates in zip(self.states, self.intermediate_states):
+            for state, intermediate in zip(layer, intermediates):
+                state[slots] = intermediate[slots, index]

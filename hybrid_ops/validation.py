@@ -171,26 +171,14 @@ def check_metadata_values(
 
     Returns `(cu_seqlens_q, seq_lens)` as Python lists, for callers that loop over requests.
     """
-    cu = cu_seqlens_q.tolist()
-    lens = seq_lens.tolist()
-    if cu[0] != 0:
-        raise HybridInputError(f"cu_seqlens_q must start at 0, got {cu[0]}")
-    q_lens = [b - a for a, b in zip(cu, cu[1:])]
-    if any(n < 0 for n in q_lens):
-        raise HybridInputError(f"cu_seqlens_q must be non-decreasing, got {cu}")
-    if cu[-1] != num_tokens:
-        raise HybridInputError(f"cu_seqlens_q must end at the number of tokens T = {num_tokens}, got {cu[-1]}")
+    cu, lens = check_lengths(cu_seqlens_q, seq_lens, num_tokens, decode)
     capacity = block_table.shape[1] * page_size
-    for i, (n, length) in enumerate(zip(q_lens, lens)):
-        if length < n:
-            raise HybridInputError(f"seq_lens[{i}] = {length} is shorter than request {i}'s {n} new tokens")
+    for i, length in enumerate(lens):
         if length > capacity:
             raise HybridInputError(
                 f"seq_lens[{i}] = {length} exceeds block_table's capacity of {block_table.shape[1]} pages "
                 f"x {page_size} = {capacity} tokens"
             )
-    if decode and len(set(q_lens)) > 1:
-        raise HybridInputError(f"decode needs the same query length for every request, got {q_lens}")
     pages_used = (seq_lens.to(torch.int64) + page_size - 1) // page_size
     in_use = torch.arange(block_table.shape[1], device=block_table.device) < pages_used[:, None]
     bad = in_use & ((block_table < 0) | (block_table >= num_pages))
@@ -201,6 +189,26 @@ def check_metadata_values(
         )
     if tree_mask is not None:
         check_tree_values(tree_mask, cu)
+    return cu, lens
+
+
+def check_lengths(cu_seqlens_q, seq_lens, num_tokens, decode):
+    """Value checks of cu_seqlens_q against T = `num_tokens` and of seq_lens against each request's new tokens (and,
+    on the decode path, one q_len for all). Returns both as Python lists."""
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    if cu[0] != 0:
+        raise HybridInputError(f"cu_seqlens_q must start at 0, got {cu[0]}")
+    q_lens = [b - a for a, b in zip(cu, cu[1:])]
+    if any(n < 0 for n in q_lens):
+        raise HybridInputError(f"cu_seqlens_q must be non-decreasing, got {cu}")
+    if cu[-1] != num_tokens:
+        raise HybridInputError(f"cu_seqlens_q must end at the number of tokens T = {num_tokens}, got {cu[-1]}")
+    for i, (n, length) in enumerate(zip(q_lens, lens)):
+        if length < n:
+            raise HybridInputError(f"seq_lens[{i}] = {length} is shorter than request {i}'s {n} new tokens")
+    if decode and len(set(q_lens)) > 1:
+        raise HybridInputError(f"decode needs the same query length for every request, got {q_lens}")
     return cu, lens
 
 
@@ -228,3 +236,24 @@ def check_tree_values(tree_mask, cu):
         raise HybridInputError(
             f"tree_mask[{t}, {c}] is True: a token sees only earlier new tokens (lay the tree out parents first)"
         )
+
+
+def check_state_metadata_values(cu_seqlens_q, seq_lens, state_slots, num_tokens, num_slots, decode, tree_mask, verify_len):
+    """Value checks of a state op's metadata (`state_ops`; and of a tree mask); reads it to the host (a sync on
+    CUDA). verify_len: Q of intermediate_states in TARGET_VERIFY, else None. Returns (cu_seqlens_q, seq_lens,
+    state_slots) as lists."""
+    cu, lens = check_lengths(cu_seqlens_q, seq_lens, num_tokens, decode)
+    slots = state_slots.tolist()
+    held = [s for s in slots if s != -1]
+    if len(set(held)) != len(held) or not all(0 <= s < num_slots for s in held):
+        raise HybridInputError(
+            f"state_slots must be distinct slots in [0, {num_slots}) or -1 (a padding request), got {slots}"
+        )
+    if tree_mask is not None:
+        check_tree_values(tree_mask, cu)
+    longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
+    if verify_len is not None and longest > verify_len:
+        raise HybridInputError(
+            f"intermediate_states holds Q = {verify_len} tokens per slot, fewer than the longest request's {longest}"
+        )
+    return cu, lens, slots

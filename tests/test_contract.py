@@ -4,6 +4,7 @@ either shows here as a diff (`EXPECTTEST_ACCEPT=1 pytest tests/test_contract.py`
 import expecttest
 import torch
 from helpers.bad_inputs import BAD_INPUTS, VALUE_INPUTS, call, valid_case
+from helpers.state_cases import STATE_BAD_INPUTS, STATE_VALUE_INPUTS, state_message
 
 import hybrid_ops
 
@@ -101,3 +102,41 @@ tree_blind: tree_mask[5, 2] is False: a token always sees itself
 tree_later: tree_mask[3, 1] is True: a token sees only earlier new tokens (lay the tree out parents first)
 decode_ragged_lengths: decode needs the same query length for every request, got [1, 0, 2]""",
         )
+
+    def test_state_op_schemas(self):
+        schemas = "\n".join(
+            str(getattr(torch.ops.hybrid, name).default._schema)
+            for name in ("causal_conv1d", "gated_delta_rule", "selective_scan")
+        )
+        self.assertExpectedInline(schemas, """\
+hybrid::causal_conv1d(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_state, Tensor cu_seqlens_q, Tensor seq_lens, Tensor state_slots, SymInt forward_mode, *, str activation="none", Tensor? tree_mask=None, Tensor(b!)? intermediate_states=None, str prefill_backend="auto", str decode_backend="auto", str speculative_attention_mode="prefill") -> Tensor
+hybrid::gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, Tensor cu_seqlens_q, Tensor seq_lens, Tensor state_slots, SymInt forward_mode, *, float? scale=None, Tensor? tree_mask=None, Tensor(b!)? intermediate_states=None, str prefill_backend="auto", str decode_backend="auto", str speculative_attention_mode="prefill") -> Tensor
+hybrid::selective_scan(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor(a!) state, Tensor cu_seqlens_q, Tensor seq_lens, Tensor state_slots, SymInt forward_mode, *, Tensor? D=None, Tensor? z=None, Tensor? dt_bias=None, bool dt_softplus=False, float dt_min=0., float? dt_max=None, Tensor? tree_mask=None, Tensor(b!)? intermediate_states=None, str prefill_backend="auto", str decode_backend="auto", str speculative_attention_mode="prefill") -> Tensor""")
+
+    def test_state_op_messages(self):
+        messages = [f"{name}: {state_message(name)}" for name in STATE_BAD_INPUTS]
+        messages += [f"{name}: {state_message(name, STATE_VALUE_INPUTS)}" for name in STATE_VALUE_INPUTS]
+        self.assertExpectedInline("\n".join(messages), """\
+conv_x_int: x must be float16, bfloat16 or float32, got torch.int32
+conv_weight_channels: weight must be [8, *], got (4, 4)
+conv_state_width: conv_state must be [*, 3, 8], got (7, 2, 8)
+conv_state_dtype: conv_state must be float32, got torch.float16
+conv_activation: activation must be one of ('none', 'silu'), got 'gelu'
+slots_int64: state_slots must be int32, got torch.int64
+slots_count: state_slots must have one slot per request (6), got 5
+cu_seqlens_count: cu_seqlens_q must have B + 1 = 7 entries (B = len(seq_lens)), got 6
+state_strided: state must be contiguous, got strides (128, 32, 1, 8)
+delta_v_heads: v's 3 heads must be a multiple of q's and k's 2 heads (Hv % Hk == 0)
+delta_g_shape: g must be [23, 4, 8], got (23, 4, 5)
+delta_beta_dtype: beta must be float32, got torch.float64
+delta_state_dtype: state must be float32, got torch.bfloat16
+scan_A_shape: A must be [2], got (1,)
+scan_groups: x's 2 heads must be a multiple of B's 3 groups (H % G == 0)
+scan_D_size: D must be [2], got (5,)
+scan_dt_limits: dt_min, dt_max must be a finite float and None or a float >= it, got 0.0, -1.0
+verify_needs_intermediate: forward_mode TARGET_VERIFY needs intermediate_states ([num_slots, Q, *state shape]): gated_delta_rule keeps each draft token's state there and leaves the slots' states to the accepted one
+unknown_backend: prefill_backend must be 'auto' or one of ['cpu', 'flashinfer', 'torch', 'triton'], got 'x'
+slots_repeated: state_slots must be distinct slots in [0, 7) or -1 (a padding request), got [1, 1, 1, 1, 1, 1]
+slot_too_high: state_slots must be distinct slots in [0, 7) or -1 (a padding request), got [106, 103, 105, 100, 99, 99]
+cu_seqlens_not_T: cu_seqlens_q must end at the number of tokens T = 23, got 22
+seq_lens_short: seq_lens[0] = 0 is shorter than request 0's 7 new tokens""")

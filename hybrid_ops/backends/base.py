@@ -12,6 +12,13 @@ A backend stores a step's new k, v in the paged cache and attends; the ops (`hyb
 
 A backend is only given options whose features (`Options.features`) it declares in `features`, and calls whose
 `Spec` its `supports` accepts. Subclass it, then `hybrid_ops.register_backend(MyBackend())`.
+
+The state ops (`hybrid_ops.state_ops`) are features too, one per op (`STATE_OPS`): a backend that names one in
+`features` implements the method of that name, `causal_conv1d(x, weight, bias, conv_state, step, activation)`,
+`gated_delta_rule(q, k, v, g, beta, state, step, scale)` or `selective_scan(x, dt, A, B, C, state, step, D, z,
+dt_bias, dt_softplus, dt_min, dt_max)`, with the op's checked tensors, `step` a `state_ops.StateMetadata` and the
+op's keywords resolved (scale a float, dt_max a float); its `Spec` has the op's input dtype, the state's dtype as
+cache_dtype, and as head dims (Dk, Dv) for the gated delta rule, (P, N) for the scan, (0, 0) for the convolution.
 """
 
 from typing import NamedTuple
@@ -19,6 +26,9 @@ from typing import NamedTuple
 import torch
 
 from ..options import ALL_FEATURES, Options
+
+# The state ops, each a feature of the backends that serve it.
+STATE_OPS = ("causal_conv1d", "gated_delta_rule", "selective_scan")
 
 
 class Spec(NamedTuple):
@@ -68,4 +78,4 @@ class Backend:
         this no-op."""
 
 
-__all__ = ["ALL_FEATURES", "Backend", "Spec"]
+__all__ = ["ALL_FEATURES", "Backend", "Spec", "STATE_OPS"]

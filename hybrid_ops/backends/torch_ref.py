@@ -21,7 +21,8 @@ from ..fp8 import quantize, raw
 from ..metadata import new_token_slots
 from ..settings import deterministic_enabled
 from ..validation import FLOAT_DTYPES, check_metadata_values
-from .base import ALL_FEATURES, Backend
+from . import torch_state
+from .base import ALL_FEATURES, STATE_OPS, Backend
 
 # Decode batches whose padded K + V gather stays under this many bytes run as one batched call.
 BATCHED_DECODE_BYTES = 8 << 20
@@ -240,7 +241,10 @@ def attend(q, k, v, bias, is_causal, options):
 class TorchBackend(Backend):
     name = "torch"  # always available: nothing to require
     checks_values = True
-    features = ALL_FEATURES
+    features = ALL_FEATURES | frozenset(STATE_OPS)
+    causal_conv1d = staticmethod(torch_state.causal_conv1d)
+    gated_delta_rule = staticmethod(torch_state.gated_delta_rule)
+    selective_scan = staticmethod(torch_state.selective_scan)
 
     def __init__(self):
         self.workspace = Workspace()

@@ -253,6 +253,7 @@ class ModelRunner(StepRunner):
             state_slots=state_slots,
             states=None if self.states is None else self.states.states,
             tree_mask=tree_mask,
+            intermediate_states=None if self.states is None else self.states.intermediate_states,
         )
         return model_step(self.model, step, input_ids, position_ids, logits_index)
 

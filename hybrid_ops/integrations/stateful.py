@@ -5,19 +5,24 @@ transformers 5.24 keeps these layers' states in its cache object, through `get_c
 `get_recurrent_state` / `update_recurrent_state` (`LinearAttentionCacheLayerMixin`, cache_utils.py); MiniMax through
 its own `get_linear_cache` / `set_linear_cache`, RecurrentGemma in module attributes. The packed forward builds no
 cache. `find_mixers` finds each layer that keeps state (a cached forward, then two more on its cache with the cache's
-state reads recorded: the innermost module with a `layer_idx` that reads a state is the layer) and reads the shape
-and dtype of each of its states from that cache. `serve_state` then replaces the forward of each (on the instance
-only, so its weights and other instances are untouched): when the step carries states, it calls
-`torch.ops.hybrid.mixer` (`mixer_op.py`), whose torch backend calls the layer's own forward once per request with a
-one-request cache whose states are that request's slot (`Mixer.call`). Without a step, or with one that carries no
-states (the servability probe, transformers' own `generate`), the layer runs as before.
+state reads recorded: the innermost module with a `layer_idx` that reads a state is the layer). `serve_state` then
+replaces the forward of each (on the instance only, so its weights and other instances are untouched), for forwards
+whose step carries states:
 
-Some decoder layers do not pass the step on to their stateful layer (Jamba, Zaya, Inkling), so the model's forward is
-wrapped too: it holds the step where the layers' forwards read it.
+- the families of `layers.py` (gated delta rule, Mamba2, Mamba1, short convolutions): their own served forward, whose
+  recurrent core is a state op (`hybrid_ops.state_ops`) over every request at once, in our state layout; every mode,
+  CUDA graphs, packages and speculative verification serve them;
+- the classes of `SERVED` (MiniMax's lightning attention, RecurrentGemma's RG-LRU, Zaya's convolution): through
+  `torch.ops.hybrid.mixer` (`mixer_op.py`), whose torch backend calls the layer's own forward once per request with a
+  one-request cache whose states are that request's slot (`Mixer.call`), their states in transformers' shapes (read
+  from that cache). It reads the metadata on the host, so those models get neither CUDA graphs, nor packages, nor the
+  speculative modes.
 
-Only the classes of `SERVED` are served: for each, whether a prefill chunk after the first continues from the state
-the earlier chunks left (Jamba's selective scan and RecurrentGemma's convolution restart from zero in a chunk, so
-their later chunks go token by token through the decode path). Any other class keeping state is refused.
+Without a step, or with one that carries no states (the servability probe, transformers' own `generate`), every layer
+runs as before. Some decoder layers do not pass the step on to their stateful layer (Jamba, Zaya, Inkling), so the
+model's forward is wrapped too: it holds the step where the layers' forwards read it.
+
+Any other class keeping state is refused.
 """
 
 import functools
@@ -32,30 +37,13 @@ from transformers.cache_utils import Cache, LinearAttentionLayer
 
 from ..errors import HybridInputError
 from . import mixer_op
+from .layers import family_of
 
-# Class name -> (how its state reaches it, whether a prefill chunk continues from the state of the chunks before).
+# The classes served through `hybrid::mixer`, by class name: (how its state reaches it, whether a prefill chunk
+# continues from the state of the chunks before: RecurrentGemma's convolution restarts from zero in a chunk, so its
+# later chunks go token by token through its decode path).
 SERVED = {
-    **dict.fromkeys(
-        (
-            "Qwen3NextGatedDeltaNet",
-            "Qwen3_5GatedDeltaNet",
-            "Qwen3_5MoeGatedDeltaNet",
-            "LaraMiniGatedDeltaNet",
-            "OlmoHybridGatedDeltaNet",
-            "KimiLinearDeltaAttention",
-            "BailingHybridDeltaAttention",
-            "BambaMixer",
-            "GraniteMoeHybridMambaLayer",
-            "NemotronHMamba2Mixer",
-            "FalconH1Mixer",
-            "Lfm2ShortConv",
-            "Lfm2MoeShortConv",
-            "Lfm3ShortConv",
-            "ZayaCCAProjection",
-        ),
-        ("cache", True),
-    ),
-    "JambaMambaMixer": ("cache", False),
+    "ZayaCCAProjection": ("cache", True),
     "MiniMaxLightningAttention": ("linear_cache", True),
     "RecurrentGemmaRecurrentBlock": ("attributes", False),
 }
@@ -75,7 +63,7 @@ _ids = itertools.count()
 class StateSpec:
     """One state of a layer: a conv or recurrent state, its index in the layer's cache, one request's shape."""
 
-    kind: str  # "conv" or "recurrent"
+    kind: str  # "conv" or "recurrent" (transformers' cache), "state" (a family's of layers.py)
     index: int
     shape: tuple
     dtype: torch.dtype
@@ -84,17 +72,19 @@ class StateSpec:
 
 @dataclass(eq=False)
 class Mixer:
-    """A stateful layer served through `torch.ops.hybrid.mixer`."""
+    """A stateful layer: served by its family's forward over the state ops (`family`), or else through
+    `torch.ops.hybrid.mixer` (the fields after `family` are that path's)."""
 
     module: torch.nn.Module
     name: str
-    layer: int | None  # its index in the cache (None: state in module attributes)
-    access: str  # "cache", "linear_cache" (MiniMax) or "attributes" (RecurrentGemma)
-    chunks_continue: bool
     states: list  # [StateSpec]
-    outputs: list  # the trailing shape of each output along the tokens (one dtype, `dtype`)
-    dtype: torch.dtype
-    structure: object  # None: the layer returns one tensor; else, per element of its tuple, its output index or None
+    family: object = None  # layers.Family, or None for the `hybrid::mixer` path
+    layer: int | None = None  # its index in transformers' cache (None: state in module attributes)
+    access: str = ""  # "cache", "linear_cache" (MiniMax) or "attributes" (RecurrentGemma)
+    chunks_continue: bool = True
+    outputs: list = field(default_factory=list)  # the trailing shape of each output along the tokens (of `dtype`)
+    dtype: torch.dtype | None = None
+    structure: object = None  # None: the layer returns one tensor; else, per element of its tuple, its output index
     number_of_states: int = 1
     forward: object = None  # the layer's own forward
     id: int = field(default_factory=lambda: next(_ids))
@@ -174,8 +164,9 @@ class _StepHolder:
 
 
 def serve_state(model, refuse) -> list:
-    """The layers of `model` that keep state (`find_mixers`), each routed through `torch.ops.hybrid.mixer` when a
-    forward's step carries states. A model is set up once; `refuse(reason)` for a layer that cannot be served."""
+    """The layers of `model` that keep state (`find_mixers`), each served by its family's forward or through
+    `torch.ops.hybrid.mixer` when a forward's step carries states. A model is set up once; `refuse(reason)` for a
+    layer that cannot be served."""
     mixers = getattr(model, "_hybrid_mixers", None)
     if mixers is not None:
         return mixers
@@ -205,7 +196,7 @@ def _model_forward(forward, holder):
 
 def _layer_forward(mixer, holder):
     names = list(inspect.signature(mixer.forward).parameters)
-    left_out = _ALWAYS_LEFT_OUT | _LEFT_OUT[mixer.access]
+    left_out = _ALWAYS_LEFT_OUT | _LEFT_OUT[mixer.access or "cache"]
 
     def forward(*args, **kwargs):
         step = holder.step
@@ -219,6 +210,10 @@ def _layer_forward(mixer, holder):
                     f"{mixer.name} ({type(mixer.module).__name__}) is called with {name}, which the state op does "
                     f"not carry"
                 )
+        if mixer.family is not None:
+            intermediates = step.intermediate_states
+            intermediates = None if intermediates is None else intermediates[mixer.index]
+            return mixer.family.forward(mixer.module, hidden, step, step.states[mixer.index], intermediates)
         outputs = mixer.split(
             torch.ops.hybrid.mixer(
                 hidden,
@@ -295,6 +290,13 @@ def find_mixers(model, refuse) -> list:
             reads[module] = {("attributes", None, 0)}
     mixers = []
     for module, states in reads.items():
+        family = family_of(module)
+        if family is not None:
+            specs = [
+                StateSpec("state", i, tuple(shape), dtype) for i, (shape, dtype) in enumerate(family.states(module))
+            ]
+            mixers.append(Mixer(module, names[module], specs, family, forward=module.forward))
+            continue
         if module is None or type(module).__name__ not in SERVED:
             name = names.get(module, "a module without a layer_idx")
             refuse(f"{name} ({type(module).__name__}) keeps state that the state op has not been verified on")
@@ -336,14 +338,14 @@ def _mixer(module, name, reads, cache, by_length, refuse) -> Mixer:
     return Mixer(
         module,
         name,
-        layer,
-        access,
-        chunks_continue,
         states,
-        [shape for shape, _ in outputs],
-        dtypes.pop(),
-        structure,
-        number_of_states,
+        layer=layer,
+        access=access,
+        chunks_continue=chunks_continue,
+        outputs=[shape for shape, _ in outputs],
+        dtype=dtypes.pop(),
+        structure=structure,
+        number_of_states=number_of_states,
         forward=module.forward,
     )
 

@@ -35,7 +35,8 @@ class HybridStep:
     `PagedKVCache`'s); the metadata as in the ops; k_scales, v_scales: per layer the float32 scales of fp8 caches
     (`PagedKVCache.k_scales`), None for others; state_slots: [B] int32, each request's slot of a `StatePool`, and
     states: per stateful layer its states (`StatePool.states`), for models with layers that keep state
-    (`stateful.py`), None for others; tree_mask: the ops' `tree_mask` ([T, Q] bool, which of its request's new tokens
+    (`stateful.py`), None for others; intermediate_states: per stateful layer the TARGET_VERIFY states of each
+    draft token (`StatePool.intermediate_states`), or None; tree_mask: the ops' `tree_mask` ([T, Q] bool, which of its request's new tokens
     each token sees: a speculative tree), None for causal order. A step that passes a tensor in every mode (a causal
     one where there is no tree) keeps one compiled graph for trees and plain steps alike; position_ids then carry each
     token's prefix + depth.
@@ -55,6 +56,7 @@ class HybridStep:
     state_slots: torch.Tensor | None = None
     states: list | None = None
     tree_mask: torch.Tensor | None = None
+    intermediate_states: list | None = None
 
 
 @dataclass(eq=False)

@@ -1,0 +1,277 @@
+"""torch.ops.hybrid.{causal_conv1d, gated_delta_rule, selective_scan} against the float64 recurrences of
+tests/helpers/state_reference.py, on every backend that serves them on the CPU: ragged prefills with and without a
+prefix (past chunk and tile boundaries), decode, TARGET_VERIFY of chains and trees into intermediate states,
+padding requests, every slot the batch does not hold full of poison; then their contract (opcheck), their errors and
+the compiled graph."""
+
+import random
+import re
+import zlib
+
+import pytest
+import torch
+from helpers.reference import BACKENDS, slow_except
+from helpers.state_cases import (
+    BATCHES,
+    STATE_BAD_INPUTS,
+    STATE_VALUE_INPUTS,
+    conv_inputs,
+    delta_inputs,
+    scan_inputs,
+    state_message,
+    valid_call,
+)
+from helpers.state_reference import (
+    POISON,
+    conv_reference,
+    expected_intermediates,
+    expected_states,
+    gated_delta_reference,
+    make_batch,
+    poisoned_states,
+    selective_scan_reference,
+)
+from torch.library import opcheck
+
+from hybrid_ops import ForwardMode, HybridInputError
+
+BASIC = ["prefill", "decode"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Max abs error over the output's magnitude: the recurrences in float32, inputs rounded to the dtype.
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def assert_near(got, want, dtype, what):
+    scale = max(1.0, want.abs().max().item()) if want.numel() else 1.0
+    err = (got.double() - want).abs().max().item() if got.numel() else 0.0
+    assert err <= TOLERANCE[dtype] * scale, f"{what}: max abs error {err:.3g} > {TOLERANCE[dtype]:.1g} x {scale:.3g}"
+
+
+def routed(backend, mode):
+    return dict(prefill_backend=backend, decode_backend=backend, speculative_attention_mode=mode)
+
+
+class Call:
+    """A batch and its op's state tensors (poisoned where the batch holds no slot), called once and checked."""
+
+    def __init__(self, name, state_shape, state_dtype, seed, speculative_attention_mode="prefill"):
+        self.mode, arguments = BATCHES[name]
+        self.batch = make_batch(**arguments, rng=random.Random(seed))
+        self.verify = self.mode == ForwardMode.TARGET_VERIFY
+        self.state = poisoned_states(self.batch, state_shape, state_dtype)
+        self.before = self.state.clone()
+        self.intermediate = None
+        if self.verify:
+            q = max(self.batch.q_lens) + 1
+            self.intermediate = torch.full((self.batch.num_slots, q, *state_shape), POISON, dtype=state_dtype)
+        self.spec_mode = speculative_attention_mode
+
+    def keywords(self, backend):
+        return dict(
+            tree_mask=self.batch.tree_mask, intermediate_states=self.intermediate, **routed(backend, self.spec_mode)
+        )
+
+    @property
+    def metadata(self):
+        return (*self.batch.metadata, int(self.mode))
+
+    def check(self, out, reference, dtype, state_dtype):
+        ref, finals, every = reference
+        assert out.shape == ref.shape and out.dtype == dtype
+        assert_near(out, ref, dtype, "output")
+        tolerance = torch.float32 if state_dtype == torch.float32 else state_dtype
+        if self.verify:
+            assert torch.equal(self.state, self.before), "TARGET_VERIFY wrote a slot's state"
+            want = expected_intermediates(self.batch, torch.full_like(self.intermediate, POISON), every)
+            assert_near(self.intermediate, want, tolerance, "intermediate states")
+        else:
+            assert_near(self.state, expected_states(self.batch, self.before, finals), tolerance, "states")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", BATCHES)
+@pytest.mark.parametrize("width, activation", [(4, "silu"), (2, "none")])
+def test_causal_conv1d(backend, name, width, activation):
+    check_conv1d(backend, name, width, activation, torch.float32, channels=40)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", BASIC)
+@pytest.mark.parametrize("dtype", DTYPES[1:])
+@pytest.mark.parametrize("bias", [True, False])
+def test_causal_conv1d_dtypes(backend, name, dtype, bias):
+    check_conv1d(backend, name, 4, "silu", dtype, channels=72, bias=bias)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("width", [1, 3, 5])
+def test_causal_conv1d_widths(backend, width):
+    check_conv1d(backend, "mixed", width, "silu", torch.float32, channels=20)
+
+
+def check_conv1d(backend, name, width, activation, dtype, channels, bias=True, spec_mode="prefill"):
+    call = Call(
+        name,
+        (width - 1, channels),
+        dtype,
+        seed=zlib.crc32(f"{name}{width}".encode()),
+        speculative_attention_mode=spec_mode,
+    )
+    x, weight, b = conv_inputs(call.batch.num_tokens, channels, width, dtype, bias)
+    before = call.state.clone()
+    out = torch.ops.hybrid.causal_conv1d(
+        x, weight, b, call.state, *call.metadata, activation=activation, **call.keywords(backend)
+    )
+    call.check(out, conv_reference(call.batch, x, weight, b, before, activation), dtype, dtype)
+
+
+# (Hk, Hv, Dk, Dv): grouped value heads, head dims past 64-wide tiles, dims that are no power of two.
+DELTA_HEADS = {"grouped": (2, 4, 16, 16), "d128": (1, 2, 128, 64), "odd": (3, 3, 24, 40)}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", BATCHES)
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_gated_delta_rule(backend, name, per_channel):
+    check_gated_delta_rule(backend, name, DELTA_HEADS["grouped"], torch.float32, per_channel)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", BASIC + ["verify"])
+@pytest.mark.parametrize("heads", slow_except("grouped", list(DELTA_HEADS)))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_delta_rule_shapes(backend, name, heads, dtype):
+    check_gated_delta_rule(backend, name, DELTA_HEADS[heads], dtype, per_channel=False)
+
+
+def check_gated_delta_rule(backend, name, heads, dtype, per_channel, scale=None, spec_mode="prefill"):
+    k_heads, v_heads, k_dim, v_dim = heads
+    call = Call(name, (v_heads, k_dim, v_dim), torch.float32, seed=zlib.crc32(f'{name}{heads}'.encode()),
+                speculative_attention_mode=spec_mode)  # fmt: skip
+    q, k, v, g, beta = delta_inputs(call.batch.num_tokens, k_heads, v_heads, k_dim, v_dim, dtype, per_channel)
+    before = call.state.clone()
+    out = torch.ops.hybrid.gated_delta_rule(
+        q, k, v, g, beta, call.state, *call.metadata, scale=scale, **call.keywords(backend)
+    )
+    scale = k_dim**-0.5 if scale is None else scale
+    call.check(out, gated_delta_reference(call.batch, q, k, v, g, beta, before, scale), dtype, torch.float32)
+
+
+# (H, P, G, N): Mamba2 heads in groups, wide heads and states, Mamba1 (P = 1, A per state channel).
+SCAN_HEADS = {"mamba2": (4, 8, 2, 16), "wide": (2, 64, 1, 128), "mamba1": (24, 1, 1, 16)}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", BATCHES)
+@pytest.mark.parametrize("heads", ["mamba2", "mamba1"])
+def test_selective_scan(backend, name, heads):
+    check_selective_scan(backend, name, heads, torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", BASIC)
+@pytest.mark.parametrize("dtype", DTYPES[1:])
+def test_selective_scan_dtypes(backend, name, dtype):
+    check_selective_scan(backend, name, "mamba2", dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["mixed", "verify"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(D=False, z=False, dt_bias=False, dt_softplus=False),
+        dict(D=True, z=False, dt_bias=True, dt_softplus=True, dt_min=0.05, dt_max=0.7),
+        dict(D=True, z=True, dt_bias=True, dt_softplus=True, dt_min=0.001),
+    ],
+    ids=["bare", "limits", "gated"],
+)
+def test_selective_scan_options(backend, name, options):
+    check_selective_scan(backend, name, "mamba2", torch.float32, **options)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_selective_scan_wide(backend):
+    check_selective_scan(backend, "long", "wide", torch.float32)
+
+
+def check_selective_scan(backend, name, heads, dtype, D=True, z=True, dt_bias=True, dt_softplus=True, dt_min=0.0,
+                         dt_max=None, spec_mode="prefill"):  # fmt: skip
+    num_heads, head_dim, groups, state_size = SCAN_HEADS[heads]
+    call = Call(name, (num_heads, head_dim, state_size), torch.float32, seed=zlib.crc32(f'{name}{heads}'.encode()),
+                speculative_attention_mode=spec_mode)  # fmt: skip
+    T = call.batch.num_tokens
+    x, dt, A, B, C = scan_inputs(T, num_heads, head_dim, groups, state_size, dtype, heads == "mamba1")
+    extra = dict(
+        D=torch.randn(num_heads) if D else None,
+        z=torch.randn(T, num_heads, head_dim, dtype=dtype) if z else None,
+        dt_bias=torch.randn(num_heads) * 0.5 if dt_bias else None,
+    )
+    limits = dict(dt_softplus=dt_softplus, dt_min=dt_min, dt_max=dt_max)
+    before = call.state.clone()
+    out = torch.ops.hybrid.selective_scan(x, dt, A, B, C, call.state, *call.metadata, **extra, **limits,
+                                          **call.keywords(backend))  # fmt: skip
+    limits["dt_max"] = float("inf") if dt_max is None else dt_max
+    reference = selective_scan_reference(call.batch, x, dt, A, B, C, before, **extra, **limits)
+    call.check(out, reference, dtype, torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["verify", "verify_tree"])
+def test_verify_on_the_decode_path(backend, name):
+    """speculative_attention_mode="decode" sends TARGET_VERIFY to the decode path (every request's draft tokens in
+    one call): the same states and outputs."""
+    check_conv1d(backend, name, 4, "silu", torch.float32, channels=24, spec_mode="decode")
+    check_gated_delta_rule(backend, name, DELTA_HEADS["grouped"], torch.float32, True, spec_mode="decode")
+    check_selective_scan(backend, name, "mamba2", torch.float32, spec_mode="decode")
+
+
+# The contract: opcheck, the refusals (eager and compiled, every state untouched), the compiled graph.
+
+
+STATE_OPS = ["causal_conv1d", "gated_delta_rule", "selective_scan"]
+
+
+@pytest.mark.parametrize("op", STATE_OPS)
+@pytest.mark.parametrize("name", ["mixed", "verify_tree"])
+def test_opcheck(op, name):
+    fn, args, kwargs = valid_call(op, name)
+    opcheck(fn.default, args, kwargs)
+
+
+@pytest.mark.parametrize("name", STATE_BAD_INPUTS)
+def test_bad_inputs_refused_eager_and_compiled(name):
+    """Refused with the same message eagerly and under torch.compile (where Dynamo wraps what the fake
+    implementation raised; static sizes, so that the message names numbers, not symbols), before any state is
+    written."""
+    op, change = STATE_BAD_INPUTS[name]
+    fn, args, kwargs = valid_call(op)
+    args, kwargs = change(args, kwargs)
+    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    before = [t.clone() for t in tensors]
+    message = state_message(name)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a, **k: fn(*a, **k), fullgraph=True, dynamic=False, backend="aot_eager")
+    with pytest.raises((HybridInputError, torch._dynamo.exc.TorchRuntimeError)) as raised:
+        compiled(*args, **kwargs)
+    error = raised.value
+    while error is not None and not isinstance(error, HybridInputError):
+        error = error.__cause__ or error.__context__
+    assert str(error) == message
+    assert all(torch.equal(a, b) for a, b in zip(tensors, before)), "a refused call wrote a tensor"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", STATE_VALUE_INPUTS)
+def test_bad_values_refused(backend, name, validation_on):
+    """Refused, every state untouched, on each backend (validation on: the backends that do not read the metadata
+    are checked by the op)."""
+    op, change = STATE_VALUE_INPUTS[name]
+    fn, args, kwargs = valid_call(op)
+    args, kwargs = change(args, kwargs)
+    kwargs = {**kwargs, **routed(backend, "prefill")}
+    states = [t for t in args if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() >= 3]
+    before = [t.clone() for t in states]
+    with pytest.raises(HybridInputError, match=re.escape(state_message(name, STATE_VALUE_INPUTS))):
+        fn(*args, **kwargs)
+    assert all(torch.equal(a, b) for a, b in zip(states, before))
