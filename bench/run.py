@@ -5,6 +5,7 @@
     python -m bench fp8             # the accuracy of fp8 KV caches on the demo model (no timing)
     python -m bench tree            # a speculative tree's verify step against the chain's, cpu backend
     python -m bench startup         # seconds from a new process's start to its first token (bench/startup.py)
+    python -m bench hybrid          # hybrid model families against a Llama and transformers (bench/hybrid.py)
     python -m bench --quick         # smaller sizes, fewer repetitions (prints only)
     python -m bench op e2e --save   # some sections, their tables written as the kept results
 
@@ -42,7 +43,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parent.parent))  # the e2e and prefix sections import examples/generate.py
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 STATIC_CACHE_LEN = 4096
-SECTIONS = ["op", "dispatch", "e2e", "prefix", "fp8", "tree", "startup", "plot"]
+SECTIONS = ["op", "dispatch", "e2e", "prefix", "fp8", "tree", "startup", "hybrid", "plot"]
 
 
 def timeit(fn, reps=7, warmup=5):
@@ -765,6 +766,10 @@ def markdown(results):
         from .startup import markdown as startup_markdown
 
         lines += ["", startup_markdown(results["startup"])]
+    if "hybrid" in results:
+        from .hybrid import markdown as hybrid_markdown
+
+        lines += ["", hybrid_markdown(results["hybrid"])]
     return "\n".join(lines) + "\n"
 
 
@@ -846,6 +851,10 @@ def main(argv=None):
         from .startup import startup_section
 
         results["startup"] = startup_section(args.quick)
+    if "hybrid" in args.sections:
+        from .hybrid import hybrid_section
+
+        results["hybrid"] = hybrid_section(args.quick)
     if "plot" in args.sections:
         results["sweep"] = context_sweep(args.quick)
     load.append(os.getloadavg()[0])

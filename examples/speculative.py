@@ -14,7 +14,13 @@ change of mode, tree or batch never recompiles after the warm-up (counted). The 
 graph: each level runs the tokens its cache lacks and the tree so far, with their tree mask, over its cache truncated
 back to the tokens it holds.
 
+A hybrid target (`--model qwen3_5_text`: a gated delta rule layer after an attention layer) keeps each request's
+recurrent state in a slot of a `StatePool`: its verify step leaves the state after every tree node in the pool's
+intermediate states, and the state after the last accepted node is committed (`StatePool.commit`). Its draft is its
+attention layer alone.
+
     python examples/speculative.py --tree 2,2 --max-new-tokens 64
+    python examples/speculative.py --model qwen3_5_text
 """
 
 import argparse
@@ -22,37 +28,58 @@ import time
 
 import torch
 from torch._dynamo.utils import counters
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3_5TextConfig
 
 import hybrid_ops
 from hybrid_ops import ForwardMode, HybridInputError, PagedKVCache
 from hybrid_ops.generation.runner import ModelRunner
 from hybrid_ops.integrations.servable import check_servable
+from hybrid_ops.state import StatePool
 
 # 16 ragged prompts of 3..11 tokens (ids 1..63 of the 64-token vocabulary).
 PROMPTS = [[(7 * i + 5 * j) % 63 + 1 for j in range(3 + (5 * i) % 9)] for i in range(16)]
 
 
-def tiny_llama(layers, seed):
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
+TINY = dict(
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=0,
+)
+# model -> (config class, its extra sizes, the target's layer types): the draft is the target's first layer.
+MODELS = {
+    "llama": (LlamaConfig, {}, None),
+    "qwen3_5_text": (
+        Qwen3_5TextConfig,
+        dict(
+            head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+        ),
+        ["full_attention", "linear_attention"],
+    ),  # fmt: skip
+}
+
+
+def tiny_model(name, layers, seed):
+    """The first `layers` layers of `name`'s target."""
+    config_class, sizes, layer_types = MODELS[name]
+    extra = {} if layer_types is None else dict(layer_types=layer_types[:layers])
+    config = config_class(**TINY, **sizes, num_hidden_layers=layers, **extra)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, attn_implementation="hybrid").eval()
 
 
-def target_and_draft():
+def target_and_draft(name="llama"):
     """The draft is the target's first layer (same embeddings and head): it agrees with the target often, not always."""
-    target, draft = tiny_llama(layers=2, seed=0), tiny_llama(layers=1, seed=1)
+    target, draft = tiny_model(name, 2, seed=0), tiny_model(name, 1, seed=1)
     draft.load_state_dict(target.state_dict(), strict=False)
     for model in (target, draft):
         check_servable(model)
@@ -77,15 +104,20 @@ class PagedModel:
     """A model over a paged cache of its own; each step is one call of its compiled `ModelRunner` with a tree mask."""
 
     def __init__(self, model, speculative_attention_mode, max_q_len, compile_backend, max_batch_size=16):
-        config = model.config
+        layer_shapes, mixers = check_servable(model)
         self.cache = PagedKVCache(
             num_pages=16 * max_batch_size,
             page_size=8,
-            num_kv_heads=config.num_key_value_heads,
-            head_dim=config.hidden_size // config.num_attention_heads,
-            num_layers=config.num_hidden_layers,
+            num_kv_heads=layer_shapes[0][0],
+            head_dim=layer_shapes[0][1],
+            layer_shapes=layer_shapes,
             max_pages_per_request=16,
         )
+        # A hybrid model's state slots, with room for the state after each of a step's max_q_len tokens.
+        self.states = None
+        if mixers:
+            layers = [[(spec.shape, spec.dtype) for spec in mixer.states] for mixer in mixers]
+            self.states = StatePool(layers, max_batch_size, max_verify_tokens=max_q_len)
         self.max_q_len = max_q_len
         self.runner = ModelRunner(
             model,
@@ -95,7 +127,18 @@ class PagedModel:
             prefill_chunk=max_q_len,
             speculative_attention_mode=speculative_attention_mode,
             compile_backend=compile_backend,
+            states=self.states,
         )
+
+    def add(self, request):
+        self.cache.add(request)
+        if self.states is not None:
+            self.states.add(request)
+
+    def free(self, request):
+        self.cache.free(request)
+        if self.states is not None:
+            self.states.free(request)
 
     def step(self, mode, requests, chunks, logits_rows):
         """One forward over each request's new tokens, chunks[i] = (token ids, parents as in `ancestry`) -> logits
@@ -115,7 +158,8 @@ class PagedModel:
             ids += tokens
         batch.tree_mask = torch.tensor(rows, dtype=torch.bool, device=self.cache.device)
         torch._dynamo.mark_static(batch.tree_mask, 1)  # Q: one width for every step
-        return self.runner.run(batch, lens, ids, positions, logits_rows)
+        slots = None if self.states is None else self.states.slots(requests)
+        return self.runner.run(batch, lens, ids, positions, logits_rows, slots)
 
 
 class SpeculativeGenerator:
@@ -125,6 +169,8 @@ class SpeculativeGenerator:
         self.target, self.draft = (
             PagedModel(m, speculative_attention_mode, max_q_len, compile_backend) for m in (target, draft)
         )
+        if self.draft.states is not None:
+            raise HybridInputError("the draft must attend only: its tree levels rerun tokens, which a state cannot")
         self.seqs = {}  # request id -> its tokens: prompt, generated, then the target's next token (not yet cached)
 
     @torch.inference_mode()
@@ -132,8 +178,8 @@ class SpeculativeGenerator:
         """Prefills the target on each prompt (the draft catches up at its first step); returns the request ids."""
         requests = [max(self.seqs, default=-1) + 1 + i for i in range(len(prompts))]
         for request in requests:
-            self.target.cache.add(request)
-            self.draft.cache.add(request)
+            self.target.add(request)
+            self.draft.add(request)
         chunks = [(list(p), chain(len(p))) for p in prompts]
         ends = [sum(map(len, prompts[: i + 1])) - 1 for i in range(len(prompts))]
         logits = self.target.step(ForwardMode.EXTEND, requests, chunks, ends)
@@ -142,8 +188,8 @@ class SpeculativeGenerator:
         return requests
 
     def free(self, request):
-        self.target.cache.free(request)
-        self.draft.cache.free(request)
+        self.target.free(request)
+        self.draft.free(request)
         return self.seqs.pop(request)
 
     @torch.inference_mode()
@@ -158,7 +204,7 @@ class SpeculativeGenerator:
         num_tokens = sum(len(tokens) for tokens, _ in chunks)
         mode = ForwardMode.TARGET_VERIFY if depth else ForwardMode.DECODE
         best = self.target.step(mode, requests, chunks, list(range(num_tokens))).argmax(-1).tolist()
-        accepted, start = [], 0
+        accepted, last_nodes, start = [], [], 0
         for i, (request, (tokens, parents)) in enumerate(zip(requests, chunks)):
             target_tokens, start = best[start : start + len(tokens)], start + len(tokens)
             path, node = [], 0  # indices in the chunk; node 0 is the root, the request's last token
@@ -175,6 +221,9 @@ class SpeculativeGenerator:
                 self.draft.cache.keep(request, caught_up + levels, list(range(caught_up)) + kept)
             self.seqs[request] += [tokens[c] for c in path] + [target_tokens[node]]
             accepted.append(len(path))
+            last_nodes.append(node)
+        if depth and self.target.states is not None:  # the verify step left each node's state: keep the last accepted
+            self.target.states.commit(requests, last_nodes)
         return accepted
 
     def propose(self, requests, depth, width):
@@ -246,9 +295,10 @@ def main(argv=None):
     parser.add_argument("--modes", default="prefill,decode", help="speculative_attention_mode values to run")
     parser.add_argument("--compile-backend", default="inductor")
     parser.add_argument("--repeat", type=int, default=1, help="timed runs of each, interleaved; the best is shown")
+    parser.add_argument("--model", choices=list(MODELS), default="llama", help="the target's family")
     args = parser.parse_args(argv)
     (depth, width), num_chain = args.tree, args.chain or args.tree[0] * args.tree[1]
-    target, draft = target_and_draft()
+    target, draft = target_and_draft(args.model)
     greedy = hybrid_ops.generate(target, PROMPTS, args.max_new_tokens, compile=False)
     runs = [("plain decoding", 0, 1), (f"chain of {num_chain}", num_chain, 1), (f"tree {depth}x{width}", depth, width)]
     for mode in args.modes.split(","):

@@ -184,13 +184,23 @@ class PagedKVCache:
 
     def match(self, token_ids) -> list:
         """The page ids of the cached pages that hold the longest run of full pages of `token_ids` from its start."""
-        pages, parent = [], None
+        return [entry.page for entry in self.prefix_keys(token_ids)]
+
+    def prefix_keys(self, token_ids) -> list:
+        """The keys of the cached pages `match` finds, in order: opaque objects, each naming its page's tokens and all
+        before them for as long as the page stays cached (a state kept at a page boundary is filed under one)."""
+        keys, parent = [], None
         for start in range(0, len(token_ids) - self.page_size + 1, self.page_size):
             parent = self._prefix.get((parent, tuple(token_ids[start : start + self.page_size])))
             if parent is None:
                 break
-            pages.append(parent.page)
-        return pages
+            keys.append(parent)
+        return keys
+
+    def page_key(self, request_id, index: int):
+        """The key of the request's page `index` (its place in the block-table row) if that page is cached, else
+        None (as `prefix_keys` gives them)."""
+        return self._cached.get(self._pages[self._known(request_id)][index])
 
     def register_tokens(self, request_id, token_ids) -> None:
         """Record the ids of a request's next tokens after those registered so far (from its first token on, at most

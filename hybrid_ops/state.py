@@ -11,12 +11,17 @@ Slots are not zeroed when reused: a request's first forward has no previous stat
 computes its states from zero and writes them, whatever its slot held (tests/test_stateful.py fills free slots with
 NaN to check it).
 
+Prefix caching: with `num_snapshots=N`, each state also has N snapshot slots, where `save` files a request's state
+under a key (the prefix cache's key of the page its tokens end at) and `restore` starts another request from it; the
+least recently used snapshot makes room for a new one.
+
 Speculative decoding: with `max_verify_tokens=Q`, each state also has `intermediate_states` [num_slots, Q, *shape],
 where a TARGET_VERIFY step's state ops leave the state after each of a request's draft tokens (`state_ops`); once the
 verifier knows how many it accepts, `commit` copies the state after the last accepted token into the slot.
 """
 
 import math
+from collections import OrderedDict
 
 import torch
 
@@ -30,9 +35,10 @@ class StatePool:
     states[i][j]: layer i's state j, [num_slots, *shape]; its address never changes (`mark_static_address`).
     max_verify_tokens: Q > 0 gives every state its `intermediate_states[i][j]`, [num_slots, Q, *shape] (TARGET_VERIFY
     steps of up to Q tokens per request); 0 gives none (`intermediate_states` is None).
+    num_snapshots: N > 0 gives every state N snapshot slots (`save`, `restore`), allocated beside the slots.
     """
 
-    def __init__(self, layer_states, num_slots: int, device="cpu", max_verify_tokens: int = 0):
+    def __init__(self, layer_states, num_slots: int, device="cpu", max_verify_tokens: int = 0, num_snapshots: int = 0):
         if not (isinstance(num_slots, int) and num_slots > 0):
             raise HybridInputError(f"num_slots must be a positive int, got {num_slots!r}")
         if not (isinstance(max_verify_tokens, int) and max_verify_tokens >= 0):
@@ -47,6 +53,11 @@ class StatePool:
                 [t.new_zeros((num_slots, max_verify_tokens, *t.shape[1:])) for t in layer] for layer in self.states
             ]
         self.max_verify_tokens = max_verify_tokens
+        if not (isinstance(num_snapshots, int) and num_snapshots >= 0):
+            raise HybridInputError(f"num_snapshots must be an int >= 0, got {num_snapshots!r}")
+        self.snapshots = [t.new_zeros((num_snapshots, *t.shape[1:])) for t in self.all_states] if num_snapshots else []
+        self._snapshot_of = OrderedDict()  # key -> snapshot index, least recently used first
+        self._free_snapshots = list(range(num_snapshots - 1, -1, -1))
         every = self.all_states + [t for layer in self.intermediate_states or [] for t in layer]
         for t in every:  # static sizes too: Dynamo would otherwise unify a token count equal to one
             torch._dynamo.mark_static_address(t)
@@ -96,6 +107,30 @@ class StatePool:
     def slots(self, request_ids) -> torch.Tensor:
         """The step's `state_slots`: [len(request_ids)] int32, each request's slot."""
         return torch.tensor([self.slot(r) for r in request_ids], dtype=torch.int32, device=self.device)
+
+    def has_snapshot(self, key) -> bool:
+        return key in self._snapshot_of
+
+    def save(self, request_id, key) -> None:
+        """Files the request's state, in every layer, as the snapshot of `key` (nothing without snapshot slots)."""
+        if not self.snapshots or key in self._snapshot_of:
+            return
+        if self._free_snapshots:
+            index = self._free_snapshots.pop()
+        else:
+            _, index = self._snapshot_of.popitem(last=False)
+        self._snapshot_of[key] = index
+        slot = self.slot(request_id)
+        for state, snapshot in zip(self.all_states, self.snapshots):
+            snapshot[index] = state[slot]
+
+    def restore(self, request_id, key) -> None:
+        """Gives the request, in every layer, the state saved as the snapshot of `key`."""
+        index = self._snapshot_of[key]
+        self._snapshot_of.move_to_end(key)
+        slot = self.slot(request_id)
+        for state, snapshot in zip(self.all_states, self.snapshots):
+            state[slot] = snapshot[index]
 
     def commit(self, request_ids, tokens) -> None:
         """After a TARGET_VERIFY step: each request's state becomes the one after its draft token `tokens[i]` (its

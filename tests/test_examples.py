@@ -34,6 +34,19 @@ def test_speculative(monkeypatch, capsys):
     assert "chain of 5:  5 draft tokens per step" in out and "tree 3x2:  6 draft tokens per step" in out
 
 
+def test_speculative_on_a_hybrid_target(monkeypatch, capsys):
+    """qwen3_5_text as the target (its gated delta rule layer's state kept per draft node in the verify step, the
+    accepted one committed): greedy decoding's tokens, drafts accepted, no recompile after the warm-up."""
+    args = ["--model", "qwen3_5_text", "--max-new-tokens", "6", "--modes", "decode", "--compile-backend", "eager"]
+    run_example("speculative.py", monkeypatch, args)
+    out = capsys.readouterr().out
+    assert out.count("tokens equal plain greedy decoding: True") == 3
+    assert "recompiles after the warm-up: 0" in out
+    rows = [line for line in out.splitlines() if "draft tokens per step" in line]
+    accepted = [float(row.split(" accepted per step")[0].split(",")[-1]) for row in rows]
+    assert accepted[0] == 0 and min(accepted[1:]) > 0.5  # the chain and the tree accept drafts
+
+
 def cache_rows(cache, request, length):
     """Per layer, (k, v) of a request's first `length` tokens in position order: [length, Hkv, D] each."""
     pages = torch.tensor(cache.pages(request))

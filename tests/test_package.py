@@ -10,7 +10,16 @@ import zipfile
 import pytest
 import torch
 from expecttest import assert_expected_inline
-from helpers.models import NEW_TOKENS, PROMPTS, SIZES, hybrid_tokens, make_model, small_model, tiny_config
+from helpers.models import (
+    NEW_TOKENS,
+    PROMPTS,
+    SIZES,
+    hybrid_tokens,
+    make_model,
+    preempting_pages,
+    small_model,
+    tiny_config,
+)
 from helpers.scripts import run_script
 
 import hybrid_ops
@@ -158,6 +167,24 @@ def test_architectures_round_trip(name, tmp_path):
     assert HybridGenerator.from_package(path).generate(PROMPTS, NEW_TOKENS) == hybrid_tokens(model)
 
 
+HYBRIDS = ["qwen3_5_text", pytest.param("bamba", marks=pytest.mark.slow), pytest.param("lfm2", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("model_type", HYBRIDS)
+def test_hybrid_models_served_from_the_package(model_type, tmp_path):
+    """A hybrid model's step packaged with its state ops, its states the serving process's `StatePool`: the eager
+    generator's tokens, also with steps padded to buckets (padding requests without a slot), through a budget that
+    preempts and with prefix caching from state snapshots."""
+    model = make_model(tiny_config(model_type))
+    path = hybrid_ops.package(model, tmp_path / f"{model_type}.pt2", **SIZES)
+    want = hybrid_tokens(model)
+    for options in (dict(), dict(cuda_graphs=True), dict(num_pages=preempting_pages(model)), dict(prefix_caching=True)):
+        served = HybridGenerator.from_package(path, **options)
+        assert served.states is not None and served.state_pages > 0
+        assert served.generate(PROMPTS, NEW_TOKENS) == want, options
+        assert served.states.num_free_slots == served.states.num_slots
+
+
 # Refusals.
 
 
@@ -250,6 +277,6 @@ def test_a_model_that_cannot_be_packaged_is_refused_with_its_reason(tmp_path):
         """llama cannot be packaged: the flashinfer backend plans each step on the host, which has no AOT path: package with triton; serve it with HybridGenerator(model)""",
     )
     assert_expected_inline(
-        packaging_refusal(make_model(tiny_config("lfm2")), tmp_path),
-        """lfm2 cannot be packaged: its layer model.layers.0.conv keeps recurrent or convolution state, which a package does not carry; serve it with HybridGenerator(model)""",
+        packaging_refusal(make_model(tiny_config("minimax")), tmp_path),
+        """minimax cannot be packaged: its layer model.layers.1.self_attn keeps state through hybrid::mixer, which reads the metadata on the host; serve it with HybridGenerator(model)""",
     )

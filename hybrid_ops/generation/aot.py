@@ -5,10 +5,13 @@ which a new process serves from with neither the model's code, transformers nor 
 step is `ModelRunner.forward`'s, as a function of tensors only:
 
     (input_ids [1, T], position_ids [1, T], logits_index [n], forward_mode [] int64 on the CPU, cu_seqlens_q [B + 1],
-     seq_lens [B], block_table [B, pages_per_request], k_caches, v_caches, k_scales, v_scales) -> logits [n, vocab]
+     seq_lens [B], block_table [B, pages_per_request], k_caches, v_caches, k_scales, v_scales, state_slots [B],
+     states) -> logits [n, vocab]
 
 T, B, n and the caches' page count are dynamic within the sizes packaged; the mode is read with `.item()`, so one
-program serves every mode; the caches (and fp8 scales) are the caller's, written in place. The archive also holds
+program serves every mode; the caches (and fp8 scales) are the caller's, written in place. A hybrid model's states
+(every state tensor of its `StatePool`, in order; none for other models, whose state_slots is an empty tensor) are
+the caller's too, their slot count dynamic. The archive also holds
 `extra/hybrid_ops.json` (`packaged.PackageInfo`): what a serving process is checked against.
 """
 
@@ -28,11 +31,12 @@ from .runner import graph_backends, model_step, step_buckets
 class _Step(torch.nn.Module):
     """`ModelRunner._forward` with the mode as a 0-d tensor and the caches as inputs: what torch.export traces."""
 
-    def __init__(self, model, backends):
+    def __init__(self, model, backends, state_counts):
         super().__init__()
         from ..integrations.transformers import HybridStep
 
         self.model, self.backends, self.step_type = model, backends, HybridStep
+        self.state_counts = state_counts  # states per stateful layer: how the flat list of states nests
 
     def forward(
         self,
@@ -47,7 +51,13 @@ class _Step(torch.nn.Module):
         v_caches,
         k_scales,
         v_scales,
+        state_slots,
+        states,
     ):
+        nested, start = [], 0
+        for count in self.state_counts:
+            nested.append(states[start : start + count])
+            start += count
         step = self.step_type(
             forward_mode.item(),
             cu_seqlens_q,
@@ -58,6 +68,8 @@ class _Step(torch.nn.Module):
             *self.backends,
             k_scales=k_scales or None,
             v_scales=v_scales or None,
+            state_slots=state_slots if nested else None,
+            states=nested or None,
         )
         return model_step(self.model, step, input_ids, position_ids, logits_index)
 
@@ -81,10 +93,11 @@ def package(
     `max_batch_size` requests of `max_seq_len` tokens, `prefill_chunk` prompt tokens a step, pages of `page_size`
     tokens; any number of pages. kv_cache_dtype: None (the model's dtype) or an fp8 dtype. On CUDA, "auto" backends
     mean "triton", which CUDA graphs capture. Raises `HybridInputError` naming the model and the reason where the
-    step cannot be packaged: a model the generator cannot serve, layers with per-request state (linear attention,
-    state-space), a tensor-parallel model, the flashinfer backend (its host-side plan has no AOT path), a device
-    other than the CPU or CUDA, or a forward that torch.export or AOTInductor cannot take (data-dependent control
-    flow, ...). `HybridGenerator(model, compile=True)` serves those.
+    step cannot be packaged: a model the generator cannot serve, stateful layers served through `hybrid::mixer`
+    (stateful.py: MiniMax, RecurrentGemma, Zaya), a tensor-parallel model, the flashinfer backend (its host-side plan
+    has no AOT path), a device other than the CPU or CUDA, or a forward that torch.export or AOTInductor cannot take
+    (data-dependent control flow, ...). `HybridGenerator(model, compile=True)` serves those. A hybrid model's states
+    are inputs of the step like the caches: a serving process's `StatePool` holds them.
     """
     from torch.export import Dim
 
@@ -112,8 +125,10 @@ def package(
     model.set_attn_implementation("hybrid")
     model.eval()
     layer_shapes, mixers = check_servable(model)
-    if mixers:
-        refuse(f"its layer {mixers[0].name} keeps recurrent or convolution state, which a package does not carry")
+    per_request = [m for m in mixers if m.family is None]
+    if per_request:
+        name = per_request[0].name
+        refuse(f"its layer {name} keeps state through hybrid::mixer, which reads the metadata on the host")
     backends = graph_backends(param.device, True, (prefill_backend, decode_backend))
     pages_per_request = -(-max_seq_len // page_size)
     # Never a page count of 1, which export would specialise.
@@ -122,7 +137,13 @@ def package(
                         param.device, False)  # fmt: skip
     token_counts, batch_sizes = step_buckets(cache, max_batch_size, prefill_chunk)
     max_tokens, max_requests = token_counts[-1], batch_sizes[-1]
-    example = _example(cache, max_tokens)
+    # A hybrid model's states, of a slot count that export does not specialise (not 1).
+    state_list = [
+        torch.zeros((max_batch_size + 2, *spec.shape), dtype=spec.dtype, device=param.device)
+        for mixer in mixers
+        for spec in mixer.states
+    ]
+    example = _example(cache, max_tokens, state_list)
     tokens, requests = Dim("tokens", min=1, max=max_tokens), Dim("requests", min=1, max=max_requests)
     rows, pages = Dim("rows", min=1, max=max_requests), Dim("pages", min=1)
     scales = [None] * len(cache.k_scales or ())
@@ -138,10 +159,13 @@ def package(
         [{0: pages}] * len(layer_shapes),
         scales,
         scales,
+        {0: requests} if state_list else None,
+        [{0: Dim("slots", min=2)}] * len(state_list),
     )
+    state_counts = [len(m.states) for m in mixers]
     try:
         with torch.no_grad():
-            exported = torch.export.export(_Step(model, backends), example, dynamic_shapes=dynamic_shapes)
+            exported = torch.export.export(_Step(model, backends, state_counts), example, dynamic_shapes=dynamic_shapes)
     except HybridOpsError:
         raise
     except Exception as e:
@@ -156,6 +180,7 @@ def package(
         dtype=str(param.dtype).removeprefix("torch."),
         cache_dtype=str(kv_cache_dtype).removeprefix("torch."),
         layer_shapes=[list(s) for s in layer_shapes],
+        state_shapes=[[[list(s.shape), str(s.dtype).removeprefix("torch.")] for s in m.states] for m in mixers],
         page_size=page_size,
         pages_per_request=pages_per_request,
         max_batch_size=max_batch_size,
@@ -175,9 +200,9 @@ def package(
     return os.fspath(path)
 
 
-def _example(cache, max_tokens):
+def _example(cache, max_tokens, states):
     """The inputs of a step for torch.export to trace: an EXTEND step of two requests, every dynamic size at least
-    2 (export specialises sizes 0 and 1)."""
+    2 (export specialises sizes 0 and 1); states: a hybrid model's state tensors (none for others)."""
     counts = [1, 1] if max_tokens < 3 else [1, 2]
     for rid in range(2):
         cache.add(rid)
@@ -193,6 +218,8 @@ def _example(cache, max_tokens):
         cache.v_caches,
         cache.k_scales or [],
         cache.v_scales or [],
+        torch.tensor([0, 1] if states else [], dtype=torch.int32, device=cache.device),
+        states,
     )
 
 

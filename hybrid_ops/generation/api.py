@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..errors import HybridInputError, HybridOpsError
-from .cache_manager import KVCacheManager, paged_cache, state_pool
+from .cache_manager import KVCacheManager, paged_cache, state_page_count, state_pool
 from .checks import check_flags, check_model_sizes, check_sizes, is_int, max_positions, prompt_list, token_list
 from .runner import ModelRunner
 from .sampler import SamplingParams, next_tokens
@@ -83,8 +83,12 @@ class HybridGenerator:
     `integrations/stateful.py`) keeps each running request's state in a slot of `states` (a `StatePool` of
     `max_batch_size` slots), taken at admission and freed with the request's pages; a slot counts as `state_pages`
     pages of the budget (the pages its bytes would fill), so admission and preemption see K/V and state together. A
-    preempted request's state is dropped and computed again from its tokens. Prefix caching and `cuda_graphs` are
-    refused for such models.
+    preempted request's state is dropped and computed again from its tokens. With `prefix_caching`, the state after
+    each cached page that a step ends on is kept as a snapshot (`max_batch_size` of them, beside the budget, the least
+    recently used replaced), prefill chunks end on page boundaries, and a request starts on cached pages only up to
+    the last one with a snapshot. The layers of the families in `integrations/layers.py` run in every mode, under
+    `cuda_graphs` (padding requests hold no slot) and in packages; those served through `hybrid::mixer` (MiniMax,
+    RecurrentGemma, Zaya) refuse prefix caching and `cuda_graphs`.
 
     A model sharded with `tp_plan` runs on every rank of its group with the same prompts (checked): the cache holds the
     rank's own KV heads, the scheduling depends only on the tokens, and rank 0's sampled tokens are broadcast.
@@ -123,16 +127,20 @@ class HybridGenerator:
             kv_heads_per_rank(model, head_dim)
         # Each layer's (Hkv, D, Dv) as its attention passes K and V; the layers that keep state.
         layer_shapes, mixers = check_servable(model)
+        per_request = [m for m in mixers if m.family is None]
         for option, on, reason in (
-            ("prefix_caching", prefix_caching, "a cached page holds no state to start from"),
-            ("cuda_graphs", cuda_graphs, "their state op reads each step's metadata on the host"),
+            ("prefix_caching", prefix_caching, "keeps no state at page boundaries"),
+            ("cuda_graphs", cuda_graphs, "reads each step's metadata on the host"),
         ):
-            if mixers and on:
+            if per_request and on:
                 raise HybridInputError(
                     f"{option}=True is not supported for a model whose layers keep recurrent or convolution state "
-                    f"({mixers[0].name}): {reason}"
+                    f"({per_request[0].name}): its state op (hybrid::mixer) {reason}"
                 )
-        states, state_pages = state_pool(mixers, layer_shapes, max_batch_size, page_size, kv_cache_dtype, param.device)
+        snapshots = max_batch_size if prefix_caching else 0
+        states, state_pages = state_pool(
+            mixers, layer_shapes, max_batch_size, page_size, kv_cache_dtype, param.device, snapshots
+        )
         pages_per_request = -(-max_seq_len // page_size)
         cache = paged_cache(
             layer_shapes, max_batch_size, pages_per_request, page_size,
@@ -179,11 +187,12 @@ class HybridGenerator:
 
         check_sizes(None, 1, num_pages=num_pages)
         check_flags(cuda_graphs=cuda_graphs, prefix_caching=prefix_caching)
-        info, runner = load(path, config, kv_cache_dtype, max_batch_size, max_seq_len, prefill_chunk, num_pages,
-                            cuda_graphs)  # fmt: skip
+        info, runner, states = load(path, config, kv_cache_dtype, max_batch_size, max_seq_len, prefill_chunk,
+                                    num_pages, cuda_graphs, prefix_caching)  # fmt: skip
         generator = cls.__new__(cls)
         generator.model = None
-        generator._serve(runner, prefix_caching, info.vocab_size, info.eos_token_id)
+        state_pages = 0 if states is None else state_page_count(states, runner.cache)
+        generator._serve(runner, prefix_caching, info.vocab_size, info.eos_token_id, states, state_pages)
         return generator
 
     def _serve(self, runner, prefix_caching, vocab_size, eos_token_id, states=None, state_pages=0):

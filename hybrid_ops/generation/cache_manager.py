@@ -5,6 +5,11 @@ tokens fit, the step's metadata and what a request frees are answered here, so a
 than pages changes this class only. A hybrid model's requests also hold a state slot each (`StatePool`), which counts
 as `state_pages` pages: taken at admission if its pages are free besides the prefill's, held while the request runs,
 freed with its pages.
+
+Prefix caching of a hybrid model: a cached page serves a later request only where a snapshot of the state after
+its tokens was kept (`StatePool.save`, at the end of a step whose tokens end on a page boundary), since the state
+cannot be computed from K/V. So prefill chunks end on page boundaries where they can (`chunk`), and a request
+admitted on cached pages starts from the snapshot of the last of them (`StatePool.restore`).
 """
 
 import torch
@@ -34,15 +39,23 @@ def paged_cache(
     )
 
 
-def state_pool(mixers, layer_shapes, max_batch_size, page_size, kv_cache_dtype, device):
-    """(a `StatePool` of `max_batch_size` slots for the stateful layers `mixers`, the pages a slot counts as) for a
-    cache of `layer_shapes` ((Hkv, D, Dv) per layer) in `kv_cache_dtype`; (None, 0) for a model without state. A slot
-    counts as the pages its bytes would fill, so that the budget bounds K/V and state together."""
+def state_pool(mixers, layer_shapes, max_batch_size, page_size, kv_cache_dtype, device, num_snapshots=0):
+    """(a `StatePool` of `max_batch_size` slots (and `num_snapshots` snapshot slots, for prefix caching) for the
+    stateful layers `mixers`, the pages a slot counts as) for a cache of `layer_shapes` ((Hkv, D, Dv) per layer) in
+    `kv_cache_dtype`; (None, 0) for a model without state. A slot counts as the pages its bytes would fill, so that the
+    budget bounds K/V and state together."""
     if not mixers:
         return None, 0
-    states = StatePool([[(s.shape, s.dtype) for s in m.states] for m in mixers], max_batch_size, device)
+    layers = [[(s.shape, s.dtype) for s in m.states] for m in mixers]
+    states = StatePool(layers, max_batch_size, device, num_snapshots=num_snapshots)
     bytes_per_page = page_size * kv_cache_dtype.itemsize * sum(h * (d + dv) for h, d, dv in layer_shapes)
     return states, -(-states.bytes_per_slot // bytes_per_page)
+
+
+def state_page_count(states: StatePool, cache: PagedKVCache) -> int:
+    """The pages a slot of `states` counts as in `cache`'s budget: those its bytes would fill."""
+    bytes_per_page = sum(t[0].numel() * t.element_size() for t in cache.k_caches + cache.v_caches)
+    return -(-states.bytes_per_slot // bytes_per_page)
 
 
 class KVCacheManager:
@@ -76,8 +89,26 @@ class KVCacheManager:
         return self.pages(request.prefill_end) - self.pages(request.num_computed_tokens)
 
     def reusable_tokens(self, request) -> int:
-        """Tokens of the request the prefix cache holds now (whole pages), short of its last token."""
-        return len(self.cache.match(self._prefix_tokens(request))) * self.cache.page_size
+        """Tokens of the request the prefix cache holds now (whole pages), short of its last token; for a hybrid
+        model, up to the last page with a state snapshot."""
+        return self._reusable_pages(self._prefix_tokens(request)) * self.cache.page_size
+
+    def _reusable_pages(self, tokens) -> int:
+        keys = self.cache.prefix_keys(tokens)
+        if self.states is not None:
+            while keys and not self.states.has_snapshot(keys[-1]):
+                keys.pop()
+        return len(keys)
+
+    def chunk(self, request, num_tokens: int) -> int:
+        """The tokens of the request's next prefill chunk, at most `num_tokens`: for a hybrid model with prefix
+        caching, cut back to end on a page boundary (where a state snapshot is kept) unless it ends the prefill or
+        would hold no full page's end."""
+        end = request.num_computed_tokens + num_tokens
+        if not (self.prefix_caching and self.states is not None) or end >= request.prefill_end:
+            return num_tokens
+        aligned = end - end % self.cache.page_size
+        return aligned - request.num_computed_tokens if aligned > request.num_computed_tokens else num_tokens
 
     def _prefix_tokens(self, request) -> list:
         # Never the last token from the cache: the step that prefills it samples from its logits.
@@ -87,7 +118,8 @@ class KVCacheManager:
         """Starts `request` in the cache, on the cached pages of its tokens with prefix caching, if the pages its
         prefill needs are free besides `reserved_pages` (those promised to running prefills); sets its
         num_computed_tokens and prefill_end. False: the cache is unchanged."""
-        reused = self.cache.add(request.id, self._prefix_tokens(request))
+        tokens = self._prefix_tokens(request)
+        reused = self.cache.add(request.id, tokens[: self._reusable_pages(tokens) * self.cache.page_size])
         need = self.pages(request.num_tokens) - self.pages(reused) + self.state_pages
         # Taking cached pages that no request held lowered num_free_pages already.
         if need > self.free_pages() - reserved_pages:
@@ -95,6 +127,8 @@ class KVCacheManager:
             return False
         if self.states is not None:
             self.states.add(request.id)
+            if reused:
+                self.states.restore(request.id, self.cache.page_key(request.id, reused // self.cache.page_size - 1))
         request.num_computed_tokens, request.prefill_end = reused, request.num_tokens
         return True
 
@@ -115,10 +149,17 @@ class KVCacheManager:
         return None if self.states is None else self.states.slots([r.id for r in requests])
 
     def computed(self, request, token_ids) -> None:
-        """The request's next `token_ids` have their K/V written: with prefix caching, the pages they fill can serve
-        later requests."""
-        if self.prefix_caching:
-            self.cache.register_tokens(request.id, token_ids)
+        """The request's next `token_ids` have their K/V written (and its state is the one after them): with prefix
+        caching, the pages they fill can serve later requests, and where they end on a page boundary the state is
+        kept as that page's snapshot."""
+        if not self.prefix_caching:
+            return
+        self.cache.register_tokens(request.id, token_ids)
+        end = request.num_computed_tokens + len(token_ids)
+        if self.states is not None and token_ids and end % self.cache.page_size == 0:
+            key = self.cache.page_key(request.id, end // self.cache.page_size - 1)
+            if key is not None:
+                self.states.save(request.id, key)
 
     def free(self, request) -> None:
         """Ends the request in the cache: its pages return to the allocator (keyed ones stay cached), its state slot

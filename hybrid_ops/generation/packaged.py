@@ -16,12 +16,15 @@ import torch
 
 from .. import __version__
 from ..errors import HybridInputError
-from ..ops import SCHEMAS
+from ..ops import SCHEMAS as ATTENTION_SCHEMAS
+from ..state import StatePool
+from ..state_ops import SCHEMAS as STATE_SCHEMAS
 from .cache_manager import paged_cache
 from .checks import is_int
 from .runner import StepRunner
 
-FORMAT = 1
+FORMAT = 2
+SCHEMAS = {**ATTENTION_SCHEMAS, **STATE_SCHEMAS}  # every op a package may call
 INFO = "hybrid_ops.json"  # in the archive's extra/ folder
 # Config fields that say nothing about the model: where and with which transformers it was saved, and the private
 # ones (the attention implementation among them).
@@ -31,7 +34,8 @@ _UNCOMPARED = ("transformers_version",)
 @dataclasses.dataclass(frozen=True)
 class PackageInfo:
     """What a package records. config: the model's `config.to_dict()` (JSON values); dtypes as names
-    ("float32"); layer_shapes: each layer's cache (Hkv, D, Dv); backends: (prefill, decode) as the ops are called."""
+    ("float32"); layer_shapes: each layer's cache (Hkv, D, Dv); state_shapes: each stateful layer's states, [shape,
+    dtype name] each (a request's); backends: (prefill, decode) as the ops are called."""
 
     torch: str
     hybrid_ops: str
@@ -44,6 +48,7 @@ class PackageInfo:
     dtype: str
     cache_dtype: str
     layer_shapes: list
+    state_shapes: list
     page_size: int
     pages_per_request: int
     max_batch_size: int
@@ -72,15 +77,22 @@ def config_fields(config) -> dict:
 
 class PackagedStep:
     """A loaded package (torch's `AOTIModelPackageLoader`) as a `StepRunner`'s forward (`runner.py`'s step function)
-    over `cache`'s tensors: the inputs flattened in the exported order, the mode as a 0-d int64 tensor on the CPU."""
+    over `cache`'s tensors and a hybrid model's `states` (a `StatePool`, or None): the inputs flattened in the exported
+    order, the mode as a 0-d int64 tensor on the CPU."""
 
-    def __init__(self, loader, cache):
-        self.loader, self.cache = loader, cache
+    def __init__(self, loader, cache, states=None):
+        self.loader, self.cache, self.states = loader, cache, states
+        self.no_slots = torch.zeros(0, dtype=torch.int32, device=cache.device)
 
-    def __call__(self, input_ids, position_ids, logits_index, forward_mode, cu_seqlens_q, seq_lens, block_table):
+    def __call__(self, input_ids, position_ids, logits_index, forward_mode, cu_seqlens_q, seq_lens, block_table,
+                 state_slots=None, tree_mask=None):  # fmt: skip
+        if tree_mask is not None:
+            raise HybridInputError("a package serves steps without a tree_mask")
         cache = self.cache
         inputs = [input_ids, position_ids, logits_index, torch.tensor(forward_mode), cu_seqlens_q, seq_lens]
         inputs += [block_table, *cache.k_caches, *cache.v_caches, *(cache.k_scales or ()), *(cache.v_scales or ())]
+        inputs += [self.no_slots if state_slots is None else state_slots]
+        inputs += [] if self.states is None else self.states.all_states
         return self.loader.boxed_run(inputs)[0]
 
 
@@ -153,8 +165,10 @@ def _serving_sizes(info: PackageInfo, **sizes) -> list:
     return values
 
 
-def load(path, config, kv_cache_dtype, max_batch_size, max_seq_len, prefill_chunk, num_pages, cuda_graphs):
-    """(the package's `PackageInfo`, a `StepRunner` of its step over a new cache): the arguments as
+def load(path, config, kv_cache_dtype, max_batch_size, max_seq_len, prefill_chunk, num_pages, cuda_graphs,
+         prefix_caching=False):  # fmt: skip
+    """(the package's `PackageInfo`, a `StepRunner` of its step over a new cache, the hybrid model's new `StatePool`
+    or None): the arguments as
     `HybridGenerator.from_package`'s, checked (`check_info`) before the package's code is loaded."""
     info = read_info(path)
     check_info(info, config, kv_cache_dtype)
@@ -170,9 +184,13 @@ def load(path, config, kv_cache_dtype, max_batch_size, max_seq_len, prefill_chun
     dtype = dtype_named(info.cache_dtype)
     cache = paged_cache(shapes, max_batch_size, info.pages_per_request, info.page_size, num_pages, dtype, info.device,
                         cuda_graphs, for_compile=False)  # fmt: skip
-    step = PackagedStep(loader, cache)
+    states = None
+    if info.state_shapes:
+        layers = [[(tuple(shape), dtype_named(dtype)) for shape, dtype in layer] for layer in info.state_shapes]
+        states = StatePool(layers, max_batch_size, info.device, num_snapshots=max_batch_size if prefix_caching else 0)
+    step = PackagedStep(loader, cache, states)
     if cuda_graphs and info.device == "cuda":
         from .graphs import CudaGraphStep
 
-        step = CudaGraphStep(step, cache, info.backends, dtype_named(info.dtype))
-    return info, StepRunner(step, cache, max_batch_size, max_seq_len, prefill_chunk, cuda_graphs)
+        step = CudaGraphStep(step, cache, info.backends, dtype_named(info.dtype), states)
+    return info, StepRunner(step, cache, max_batch_size, max_seq_len, prefill_chunk, cuda_graphs), states

@@ -104,7 +104,10 @@ class StepRunner:
         if self.cuda_graphs:
             if batch.tree_mask is not None:
                 raise HybridInputError("a step with a tree_mask cannot be padded to buckets (cuda_graphs=True)")
+            real = batch.batch_size
             batch, token_ids, positions, rows = self._pad(batch, num_new_tokens, token_ids, positions, rows)
+            if state_slots is not None:  # padding requests hold no slot: they read and write no state
+                state_slots = torch.cat([state_slots, state_slots.new_full((batch.batch_size - real,), -1)])
             self.begin_padded_step()
         # The optional inputs only when in use: a packaged step takes the seven others.
         extra = () if state_slots is None and batch.tree_mask is None else (state_slots, batch.tree_mask)

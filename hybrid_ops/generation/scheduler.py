@@ -165,7 +165,7 @@ class Scheduler:
             for request in self.running:
                 n, prefill = 1, request.num_computed_tokens < request.prefill_end
                 if prefill:
-                    n = min(budget, request.prefill_end - request.num_computed_tokens)
+                    n = self.kv.chunk(request, min(budget, request.prefill_end - request.num_computed_tokens))
                     budget -= n
                 if n:
                     requests.append(request)
