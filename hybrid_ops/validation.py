@@ -238,7 +238,9 @@ def check_tree_values(tree_mask, cu):
         )
 
 
-def check_state_metadata_values(cu_seqlens_q, seq_lens, state_slots, num_tokens, num_slots, decode, tree_mask, verify_len):
+def check_state_metadata_values(
+    cu_seqlens_q, seq_lens, state_slots, num_tokens, num_slots, decode, tree_mask, verify_len
+):
     """Value checks of a state op's metadata (`state_ops`; and of a tree mask); reads it to the host (a sync on
     CUDA). verify_len: Q of intermediate_states in TARGET_VERIFY, else None. Returns (cu_seqlens_q, seq_lens,
     state_slots) as lists."""

@@ -36,10 +36,10 @@ class HybridStep:
     (`PagedKVCache.k_scales`), None for others; state_slots: [B] int32, each request's slot of a `StatePool`, and
     states: per stateful layer its states (`StatePool.states`), for models with layers that keep state
     (`stateful.py`), None for others; intermediate_states: per stateful layer the TARGET_VERIFY states of each
-    draft token (`StatePool.intermediate_states`), or None; tree_mask: the ops' `tree_mask` ([T, Q] bool, which of its request's new tokens
-    each token sees: a speculative tree), None for causal order. A step that passes a tensor in every mode (a causal
-    one where there is no tree) keeps one compiled graph for trees and plain steps alike; position_ids then carry each
-    token's prefix + depth.
+    draft token (`StatePool.intermediate_states`), or None; tree_mask: the ops' `tree_mask` ([T, Q] bool, which of
+    its request's new tokens each token sees: a speculative tree), None for causal order. A step that passes a tensor
+    in every mode (a causal one where there is no tree) keeps one compiled graph for trees and plain steps alike;
+    position_ids then carry each token's prefix + depth.
     """
 
     forward_mode: int
