@@ -219,3 +219,65 @@ def attend_pages(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="tf32x3")
         m_i = m_new
     return acc, l_i, m_i
+
+
+# The state ops' kernels (causal_conv1d.py, gated_delta_rule.py, selective_scan.py): one program per request and
+# block of its state, looping over the request's new tokens.
+
+
+def token_states(step, state, num_tokens):
+    """Where a state kernel keeps the state after each new token: (buffer, stride by owner, stride by token, Q).
+    TARGET_VERIFY: `intermediate_states` [num_slots, Q, *state shape], owned by slot. A tree outside it: scratch
+    [T, *state shape], token t's in row t (a request owns the rows from its first token), where each token finds its
+    parent's; its size follows the shapes, so the call stays sync-free. Otherwise `state` stands in, never touched.
+    Below the token both have the state's own strides (contiguous, of the same shape)."""
+    if step.verify:
+        states = step.intermediate_states
+        return states, states.stride(0), states.stride(1), states.shape[1]
+    if step.tree_mask is not None:
+        states = state.new_empty(num_tokens, *state.shape[1:])
+        return states, states.stride(0), states.stride(0), num_tokens
+    return state, 0, 0, 0
+
+
+def kernel_tree_mask(tree_mask, absent):
+    """tree_mask ([T, Q] bool or None) as the state kernels read it: (bytes, Q, row stride, column stride,
+    BLOCK_Q, HAS_TREE); `absent` (any tensor, never read) stands in without a tree."""
+    if tree_mask is None:
+        return absent, 0, 0, 0, 1, False
+    width = tree_mask.shape[1]
+    return tree_mask.view(torch.uint8), width, *tree_mask.stride(), triton.next_power_of_2(width), True
+
+
+@triton.jit
+def request_tokens(CuSeqlensQ, request, q_len, num_tokens, DECODE: tl.constexpr):
+    """(first row, number of new tokens) of `request`: q_len each on the decode path (T // B), else from
+    cu_seqlens_q; kept inside rows [0, num_tokens) even where cu_seqlens_q is inconsistent (validation off)."""
+    if DECODE:
+        start = request * q_len
+        n = q_len
+    else:
+        start = tl.load(CuSeqlensQ + request)
+        n = tl.load(CuSeqlensQ + request + 1) - start
+    start = tl.minimum(tl.maximum(start, 0), num_tokens)
+    return start, tl.maximum(tl.minimum(n, num_tokens - start), 0)
+
+
+@triton.jit
+def request_slot(StateSlots, SeqLens, request, n, num_slots):
+    """(slot, held, has_state) of `request` with n new tokens: a slot outside [0, num_slots) (padding's -1) is not
+    held (read and written nowhere; slot 0 stands in for address arithmetic); has_state: held and continuing its
+    prefix (seq_len > n), else its state starts from zeros."""
+    slot = tl.load(StateSlots + request)
+    held = (slot >= 0) & (slot < num_slots)
+    has_state = held & (tl.load(SeqLens + request) > n)
+    return tl.where(held, slot, 0).to(tl.int64), held, has_state
+
+
+@triton.jit
+def tree_parent(TreeMask, row, j, num_columns, stride_tt, stride_tq, BLOCK_Q: tl.constexpr):
+    """The parent of new token j (x row `row`) of its request: the last earlier new token c < j that its tree_mask
+    row sees, or -1 (the prefix)."""
+    c = tl.arange(0, BLOCK_Q)
+    seen = tl.load(TreeMask + row * stride_tt + c * stride_tq, mask=(c < j) & (c < num_columns), other=0)
+    return tl.max(tl.where(seen != 0, c, -1), 0)

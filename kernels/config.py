@@ -3,7 +3,8 @@
 The GPU tables were chosen by compiling every supported shape for sm_80 (A100) and sm_90 (H200) and reading
 shared memory, registers and spills (`scripts/triton_resources.py`, checked by `tests/test_triton_compile.py`,
 table in `bench/results/triton_resources.md`): shared memory within both targets' per-block limit for every shape,
-no spills for fp16/bf16 at head dims up to 128 on sm_90.
+no spills for fp16/bf16 at head dims up to 128 on sm_90, and none for the state ops at any size. The state ops'
+tiles are reasoned (registers per thread, programs for a decode batch), not yet timed on a GPU.
 """
 
 from dataclasses import dataclass
@@ -88,3 +89,61 @@ def prefill_tiles(dtype: torch.dtype, head_dim: int, group: int, target: Target,
     else:
         rows, block_n, num_warps, num_stages = 128, 128, 8 if head_dim > 64 else 4, 1
     return Tiles(max(rows // triton.next_power_of_2(group), 1), block_n, num_warps, num_stages)
+
+
+@dataclass(frozen=True)
+class StateTiles:
+    """Tiles of a state op's kernel (`causal_conv1d`, `gated_delta_rule`, `selective_scan`).
+
+    block_v: the state's columns a program holds: Dv of the gated delta rule (its Dk whole), P of the scan (its N
+        whole); the channels of the convolution.
+    block_h: heads per program of the scan (several when P is small: Mamba1's P = 1), 1 for the others.
+    block_t: tokens per step of the convolution's window over a plain sequence, 1 for the others.
+    """
+
+    block_v: int
+    block_h: int = 1
+    block_t: int = 1
+    num_warps: int = 4
+
+
+# The recurrent kernels hold a state tile in registers across the tokens: about 32 fp32 values per thread for the
+# gated delta rule, 8 for the scan (whose loads per element are more), small tiles that give a decode batch enough
+# programs to fill the GPU's bandwidth. padded Dk -> (value columns, warps).
+DELTA_TILES = {64: (32, 2), 128: (16, 2), 256: (16, 4)}
+# padded N -> P-rows (heads x channels) per program, at 4 warps.
+SCAN_ROWS = {16: 64, 32: 32, 64: 16, 128: 8, 256: 4}
+# The convolution: channels per program, tokens per window step, warps.
+CONV_TILES = (64, 16, 4)
+# The interpreter: one numpy operation per tile, so tiles as large as this many elements.
+INTERPRETER_STATE_ELEMENTS = 1 << 14
+
+
+def delta_tiles(k_head_dim: int, v_head_dim: int, target: Target) -> StateTiles:
+    """Tiles of the gated delta rule: a program holds S[:, block_v columns] of a head's [Dk, Dv] state."""
+    block_k, columns = triton.next_power_of_2(k_head_dim), triton.next_power_of_2(v_head_dim)
+    if not target.gpu_tiles:
+        return StateTiles(block_v=min(columns, max(INTERPRETER_STATE_ELEMENTS // block_k, 1)))
+    block_v, num_warps = DELTA_TILES[max(block_k, 64)]
+    return StateTiles(block_v=min(block_v, columns), num_warps=num_warps)
+
+
+def scan_tiles(num_heads: int, head_dim: int, state_size: int, target: Target) -> StateTiles:
+    """Tiles of the selective scan: a program holds block_h heads x block_v channels of [P, N] states, N whole.
+    Rows left over by a small P (Mamba1's 1) go to more heads."""
+    block_n = max(triton.next_power_of_2(state_size), 16)
+    rows = INTERPRETER_STATE_ELEMENTS // block_n if not target.gpu_tiles else SCAN_ROWS[block_n]
+    block_p = min(triton.next_power_of_2(head_dim), rows)
+    return StateTiles(block_v=block_p, block_h=min(rows // block_p, triton.next_power_of_2(num_heads)))
+
+
+def conv_tiles(channels: int, decode_len: int, target: Target) -> StateTiles:
+    """Tiles of the convolution; decode_len: the decode path's tokens per request (a window step needs no more),
+    else 0."""
+    block_c, block_t, num_warps = CONV_TILES
+    if not target.gpu_tiles:
+        block_t = 64
+        block_c = INTERPRETER_STATE_ELEMENTS // block_t
+    if decode_len:
+        block_t = min(block_t, triton.next_power_of_2(decode_len))
+    return StateTiles(block_v=min(block_c, triton.next_power_of_2(channels)), block_t=block_t, num_warps=num_warps)

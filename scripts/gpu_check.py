@@ -24,6 +24,12 @@
 5. Decode (batch 1/16/64 x context 1k/4k/32k) and prefill (512/4k new tokens, prefix 0/2k) at Hq 32, Hkv 8, D 128,
    bf16, page 16, decode also over fp8 (e4m3) caches: KV bandwidth and TFLOP/s against the copy bandwidth and bf16
    matmul rate measured in this run.
+6. The state ops (causal_conv1d, gated_delta_rule with a decay per head and per key channel, selective_scan as
+   Mamba2 and Mamba1) on Triton against the torch backend, at the models' sizes, bf16 and fp32: ragged prefill over
+   prefixes (with a padding request), decode (with padding), TARGET_VERIFY of chains and trees on the decode path,
+   a tree's prefill; outputs, slots' states and intermediate states, every slot the batch does not hold poisoned
+   and left as it was. On CUDA each op also captured in a CUDA graph on the decode path and replayed over new
+   inputs, slots and lengths, equal to eager calls. Then a timing table, Triton against torch, decode and prefill.
 """
 
 import argparse
@@ -54,6 +60,7 @@ from helpers.reference import (  # noqa: E402
     reference,
     tree_mask_for,
 )
+from helpers.state_reference import POISON, make_batch, poisoned_states  # noqa: E402
 
 import hybrid_ops  # noqa: E402
 from hybrid_ops import ForwardMode  # noqa: E402
@@ -516,6 +523,191 @@ def benchmark(device, smoke, rows):
     return dict(copy_gbps=copy_gbps, matmul_tflops=matmul_tflops)
 
 
+# The state layers checked: (name, op, dims on the GPU, dims with --smoke, variant). dims: (C, K) of a convolution,
+# (Hk, Hv, Dk, Dv) of the gated delta rule, (H, P, G, N) of the scan. The GPU's are the models': Mamba2's
+# convolution over x, B, C (Nemotron-H, Granite 4); Qwen3-Next's gated delta rule, Kimi Linear's decay per key channel;
+# Mamba2's scan (H 128, P 64, G 8, N 128) and Jamba's Mamba1 (P 1, A [H, N]).
+STATE_LAYERS = [
+    ("conv", "causal_conv1d", (10240, 4), (40, 4), ""),
+    ("delta", "gated_delta_rule", (16, 32, 128, 128), (2, 4, 32, 16), ""),
+    ("delta per-channel decay", "gated_delta_rule", (16, 32, 128, 128), (2, 4, 32, 16), "per_channel"),
+    ("mamba2", "selective_scan", (128, 64, 8, 128), (4, 8, 2, 16), ""),
+    ("mamba1", "selective_scan", (1024, 1, 1, 16), (24, 1, 1, 16), "per_channel"),
+]
+# name -> (forward mode, speculative_attention_mode, make_batch's arguments); prefill's q_lens on the GPU, --smoke's.
+STATE_BATCHES = {
+    "prefill": (
+        ForwardMode.MIXED,
+        "prefill",
+        dict(prefixes=[0, 20, 5, 9], padding=1),
+        ([300, 1, 1000, 0], [9, 1, 17, 0]),
+    ),
+    "decode": (ForwardMode.DECODE, "prefill", dict(q_lens=[1] * 6, prefixes=[4, 1, 7, 30, 2, 0], padding=2), None),
+    "verify": (ForwardMode.TARGET_VERIFY, "decode", dict(q_lens=[4] * 3, prefixes=[3, 8, 1], padding=1), None),
+    "verify tree": (ForwardMode.TARGET_VERIFY, "decode", dict(q_lens=[0] * 3, prefixes=[5, 2, 9], tree=(3, 2)), None),
+    "prefill tree": (ForwardMode.EXTEND, "prefill", dict(q_lens=[0] * 2, prefixes=[6, 0], tree=(2, 2)), None),
+}
+# Triton against torch, both float32 inside: max abs error over the expected tensor's magnitude (at least 1), by the
+# compared tensor's dtype (bf16 and fp16 outputs: a rounding of nearly equal values, an ulp apart).
+STATE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def state_inputs(op, dims, num_tokens, dtype, device, variant, gen):
+    """(the op's tensors before its state, its keywords, the state's shape and dtype) for a layer of `dims`."""
+    randn = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)
+    rand = lambda *shape: torch.rand(*shape, generator=gen).to(device)
+    if op == "causal_conv1d":
+        channels, width = dims
+        tensors = (randn(num_tokens, channels), randn(channels, width) / width, randn(channels))
+        return tensors, dict(activation="silu"), (width - 1, channels), dtype
+    if op == "gated_delta_rule":
+        k_heads, v_heads, k_dim, v_dim = dims
+        q, k = (
+            torch.nn.functional.normalize(randn(num_tokens, k_heads, k_dim).float(), dim=-1).to(dtype) for _ in "qk"
+        )
+        g = -rand(num_tokens, v_heads, *([k_dim] if variant else [])) * 0.5
+        return (
+            (q, k, randn(num_tokens, v_heads, v_dim), g, rand(num_tokens, v_heads)),
+            {},
+            (v_heads, k_dim, v_dim),
+            torch.float32,
+        )
+    heads, head_dim, groups, state_size = dims
+    rate = -rand(heads, state_size) if variant else -rand(heads) * 2
+    tensors = (randn(num_tokens, heads, head_dim), randn(num_tokens, heads) - 1, rate) + tuple(
+        randn(num_tokens, groups, state_size) for _ in "BC"
+    )
+    extra = dict(D=randn(heads).float(), z=randn(num_tokens, heads, head_dim), dt_bias=randn(heads).float() * 0.5)
+    return tensors, dict(extra, dt_softplus=True), (heads, head_dim, state_size), torch.float32
+
+
+def run_state_op(op, tensors, keywords, state, batch, mode, spec_mode, backend, intermediate=None):
+    device = state.device
+    return getattr(torch.ops.hybrid, op)(
+        *tensors,
+        state,
+        *(t.to(device) for t in batch.metadata),
+        int(mode),
+        **keywords,
+        tree_mask=None if batch.tree_mask is None else batch.tree_mask.to(device),
+        intermediate_states=intermediate,
+        prefill_backend=backend,
+        decode_backend=backend,
+        speculative_attention_mode=spec_mode,
+    )
+
+
+def assert_state_close(got, want, what):
+    """got (Triton) against want (torch) within STATE_TOLERANCE; entries want holds POISON in must be untouched."""
+    tolerance, poisoned = STATE_TOLERANCE[want.dtype], (want == POISON).cpu()  # POISON in want's dtype
+    got, want = got.double().cpu(), want.double().cpu()
+    assert torch.equal(got[poisoned], want[poisoned]), f"{what}: a slot the batch does not hold was written"
+    got, want = got[~poisoned], want[~poisoned]
+    scale = max(1.0, want.abs().max().item()) if want.numel() else 1.0
+    err = (got - want).abs().max().item() if want.numel() else 0.0
+    assert err <= tolerance * scale, f"{what}: max abs error {err:.3g} > {tolerance:g} x {scale:.3g}"
+
+
+def check_state_ops(device, smoke, report):
+    """Every state layer, batch and dtype on Triton against the torch backend (STATE_LAYERS, STATE_BATCHES)."""
+    dtypes = (torch.bfloat16,) if smoke else (torch.bfloat16, torch.float32)
+    for name, op, gpu_dims, smoke_dims, variant in STATE_LAYERS:
+        dims = smoke_dims if smoke else gpu_dims
+        for dtype in dtypes:
+            for batch_name, (mode, spec_mode, arguments, prefill_lens) in STATE_BATCHES.items():
+                if prefill_lens is not None:
+                    arguments = dict(arguments, q_lens=prefill_lens[smoke])
+                batch = make_batch(**arguments, rng=random.Random(len(batch_name)))
+                gen = torch.Generator().manual_seed(len(name))
+                tensors, keywords, shape, state_dtype = state_inputs(
+                    op, dims, batch.num_tokens, dtype, device, variant, gen
+                )
+                state = poisoned_states(batch, shape, state_dtype).to(device)
+                results = {}
+                for backend in ("torch", "triton"):
+                    backend_state = state.clone()
+                    intermediate = None
+                    if mode == ForwardMode.TARGET_VERIFY:
+                        verify_len = max(batch.q_lens) + 1
+                        intermediate = torch.full((batch.num_slots, verify_len, *shape), POISON, dtype=state_dtype)
+                        intermediate = intermediate.to(device)
+                    out = run_state_op(
+                        op, tensors, keywords, backend_state, batch, mode, spec_mode, backend, intermediate
+                    )
+                    results[backend] = (out, backend_state, intermediate)
+                for what, want, got in zip(("output", "state", "intermediate states"), *results.values()):
+                    if want is not None:
+                        assert_state_close(got, want, f"{name} {batch_name} {dtype} {what}")
+        report.append(f"state ops: triton {name} {dims} as torch, {', '.join(STATE_BATCHES)}, {dtypes}")
+        print(report[-1], flush=True)
+
+
+def check_state_graphs(report):
+    """Each Triton state op captured in a CUDA graph on the decode path (6 requests and 2 padding ones), then
+    replayed over new inputs, slots and lengths copied into the captured tensors: outputs and states as an eager call
+    on the same values, bit for bit."""
+    mode, _, arguments, _ = STATE_BATCHES["decode"]
+    for name, op, dims, _, variant in STATE_LAYERS:
+        rng, gen = random.Random(0), torch.Generator().manual_seed(0)
+        batch = make_batch(**arguments, rng=rng)
+        tensors, keywords, shape, state_dtype = state_inputs(
+            op, dims, batch.num_tokens, torch.bfloat16, "cuda", variant, gen
+        )
+        state = poisoned_states(batch, shape, state_dtype).cuda()
+        metadata = [t.cuda() for t in batch.metadata]
+
+        def call(state=state):
+            return getattr(torch.ops.hybrid, op)(
+                *tensors, state, *metadata, int(mode), **keywords, prefill_backend="triton", decode_backend="triton"
+            )
+
+        call()  # compiles the kernel before the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call()
+        for _ in range(2):
+            replay = make_batch(**arguments, rng=rng)
+            new_tensors, _, _, _ = state_inputs(op, dims, batch.num_tokens, torch.bfloat16, "cuda", variant, gen)
+            for static, new in zip((*tensors, *metadata), (*new_tensors, *(t.cuda() for t in replay.metadata))):
+                static.copy_(new)
+            state.copy_(poisoned_states(replay, shape, state_dtype))
+            eager_state = state.clone()
+            graph.replay()
+            eager = call(eager_state)
+            torch.cuda.synchronize()
+            assert torch.equal(out, eager) and torch.equal(state, eager_state), f"{name}: a replay differs from eager"
+        report.append(f"state ops: triton {name} captured in a CUDA graph, replayed over new inputs and slots as eager")
+        print(report[-1], flush=True)
+
+
+def benchmark_state_ops(device, smoke, rows):
+    """Triton and torch per call, decode (64 requests, 1 token each) and prefill (4 requests of 512 tokens), bf16:
+    rows of the state table, with the Triton decode's state traffic (each held state read and written once)."""
+    shapes = {"decode": ([1] * 64, [100] * 64), "prefill": ([512] * 4, [0] * 4)}
+    if smoke:
+        shapes = {"decode": ([1] * 2, [3] * 2), "prefill": ([16] * 2, [0] * 2)}
+    for name, op, gpu_dims, smoke_dims, variant in STATE_LAYERS:
+        dims = smoke_dims if smoke else gpu_dims
+        for kind, (q_lens, prefixes) in shapes.items():
+            batch = make_batch(q_lens, prefixes, rng=random.Random(0))
+            mode = ForwardMode.DECODE if kind == "decode" else ForwardMode.EXTEND
+            gen = torch.Generator().manual_seed(0)
+            tensors, keywords, shape, state_dtype = state_inputs(
+                op, dims, batch.num_tokens, torch.bfloat16, device, variant, gen
+            )
+            state = poisoned_states(batch, shape, state_dtype).to(device)
+            row = dict(op=name, shape=f"{kind} {len(q_lens)} x {q_lens[0]}")
+            for backend in ("torch", "triton"):
+                row[backend] = timed(
+                    lambda: run_state_op(op, tensors, keywords, state, batch, mode, "prefill", backend), device
+                )
+            state_bytes = 2 * len(q_lens) * state[0].numel() * state.element_size()
+            row["triton_state_gbps"] = state_bytes / row["triton"] / 1e6 if kind == "decode" else None
+            rows.append(row)
+            print(row, flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, any device")
@@ -536,7 +728,12 @@ def main():
         check_cuda_graphs(report)
     check_generator_graphs(device, args.smoke, report)
     check_package(device, args.smoke, report)
+    check_state_ops(device, args.smoke, report)
+    if device == "cuda":
+        check_state_graphs(report)
     rates = benchmark(device, args.smoke, rows)
+    state_rows = []
+    benchmark_state_ops(device, args.smoke, state_rows)
     lines = report + [
         "",
         f"copy bandwidth {rates['copy_gbps']:.0f} GB/s, bf16 matmul {rates['matmul_tflops']:.0f} "
@@ -552,13 +749,25 @@ def main():
                     f"| {row['kind']} | {row['shape']} | {backend} | {r['ms']:.3f} | {r['kv_gbps']:.0f} "
                     f"| {r['of_copy']:.0%} | {r['tflops']:.1f} | {r['of_matmul']:.0%} |"
                 )
+    lines += [
+        "",
+        "| state op | shape | torch ms | triton ms | torch / triton | triton state GB/s |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for row in state_rows:
+        gbps = "" if row["triton_state_gbps"] is None else f"{row['triton_state_gbps']:.0f}"
+        lines.append(
+            f"| {row['op']} | {row['shape']} | {row['torch']:.3f} | {row['triton']:.3f} "
+            f"| {row['torch'] / row['triton']:.1f}x | {gbps} |"
+        )
     lines.append(f"\n{time.time() - start:.0f} s in all")
     text = "\n".join(lines) + "\n"
     print(text)
     name = "gpu" if device == "cuda" else "gpu_check_smoke_cpu"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.md").write_text(text)
-    (args.out / f"{name}.json").write_text(json.dumps(dict(report=report, rates=rates, rows=rows), indent=1))
+    results = dict(report=report, rates=rates, rows=rows, state_rows=state_rows)
+    (args.out / f"{name}.json").write_text(json.dumps(results, indent=1))
     if os.environ.get("OUT"):
         (Path(os.environ["OUT"]) / f"{name}.md").write_text(text)
 

@@ -3,12 +3,14 @@
     python scripts/triton_resources.py                                   # check; print the table
     python scripts/triton_resources.py --write bench/results/triton_resources.md
 
-Runs the Triton backend's own launch path (`TritonBackend.prefill` / `decode` with a GPU `Target`: the SM count,
-tiles and stages a GPU gets) on CPU tensors with `JITFunction.run` replaced by a recorder, then specialises each
-recorded launch as `JITFunction.run` does (constexprs, ints equal to 1, divisibility by 16 and 16-byte alignment)
-and compiles it with the ptxas of the triton wheel, in a fresh cache so that ptxas reports every kernel. Identical
-specialisations are compiled once. Checks, per target: a cubin; shared memory within the per-block limit; no
-register spills for fp16/bf16 at head dims up to 128 on sm_90. Exits 1 listing what failed.
+Runs the Triton backend's own launch path (`TritonBackend.prefill` / `decode` and the state ops'
+`causal_conv1d` / `gated_delta_rule` / `selective_scan`, with a GPU `Target`: the SM count, tiles and stages a GPU
+gets) on CPU tensors with `JITFunction.run` replaced by a recorder, then specialises each recorded launch as
+`JITFunction.run` does (constexprs, ints equal to 1, divisibility by 16 and 16-byte alignment) and compiles it with
+the ptxas of the triton wheel, in a fresh cache so that ptxas reports every kernel. Identical specialisations are
+compiled once. Checks, per target: a cubin; shared memory within the per-block limit; no register spills on sm_90
+for attention at fp16/bf16 up to head dim 128, and for the state ops at every size (their state lives in
+registers across the tokens). Exits 1 listing what failed.
 
 Uses triton's private APIs (`create_function_from_signature`, `JITFunction._pack_args`): pinned to triton 3.9.0 in
 the test extra. Must run without TRITON_INTERPRET (an interpreted kernel cannot be compiled).
@@ -39,6 +41,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature  # no
 from hybrid_ops.backends.triton import TritonBackend  # noqa: E402
 from hybrid_ops.kernels.config import Target  # noqa: E402
 from hybrid_ops.options import Options  # noqa: E402
+from hybrid_ops.state_ops import StateMetadata  # noqa: E402
 
 SHARED_LIMIT = {80: 166_912, 90: 232_448}  # per-block opt-in shared memory, bytes
 SM_COUNT = {80: 108, 90: 132}  # A100, H200
@@ -70,6 +73,10 @@ class Case:
     v_head_dim: int = None  # v's own head dim Dv (MLA); None: head_dim
     tree: bool = False  # a tree mask (speculative verify, a draft's prefill)
     chunk: int = -1  # attention_chunk
+
+    @property
+    def checks_spills(self):
+        return self.dtype != torch.float32 and self.head_dim <= NO_SPILL_MAX_HEAD_DIM
 
     def __str__(self):
         mode = ("decode" if self.q_len == 1 else f"verify {self.q_len}") if self.kind == "decode" else "prefill"
@@ -144,6 +151,63 @@ def cases():
     return out
 
 
+# How a state case names its dims, per op.
+STATE_DIMS = {
+    "gated_delta_rule": "Hk{}/Hv{} Dk{} Dv{}",
+    "selective_scan": "H{} P{} G{} N{}",
+    "causal_conv1d": "C{} K{}",
+}
+
+
+@dataclass(frozen=True)
+class StateCase:
+    """One state-op call on `batch` requests with a 300-token prefix. op: a `STATE_OPS` name; mode: "prefill" (40 new
+    tokens each), "decode" (1), "verify" (4 drafts, on the decode path), "verify tree" (a chain of 8 as a tree, on
+    the decode path) or "prefill tree" (8); dims: (Hk, Hv, Dk, Dv) of the gated delta rule, (H, P, G, N) of the scan,
+    (C, K) of the convolution; variant: "" as the models use the op, else "per-channel decay" (the gated delta
+    rule's g [T, Hv, Dk]), "bare" (a scan without D, z, dt_bias, softplus), "no bias" (a convolution)."""
+
+    op: str
+    dtype: torch.dtype
+    dims: tuple
+    mode: str = "prefill"
+    variant: str = ""
+    batch: int = 2
+
+    checks_spills = True
+
+    @property
+    def q_len(self):
+        return {"prefill": 40, "decode": 1, "verify": 4}.get(self.mode, 8)
+
+    def __str__(self):
+        text = f"{self.op} {self.mode} {DTYPE_NAMES[self.dtype]} {STATE_DIMS[self.op].format(*self.dims)}"
+        return text + (f" {self.variant}" if self.variant else "") + (f" batch {self.batch}" if self.batch != 2 else "")
+
+
+def state_cases():
+    """Each state op at its models' sizes in every mode, with the variants its kernels specialise on: the gated delta
+    rule of Qwen3-Next (Hk 16, Hv 32, Dk = Dv 128), Kimi Linear's decay per key channel, Dk 64 and 256; Mamba2's
+    scan (Nemotron-H, Granite 4: H 128, P 64, G 8, N 128), N 256, Mamba1's (Jamba: H 8192, P 1, N 16); the
+    convolution in front of Mamba2 (C = 8192 + 2 x 8 x 128, K 4) and LFM2's (C 2048, K 3). fp16 compiles as bf16."""
+    modes = ("prefill", "decode", "verify", "verify tree", "prefill tree")
+    shapes = {
+        "gated_delta_rule": ((16, 32, 128, 128), [(4, 8, 64, 64), (8, 8, 256, 256)], "per-channel decay"),
+        "selective_scan": ((128, 64, 8, 128), [(32, 64, 1, 256), (8192, 1, 1, 16)], "bare"),
+        "causal_conv1d": ((10240, 4), [(2048, 3)], "no bias"),
+    }
+    out = []
+    for op, (main, others, variant) in shapes.items():
+        out += [StateCase(op, torch.bfloat16, main, mode) for mode in modes]
+        out += [StateCase(op, torch.float32, main, mode) for mode in ("prefill", "decode")]
+        out += [StateCase(op, torch.bfloat16, main, mode, variant) for mode in ("prefill", "decode")]
+        out += [StateCase(op, dtype, dims, mode) for dims in others for dtype in (torch.bfloat16, torch.float32)
+                for mode in ("prefill", "decode")]  # fmt: skip
+        out.append(StateCase(op, torch.float16, main, "decode"))
+        out.append(StateCase(op, torch.bfloat16, main, "decode", batch=64))
+    return out
+
+
 @dataclass
 class Launch:
     kernel: JITFunction
@@ -173,8 +237,12 @@ def record_launches(case_list, num_sms):
 
 
 def call_backend(backend, case):
-    """One backend call on CPU tensors: `batch` requests of a 300-token prefix (a multiple of no page size). fp8
-    caches get scales as the ops pass them: e4m3 one per kv head, e5m2 one for all (a stride-0 view)."""
+    """One backend call on CPU tensors (`call_state_op` for a state op's): `batch` requests of a 300-token prefix
+    (a multiple of no page size). fp8 caches get scales as the ops pass them: e4m3 one per kv head, e5m2 one for all
+    (a stride-0 view)."""
+    if isinstance(case, StateCase):
+        call_state_op(backend, case)
+        return
     gen = torch.Generator().manual_seed(0)
     prefix, num_tokens = 300, case.batch * case.q_len
     pages_per_request = -(-(prefix + case.q_len) // case.page_size)
@@ -212,6 +280,53 @@ def call_backend(backend, case):
         **scales,
     )
     getattr(backend, case.kind)(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, options)
+
+
+def call_state_op(backend, case):
+    """One state-op backend call on CPU tensors, its metadata as `state_ops` passes it: request i on slot i of
+    batch + 1, intermediate states in TARGET_VERIFY, a chain as the tree."""
+    gen = torch.Generator().manual_seed(0)
+    num_tokens, q_len = case.batch * case.q_len, case.q_len
+    verify, tree = case.mode.startswith("verify"), case.mode.endswith("tree")
+    decode = case.mode in ("decode", "verify", "verify tree")
+    randn = lambda *shape, dtype=case.dtype: torch.randn(*shape, generator=gen).to(dtype)
+
+    def metadata(state):
+        intermediate = state.new_zeros(state.shape[0], q_len, *state.shape[1:]) if verify else None
+        return StateMetadata(
+            torch.arange(case.batch + 1, dtype=torch.int32) * q_len,
+            torch.full((case.batch,), 300 + q_len, dtype=torch.int32),
+            torch.arange(case.batch, dtype=torch.int32),
+            decode,
+            verify,
+            torch.ones(q_len, q_len, dtype=torch.bool).tril().repeat(case.batch, 1) if tree else None,
+            intermediate,
+        )
+
+    slots = case.batch + 1
+    if case.op == "gated_delta_rule":
+        k_heads, v_heads, k_dim, v_dim = case.dims
+        q, k = randn(num_tokens, k_heads, k_dim), randn(num_tokens, k_heads, k_dim)
+        g_shape = (num_tokens, v_heads, k_dim) if case.variant else (num_tokens, v_heads)
+        state = torch.zeros(slots, v_heads, k_dim, v_dim)
+        args = (q, k, randn(num_tokens, v_heads, v_dim), -torch.rand(g_shape), torch.rand(num_tokens, v_heads))
+        backend.gated_delta_rule(*args, state, metadata(state), k_dim**-0.5)
+    elif case.op == "selective_scan":
+        heads, head_dim, groups, state_size = case.dims
+        x, dt = randn(num_tokens, heads, head_dim), randn(num_tokens, heads)
+        A = -torch.rand(heads, state_size) if head_dim == 1 else -torch.rand(heads)  # Mamba1: a rate per channel
+        B, C = randn(num_tokens, groups, state_size), randn(num_tokens, groups, state_size)
+        state = torch.zeros(slots, heads, head_dim, state_size)
+        bare = case.variant == "bare"
+        D, dt_bias = (None, None) if bare else (torch.randn(heads), torch.randn(heads))
+        z = None if bare else randn(num_tokens, heads, head_dim)
+        backend.selective_scan(x, dt, A, B, C, state, metadata(state), D, z, dt_bias, not bare, 0.0, float("inf"))
+    else:
+        channels, width = case.dims
+        bias = None if case.variant else randn(channels)
+        state = torch.zeros(slots, width - 1, channels, dtype=case.dtype)
+        x, weight = randn(num_tokens, channels), randn(channels, width)
+        backend.causal_conv1d(x, weight, bias, state, metadata(state), "silu")
 
 
 def specialise(launch, capability):
@@ -274,7 +389,7 @@ class Row:
         found = []
         if self.shared > SHARED_LIMIT[self.capability]:
             found.append(f"shared memory {self.shared} B > {SHARED_LIMIT[self.capability]} B")
-        no_spill = any(c.dtype != torch.float32 and c.head_dim <= NO_SPILL_MAX_HEAD_DIM for c in self.cases)
+        no_spill = any(c.checks_spills for c in self.cases)
         if self.capability == NO_SPILL_CAPABILITY and no_spill and (self.spill_stores or self.spill_loads):
             found.append(f"spills {self.spill_stores}/{self.spill_loads} B (stores/loads)")
         return found
@@ -339,7 +454,7 @@ def main():
     parser.add_argument("--write", type=Path, help="write the resource table (markdown) here")
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
-    rows = compile_all(cases(), args.workers)
+    rows = compile_all(cases() + state_cases(), args.workers)
     text = table(rows, args.write or Path("bench/results/triton_resources.md"))
     print(text)
     if args.write:

@@ -122,6 +122,7 @@ def test_gpu_check_script_smoke(tmp_path):
     for cache in ("torch.bfloat16", "torch.float8_e4m3fn"):
         assert f"correct: triton q torch.bfloat16, cache {cache}, every mode" in out
     assert "trees: torch, prefill and verify" in out
+    assert "state ops: triton mamba1" in out and "| mamba1 | prefill 2 x 16 |" in out
     assert (tmp_path / "gpu_check_smoke_cpu.md").exists()
 
 
