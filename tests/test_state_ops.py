@@ -291,3 +291,51 @@ def test_bad_values_refused(backend, name, validation_on):
     with pytest.raises(HybridInputError, match=re.escape(state_message(name, STATE_VALUE_INPUTS))):
         fn(*args, **kwargs)
     assert all(torch.equal(a, b) for a, b in zip(states, before))
+
+
+def test_compiled_layer_calls_the_ops_on_the_pools_states():
+    """A served gated delta layer (Qwen3.5's) compiled whole (fullgraph, dynamic): the generated code calls the conv
+    and the delta rule on the pool's state tensors themselves (no clone, no copy), every mode runs through the same
+    graphs after a warm-up (no recompile), and each gives the eager layer's output and states."""
+    from helpers.models import make_model, tiny_config
+    from torch._inductor.utils import run_and_get_code
+
+    from hybrid_ops.integrations.servable import check_servable
+    from hybrid_ops.integrations.transformers import HybridStep
+    from hybrid_ops.state import StatePool
+
+    model = make_model(tiny_config("qwen3_5_text"), attn_implementation="hybrid")
+    mixer = check_servable(model)[1][0]
+    pool = StatePool([[(s.shape, s.dtype) for s in mixer.states]], 6, max_verify_tokens=12)
+
+    def layer(hidden, cu_seqlens_q, seq_lens, state_slots, forward_mode: int, tree_mask):
+        step = HybridStep(forward_mode, cu_seqlens_q, seq_lens, None, None, None, state_slots=state_slots,
+                          tree_mask=tree_mask)  # fmt: skip
+        return mixer.family.forward(mixer.module, hidden, step, pool.states[0], pool.intermediate_states[0])
+
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+    rng = random.Random(0)
+    with torch.no_grad():
+        for i, name in enumerate(["prefill", "mixed", "decode", "verify", "verify_tree", "prefix"] * 2):
+            mode, arguments = BATCHES[name]
+            batch = make_batch(**{**arguments, "padding": 0, "prefixes": [0] * len(arguments["prefixes"])}
+                               if i < 2 else arguments, num_slots=6, rng=rng)  # fmt: skip
+            hidden = torch.randn(1, batch.num_tokens, model.config.hidden_size)
+            args = (hidden, *batch.metadata, int(mode), batch.tree_mask)
+            before = [t.clone() for t in pool.all_states]
+            want = layer(*args)
+            eager_states = [t.clone() for t in pool.all_states]
+            for t, b in zip(pool.all_states, before):
+                t.copy_(b)
+            if i == 0:
+                out, codes = run_and_get_code(compiled, *args)
+                code = "\n".join(codes)
+                assert "torch.ops.hybrid.causal_conv1d.default(" in code
+                assert "torch.ops.hybrid.gated_delta_rule.default(" in code
+                assert "aten.copy" not in code and ".clone(" not in code
+            else:
+                with torch._dynamo.config.patch(error_on_recompile=i >= 6):
+                    out = compiled(*args)
+            assert_near(out[0], want[0].double(), torch.float32, name)
+            for got, eager in zip(pool.all_states, eager_states):  # Inductor rounds the projections its own way
+                assert_near(got, eager.double(), torch.float32, f"{name}: states")
