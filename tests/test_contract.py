@@ -108,15 +108,20 @@ decode_ragged_lengths: decode needs the same query length for every request, got
             str(getattr(torch.ops.hybrid, name).default._schema)
             for name in ("causal_conv1d", "gated_delta_rule", "selective_scan")
         )
-        self.assertExpectedInline(schemas, """\
+        self.assertExpectedInline(
+            schemas,
+            """\
 hybrid::causal_conv1d(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_state, Tensor cu_seqlens_q, Tensor seq_lens, Tensor state_slots, SymInt forward_mode, *, str activation="none", Tensor? tree_mask=None, Tensor(b!)? intermediate_states=None, str prefill_backend="auto", str decode_backend="auto", str speculative_attention_mode="prefill") -> Tensor
 hybrid::gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, Tensor cu_seqlens_q, Tensor seq_lens, Tensor state_slots, SymInt forward_mode, *, float? scale=None, Tensor? tree_mask=None, Tensor(b!)? intermediate_states=None, str prefill_backend="auto", str decode_backend="auto", str speculative_attention_mode="prefill") -> Tensor
-hybrid::selective_scan(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor(a!) state, Tensor cu_seqlens_q, Tensor seq_lens, Tensor state_slots, SymInt forward_mode, *, Tensor? D=None, Tensor? z=None, Tensor? dt_bias=None, bool dt_softplus=False, float dt_min=0., float? dt_max=None, Tensor? tree_mask=None, Tensor(b!)? intermediate_states=None, str prefill_backend="auto", str decode_backend="auto", str speculative_attention_mode="prefill") -> Tensor""")
+hybrid::selective_scan(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor(a!) state, Tensor cu_seqlens_q, Tensor seq_lens, Tensor state_slots, SymInt forward_mode, *, Tensor? D=None, Tensor? z=None, Tensor? dt_bias=None, bool dt_softplus=False, float dt_min=0., float? dt_max=None, Tensor? tree_mask=None, Tensor(b!)? intermediate_states=None, str prefill_backend="auto", str decode_backend="auto", str speculative_attention_mode="prefill") -> Tensor""",
+        )
 
     def test_state_op_messages(self):
         messages = [f"{name}: {state_message(name)}" for name in STATE_BAD_INPUTS]
         messages += [f"{name}: {state_message(name, STATE_VALUE_INPUTS)}" for name in STATE_VALUE_INPUTS]
-        self.assertExpectedInline("\n".join(messages), """\
+        self.assertExpectedInline(
+            "\n".join(messages),
+            """\
 conv_x_int: x must be float16, bfloat16 or float32, got torch.int32
 conv_weight_channels: weight must be [8, *], got (4, 4)
 conv_state_width: conv_state must be [*, 3, 8], got (7, 2, 8)
@@ -139,4 +144,5 @@ unknown_backend: prefill_backend must be 'auto' or one of ['cpu', 'flashinfer', 
 slots_repeated: state_slots must be distinct slots in [0, 7) or -1 (a padding request), got [1, 1, 1, 1, 1, 1]
 slot_too_high: state_slots must be distinct slots in [0, 7) or -1 (a padding request), got [106, 103, 105, 100, 99, 99]
 cu_seqlens_not_T: cu_seqlens_q must end at the number of tokens T = 23, got 22
-seq_lens_short: seq_lens[0] = 0 is shorter than request 0's 7 new tokens""")
+seq_lens_short: seq_lens[0] = 0 is shorter than request 0's 7 new tokens""",
+        )

@@ -16,6 +16,11 @@ anything (`checks_values`); on bad values it returns None and `check_metadata_va
 (`tree_mask`) hides the new keys its rows do not name from the same computation, its tokens' positions (prefix +
 depth) computed once per call: a causal tree gives the output of none, bit for bit.
 
+The state ops (`hybrid_ops.state_ops`: "causal_conv1d", "gated_delta_rule", "selective_scan") run their kernels
+(`kernels/cpu/state_ops.h`) as one call over the batch's requests, split across the threads by (request, head) or
+(request, block of channels); they too check the metadata's values before writing anything, and on bad values
+`check_state_metadata_values` names the culprit.
+
 Loading the kernels also registers their C++ entry points with the dispatcher (`kernels/cpu/dispatch.cpp`): from
 then on, `torch.ops.hybrid.*` calls on CPU tensors that this backend serves skip Python entirely, and the others go
 to the ops' Python implementation. The backend that loaded them subscribes to the registry
@@ -37,8 +42,8 @@ from torch._appdirs import user_cache_dir
 from ..errors import HybridInputError
 from ..modes import ROUTING, SPECULATIVE_ATTENTION_MODES
 from ..options import cpp_header
-from ..validation import FLOAT_DTYPES, check_metadata_values
-from .base import ALL_FEATURES, Backend
+from ..validation import FLOAT_DTYPES, check_metadata_values, check_state_metadata_values
+from .base import ALL_FEATURES, STATE_OPS, Backend
 from .registry import registry
 
 # ATen's compile flags for each CPU capability (cmake/Codegen.cmake); at::vec picks its implementation from the
@@ -156,8 +161,8 @@ def build():
 class CpuBackend(Backend):
     name = "cpu"
     requirement = "a C++ compiler and ninja to build its kernels (pip install ninja)"
-    checks_values = True  # the kernel checks the metadata's values before it writes anything (see `prefill`)
-    features = ALL_FEATURES
+    checks_values = True  # the kernels check the metadata's values before they write anything (see `prefill`)
+    features = ALL_FEATURES | frozenset(STATE_OPS)
 
     def __init__(self):
         self._module = None
@@ -210,3 +215,29 @@ class CpuBackend(Backend):
 
     def decode(self, *args):
         return self.prefill(*args, decode=True)
+
+    # The state ops' entry points take the step's fields in StateMetadata's order, after the op's tensors.
+    def causal_conv1d(self, x, weight, bias, conv_state, step, activation):
+        out = self._module.causal_conv1d(x, weight, bias, conv_state, *step, activation=activation)
+        return self._state_output(out, step, x.shape[0], conv_state.shape[0])
+
+    def gated_delta_rule(self, q, k, v, g, beta, state, step, scale):
+        out = self._module.gated_delta_rule(q, k, v, g, beta, state, *step, scale=scale)
+        return self._state_output(out, step, q.shape[0], state.shape[0])
+
+    def selective_scan(self, x, dt, A, B, C, state, step, D, z, dt_bias, dt_softplus, dt_min, dt_max):
+        options = dict(D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_min=dt_min, dt_max=dt_max)
+        out = self._module.selective_scan(x, dt, A, B, C, state, *step, **options)
+        return self._state_output(out, step, x.shape[0], state.shape[0])
+
+    @staticmethod
+    def _state_output(out, step, num_tokens, num_slots):
+        """A state kernel's output; None (bad metadata values, nothing written): the error that names the value."""
+        if out is None:
+            verify_len = step.intermediate_states.shape[1] if step.verify else None
+            check_state_metadata_values(*step[:3], num_tokens, num_slots, step.decode, step.tree_mask, verify_len)
+            raise HybridInputError(
+                "the metadata's values are inconsistent (cu_seqlens_q, seq_lens, state_slots, tree_mask, "
+                "intermediate_states)"
+            )
+        return out

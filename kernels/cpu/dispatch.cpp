@@ -1,4 +1,4 @@
-// The native CPU kernel's two entry points.
+// The native CPU kernels' entry points.
 //
 // The dispatcher's CPU kernels of hybrid::prefill, hybrid::decode and hybrid::attn (TORCH_LIBRARY_IMPL) take
 // precedence over the ops' Python implementation (hybrid_ops/ops.py, CompositeExplicitAutograd) for CPU tensors.
@@ -11,7 +11,9 @@
 // Python sets the tables (`configure`, hybrid_ops/backends/cpu.py) on every change to the backend registry; until it
 // does, every call goes to Python.
 //
-// The Python module's `forward` is the backend object's call of the same kernel.
+// The Python module's `forward` is the backend object's call of the same kernel, and its `causal_conv1d`,
+// `gated_delta_rule` and `selective_scan` the backend's state ops (state_ops.h): those go through Python
+// (hybrid_ops/state_ops.py checks their arguments and routes them).
 
 // Not torch/extension.h: the whole C++ frontend it brings would double the build time.
 #include <ATen/core/Tensor.h>
@@ -28,6 +30,7 @@
 #include "options.h"  // generated from hybrid_ops/options.py when the kernels build: HYBRID_OPTIONS(X)
 #include "paged_attention.h"
 #include "schedule.h"
+#include "state_ops.h"
 
 // The ops' options, expanded from the table: as parameters (in schema order, each after a comma), as the fields of
 // `Options` (references to the call's arguments), as the values that initialise it, as keyword arguments to Python
@@ -257,6 +260,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("FP8_WIDE_VECS") = hybrid_ops::fp8_wide_vecs();
   m.def("multiplies_in_cache_dtype", &hybrid_ops::multiplies_in_cache_dtype,
         "Whether many query rows over a 16-bit cache multiply in 16 bits (AMX) rather than fp32");
+  m.def("causal_conv1d", &hybrid_ops::causal_conv1d,
+        "The depthwise causal convolution; None when the metadata's values are invalid", py::arg("x"),
+        py::arg("weight"), py::arg("bias"), py::arg("conv_state"), py::arg("cu_seqlens_q"), py::arg("seq_lens"),
+        py::arg("state_slots"), py::arg("decode"), py::arg("verify"), py::arg("tree_mask"),
+        py::arg("intermediate_states"), py::arg("activation"));
+  m.def("gated_delta_rule", &hybrid_ops::gated_delta_rule,
+        "The gated delta rule; None when the metadata's values are invalid", py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("g"), py::arg("beta"), py::arg("state"), py::arg("cu_seqlens_q"), py::arg("seq_lens"),
+        py::arg("state_slots"), py::arg("decode"), py::arg("verify"), py::arg("tree_mask"),
+        py::arg("intermediate_states"), py::arg("scale"));
+  m.def("selective_scan", &hybrid_ops::selective_scan,
+        "The selective state-space scan; None when the metadata's values are invalid", py::arg("x"), py::arg("dt"),
+        py::arg("A"), py::arg("B"), py::arg("C"), py::arg("state"), py::arg("cu_seqlens_q"), py::arg("seq_lens"),
+        py::arg("state_slots"), py::arg("decode"), py::arg("verify"), py::arg("tree_mask"),
+        py::arg("intermediate_states"), py::arg("D"), py::arg("z"), py::arg("dt_bias"), py::arg("dt_softplus"),
+        py::arg("dt_min"), py::arg("dt_max"));
   m.def("configure", &configure,
         "The routing table as (forward_mode, speculative_attention_mode, decode path?), the backend names that "
         "mean the native kernel, and every valid backend name");

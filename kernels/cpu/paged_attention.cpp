@@ -30,12 +30,12 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
-#include <atomic>
 #include <cstring>
 #include <memory>
 #include <vector>
 
 #include "kernel.h"
+#include "parallel.h"
 
 namespace hybrid_ops::cpu {
 namespace {
@@ -68,15 +68,6 @@ ScheduleParams schedule_params(int64_t num_kv_heads, int64_t group, int64_t head
           .rows_in_place = head_dim % VEC == 0 && v_head_dim % VEC == 0,
           .window = window,
           .chunk = chunk};
-}
-
-// Runs fn(i) for i in [0, n) on every thread, each taking the next index from a shared counter.
-template <typename F>
-void parallel_dynamic(int64_t n, F&& fn) {
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    for (int64_t i = next++; i < n; i = next++) fn(i);
-  });
 }
 
 // Scales and the cache's dtype (C) as in paged_attention.

@@ -15,17 +15,26 @@ bool tree_rows_ok(const Metadata& md, int64_t first, int64_t q_len) {
 
 }  // namespace
 
-bool metadata_ok(const Metadata& md, int64_t num_tokens, int64_t num_pages, int64_t page_size, bool decode) {
+bool lengths_ok(const Metadata& md, int64_t num_tokens, bool decode) {
   if (md.cu[0] != 0 || md.cu[md.num_requests] != num_tokens) return false;
   for (int64_t i = 0; i < md.num_requests; ++i) {
-    const int64_t q_len = md.cu[i + 1] - md.cu[i], len = md.lens[i];
-    if (q_len < 0 || md.cu[i + 1] > num_tokens || len < q_len || len > md.width * page_size) return false;
+    const int64_t q_len = md.cu[i + 1] - md.cu[i];
+    if (q_len < 0 || md.cu[i + 1] > num_tokens || md.lens[i] < q_len) return false;
     if (decode && q_len != md.cu[1] - md.cu[0]) return false;
+    if (md.tree && !tree_rows_ok(md, md.cu[i], q_len)) return false;
+  }
+  return true;
+}
+
+bool metadata_ok(const Metadata& md, int64_t num_tokens, int64_t num_pages, int64_t page_size, bool decode) {
+  if (!lengths_ok(md, num_tokens, decode)) return false;
+  for (int64_t i = 0; i < md.num_requests; ++i) {
+    const int64_t len = md.lens[i];
+    if (len > md.width * page_size) return false;
     const int32_t* pages = md.table + i * md.table_stride;
     for (int64_t p = 0; p < (len + page_size - 1) / page_size; ++p) {
       if (pages[p] < 0 || pages[p] >= num_pages) return false;
     }
-    if (md.tree && !tree_rows_ok(md, md.cu[i], q_len)) return false;
   }
   return true;
 }

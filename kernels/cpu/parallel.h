@@ -1,0 +1,22 @@
+// The split of a kernel's work over the threads of at::parallel_for, for tasks that differ in length (ragged
+// requests): each thread takes the next task from a shared counter. Shared by paged attention and the state ops.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+
+namespace hybrid_ops::cpu {
+
+// Runs fn(i) for i in [0, n) on every thread, each taking the next index from a shared counter.
+template <typename F>
+void parallel_dynamic(int64_t n, F&& fn) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < n; i = next++) fn(i);
+  });
+}
+
+}  // namespace hybrid_ops::cpu
