@@ -94,12 +94,14 @@ def _check_tensor(name, t, device, rank=None, dtypes=None, shape=None):
         names = ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
         raise HybridInputError(f"{name} must be {names}, got {t.dtype}")
     if shape is not None:
-        expected = f"[{', '.join('*' if s is None else str(s) for s in shape)}]"
+        message = lambda: (
+            f"{name} must be [{', '.join('*' if s is None else str(s) for s in shape)}], got {tuple(t.shape)}"
+        )
         if len(shape) != t.dim():
-            raise HybridInputError(f"{name} must be {expected}, got {tuple(t.shape)}")
+            raise HybridInputError(message())
         for size, got in zip(shape, t.shape):
             if size is not None:  # check_input: no guard on a symbolic size
-                check_input(got == size, lambda: f"{name} must be {expected}, got {tuple(t.shape)}")
+                check_input(got == size, message)
 
 
 def _check_state(name, state, shape, dtype, device):
