@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..errors import HybridInputError, HybridOpsError
-from .cache_manager import KVCacheManager, paged_cache, state_page_count, state_pool
+from .cache_manager import KVCacheManager, num_snapshots, paged_cache, state_pool
 from .checks import check_flags, check_model_sizes, check_sizes, is_int, max_positions, prompt_list, token_list
 from .runner import ModelRunner
 from .sampler import SamplingParams, next_tokens
@@ -83,10 +83,10 @@ class HybridGenerator:
     `integrations/stateful.py`) keeps each running request's state in a slot of `states` (a `StatePool` of
     `max_batch_size` slots), taken at admission and freed with the request's pages; a slot counts as `state_pages`
     pages of the budget (the pages its bytes would fill), so admission and preemption see K/V and state together. A
-    preempted request's state is dropped and computed again from its tokens. With `prefix_caching`, the state after
-    each cached page that a step ends on is kept as a snapshot (`max_batch_size` of them, beside the budget, the least
-    recently used replaced), prefill chunks end on page boundaries, and a request starts on cached pages only up to
-    the last one with a snapshot. The layers of the families in `integrations/layers.py` run in every mode, under
+    preempted request's state is dropped and computed again from its tokens. With `prefix_caching`, prefill chunks end
+    on page boundaries, the state after each chunk's last page is kept as a snapshot (`2 * max_batch_size` of them,
+    beside the budget, the least recently used replaced), and a request starts on cached pages only up to the last
+    one with a snapshot. The layers of the families in `integrations/layers.py` run in every mode, under
     `cuda_graphs` (padding requests hold no slot) and in packages; those served through `hybrid::mixer` (MiniMax,
     RecurrentGemma, Zaya) refuse prefix caching and `cuda_graphs`.
 
@@ -137,7 +137,7 @@ class HybridGenerator:
                     f"{option}=True is not supported for a model whose layers keep recurrent or convolution state "
                     f"({per_request[0].name}): its state op (hybrid::mixer) {reason}"
                 )
-        snapshots = max_batch_size if prefix_caching else 0
+        snapshots = num_snapshots(max_batch_size, prefix_caching)
         states, state_pages = state_pool(
             mixers, layer_shapes, max_batch_size, page_size, kv_cache_dtype, param.device, snapshots
         )
@@ -187,11 +187,10 @@ class HybridGenerator:
 
         check_sizes(None, 1, num_pages=num_pages)
         check_flags(cuda_graphs=cuda_graphs, prefix_caching=prefix_caching)
-        info, runner, states = load(path, config, kv_cache_dtype, max_batch_size, max_seq_len, prefill_chunk,
-                                    num_pages, cuda_graphs, prefix_caching)  # fmt: skip
+        sizes = (max_batch_size, max_seq_len, prefill_chunk, num_pages)
+        info, runner, states, state_pages = load(path, config, kv_cache_dtype, *sizes, cuda_graphs, prefix_caching)
         generator = cls.__new__(cls)
         generator.model = None
-        state_pages = 0 if states is None else state_page_count(states, runner.cache)
         generator._serve(runner, prefix_caching, info.vocab_size, info.eos_token_id, states, state_pages)
         return generator
 

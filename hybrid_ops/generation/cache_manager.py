@@ -39,22 +39,25 @@ def paged_cache(
     )
 
 
+def num_snapshots(max_batch_size: int, prefix_caching: bool) -> int:
+    """State snapshots a hybrid model's pool keeps for prefix caching: two per request slot."""
+    return 2 * max_batch_size if prefix_caching else 0
+
+
 def state_pool(mixers, layer_shapes, max_batch_size, page_size, kv_cache_dtype, device, num_snapshots=0):
     """(a `StatePool` of `max_batch_size` slots (and `num_snapshots` snapshot slots, for prefix caching) for the
-    stateful layers `mixers`, the pages a slot counts as) for a cache of `layer_shapes` ((Hkv, D, Dv) per layer) in
-    `kv_cache_dtype`; (None, 0) for a model without state. A slot counts as the pages its bytes would fill, so that the
-    budget bounds K/V and state together."""
+    stateful layers `mixers`, the pages a slot counts as: `slot_pages`); (None, 0) for a model without state."""
     if not mixers:
         return None, 0
     layers = [[(s.shape, s.dtype) for s in m.states] for m in mixers]
     states = StatePool(layers, max_batch_size, device, num_snapshots=num_snapshots)
+    return states, slot_pages(states, layer_shapes, page_size, kv_cache_dtype)
+
+
+def slot_pages(states: StatePool, layer_shapes, page_size: int, kv_cache_dtype) -> int:
+    """The pages a slot of `states` counts as in the budget of a cache of `layer_shapes` ((Hkv, D, Dv) per layer) in
+    `kv_cache_dtype`: those its bytes would fill, so that the budget bounds K/V and state together."""
     bytes_per_page = page_size * kv_cache_dtype.itemsize * sum(h * (d + dv) for h, d, dv in layer_shapes)
-    return states, -(-states.bytes_per_slot // bytes_per_page)
-
-
-def state_page_count(states: StatePool, cache: PagedKVCache) -> int:
-    """The pages a slot of `states` counts as in `cache`'s budget: those its bytes would fill."""
-    bytes_per_page = sum(t[0].numel() * t.element_size() for t in cache.k_caches + cache.v_caches)
     return -(-states.bytes_per_slot // bytes_per_page)
 
 
@@ -128,7 +131,8 @@ class KVCacheManager:
         if self.states is not None:
             self.states.add(request.id)
             if reused:
-                self.states.restore(request.id, self.cache.page_key(request.id, reused // self.cache.page_size - 1))
+                last_page = self.cache.page_key(request.id, reused // self.cache.page_size - 1)
+                self.states.restore(request.id, last_page)
         request.num_computed_tokens, request.prefill_end = reused, request.num_tokens
         return True
 
@@ -150,13 +154,16 @@ class KVCacheManager:
 
     def computed(self, request, token_ids) -> None:
         """The request's next `token_ids` have their K/V written (and its state is the one after them): with prefix
-        caching, the pages they fill can serve later requests, and where they end on a page boundary the state is
-        kept as that page's snapshot."""
+        caching, the pages they fill can serve later requests, and where a prefill chunk ends on a page boundary the
+        state is kept as that page's snapshot."""
         if not self.prefix_caching:
             return
         self.cache.register_tokens(request.id, token_ids)
         end = request.num_computed_tokens + len(token_ids)
-        if self.states is not None and token_ids and end % self.cache.page_size == 0:
+        # Prefill chunks only: a prompt's prefix is what later prompts share, and decode steps would replace its
+        # snapshot with ones of generated tokens.
+        prefilling = request.num_computed_tokens < request.prefill_end
+        if self.states is not None and prefilling and end % self.cache.page_size == 0:
             key = self.cache.page_key(request.id, end // self.cache.page_size - 1)
             if key is not None:
                 self.states.save(request.id, key)

@@ -19,7 +19,7 @@ from ..errors import HybridInputError
 from ..ops import SCHEMAS as ATTENTION_SCHEMAS
 from ..state import StatePool
 from ..state_ops import SCHEMAS as STATE_SCHEMAS
-from .cache_manager import paged_cache
+from .cache_manager import num_snapshots, paged_cache, slot_pages
 from .checks import is_int
 from .runner import StepRunner
 
@@ -168,7 +168,7 @@ def _serving_sizes(info: PackageInfo, **sizes) -> list:
 def load(path, config, kv_cache_dtype, max_batch_size, max_seq_len, prefill_chunk, num_pages, cuda_graphs,
          prefix_caching=False):  # fmt: skip
     """(the package's `PackageInfo`, a `StepRunner` of its step over a new cache, the hybrid model's new `StatePool`
-    or None): the arguments as
+    or None, the pages a slot of it counts as): the arguments as
     `HybridGenerator.from_package`'s, checked (`check_info`) before the package's code is loaded."""
     info = read_info(path)
     check_info(info, config, kv_cache_dtype)
@@ -182,15 +182,19 @@ def load(path, config, kv_cache_dtype, max_batch_size, max_seq_len, prefill_chun
     loader = torch._C._aoti.AOTIModelPackageLoader(os.fspath(path), "model", True, 1, -1)
     shapes = [tuple(s) for s in info.layer_shapes]
     dtype = dtype_named(info.cache_dtype)
+    states, state_pages = None, 0
+    if info.state_shapes:
+        layers = [[(tuple(shape), dtype_named(name)) for shape, name in layer] for layer in info.state_shapes]
+        states = StatePool(
+            layers, max_batch_size, info.device, num_snapshots=num_snapshots(max_batch_size, prefix_caching)
+        )
+        state_pages = slot_pages(states, shapes, info.page_size, dtype)
+    num_pages = num_pages or max_batch_size * (info.pages_per_request + state_pages)
     cache = paged_cache(shapes, max_batch_size, info.pages_per_request, info.page_size, num_pages, dtype, info.device,
                         cuda_graphs, for_compile=False)  # fmt: skip
-    states = None
-    if info.state_shapes:
-        layers = [[(tuple(shape), dtype_named(dtype)) for shape, dtype in layer] for layer in info.state_shapes]
-        states = StatePool(layers, max_batch_size, info.device, num_snapshots=max_batch_size if prefix_caching else 0)
     step = PackagedStep(loader, cache, states)
     if cuda_graphs and info.device == "cuda":
         from .graphs import CudaGraphStep
 
         step = CudaGraphStep(step, cache, info.backends, dtype_named(info.dtype), states)
-    return info, StepRunner(step, cache, max_batch_size, max_seq_len, prefill_chunk, cuda_graphs), states
+    return info, StepRunner(step, cache, max_batch_size, max_seq_len, prefill_chunk, cuda_graphs), states, state_pages
