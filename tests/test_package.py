@@ -215,7 +215,7 @@ def test_a_package_of_another_torch_library_or_schema_is_refused(llama_package, 
         refusal(rewritten(llama_package, tmp_path, hybrid_ops="0.0.9")),
         """path: the package was built with hybrid_ops 0.0.9, this process has hybrid_ops 0.1.0: package the model again with this one""",
     )
-    schemas = json.loads(json.dumps(hybrid_ops.ops.SCHEMAS))
+    schemas = json.loads(json.dumps(hybrid_ops.generation.packaged.SCHEMAS))
     schemas["attn"] = schemas["attn"].replace("SymInt forward_mode", "int forward_mode")
     assert_expected_inline(
         refusal(rewritten(llama_package, tmp_path, schemas=schemas)),
@@ -223,7 +223,7 @@ def test_a_package_of_another_torch_library_or_schema_is_refused(llama_package, 
     )
     assert_expected_inline(
         refusal(rewritten(llama_package, tmp_path, format=0)),
-        """path: the package is of format 0, this hybrid_ops reads format 1: package the model again""",
+        """path: the package is of format 0, this hybrid_ops reads format 2: package the model again""",
     )
 
 
