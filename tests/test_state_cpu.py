@@ -62,14 +62,16 @@ class Case:
             inputs = [q, k, torch.randn(T, Hv, Dv, dtype=dtype), -torch.rand(T, Hv, Dk) * 0.5, torch.rand(T, Hv)]
             self.keywords = dict(scale=0.3)
         else:
-            H, P, G, N = 4, 6, 2, 20
+            # Mamba1 ("selective_scan_p1": P = 1): 20 heads a group, blocks of 16 heads and the rest, N not whole
+            # vectors.
+            H, P, G, N = (40, 1, 2, 12) if op.endswith("_p1") else (4, 6, 2, 20)
             shape, state_dtype = (H, P, N), torch.float32
             B, C = (torch.randn(T, G, N, dtype=torch.float16) for _ in range(2))
             inputs = [torch.randn(T, H, P, dtype=dtype), torch.randn(T, H, dtype=torch.bfloat16) - 1]
             inputs += [-torch.rand(H, N), B, C]
             self.keywords = dict(D=torch.randn(H, dtype=torch.bfloat16), z=torch.randn(T, H, P), dt_bias=torch.randn(H))
             self.keywords |= dict(dt_softplus=True, dt_min=0.01, dt_max=2.0)
-        self.op, self.inputs = getattr(torch.ops.hybrid, op), inputs
+        self.op, self.inputs = getattr(torch.ops.hybrid, op.removesuffix("_p1")), inputs
         self.state = poisoned_states(self.batch, shape, state_dtype)
         self.intermediate = None
         if verify:
@@ -88,7 +90,7 @@ class Case:
         return out, state, intermediate
 
 
-OPS = ["causal_conv1d", "gated_delta_rule", "selective_scan"]
+OPS = ["causal_conv1d", "gated_delta_rule", "selective_scan", "selective_scan_p1"]
 
 
 def assert_same(got, want):
@@ -122,8 +124,8 @@ def test_mixed_dtypes_against_torch(op, name, dtype):
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("name", ["long", "decode"])
 def test_thread_count_independent(op, name):
-    """Each (request, head) or (request, channel block) task runs on one thread in a fixed order: the same bits on
-    1, 2 or 3 threads."""
+    """Each (request, head), (request, head block) or (request, channel block) task runs on one thread in a fixed
+    order: the same bits on 1, 2 or 3 threads."""
     case = Case(op, name)
     threads = torch.get_num_threads()
     try:

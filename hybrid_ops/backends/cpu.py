@@ -17,9 +17,9 @@ anything (`checks_values`); on bad values it returns None and `check_metadata_va
 depth) computed once per call: a causal tree gives the output of none, bit for bit.
 
 The state ops (`hybrid_ops.state_ops`: "causal_conv1d", "gated_delta_rule", "selective_scan") run their kernels
-(`kernels/cpu/state_ops.h`) as one call over the batch's requests, split across the threads by (request, head) or
-(request, block of channels); they too check the metadata's values before writing anything, and on bad values
-`check_state_metadata_values` names the culprit.
+(`kernels/cpu/state_ops.h`) as one call over the batch's requests, split across the threads by (request, head),
+(request, block of 16 heads) for Mamba1's one-channel heads, or (request, block of channels); they too check the
+metadata's values before writing anything, and on bad values `check_state_metadata_values` names the culprit.
 
 Loading the kernels also registers their C++ entry points with the dispatcher (`kernels/cpu/dispatch.cpp`): from
 then on, `torch.ops.hybrid.*` calls on CPU tensors that this backend serves skip Python entirely, and the others go

@@ -115,7 +115,7 @@ void gated_delta_rule(const Batch& b, const DeltaProblem& p) {
       }
     };
     bool summed = false;  // whether the previous token's update made this token's sums
-    recur(b, p.states, i, h, o + Dv, [&](const float* src, float* dst, int64_t t) {
+    recur(b, p.states, i, h, 1, o + Dv, [&](const float* src, float* dst, int64_t t) {
       if (!summed) {
         load(t, now);
         pass<false, true>({.src = src, .ka = now.kd, .kb = now.qd, .a = sum_k, .b = sum_q, .rows = Dk, .cols = Dv});

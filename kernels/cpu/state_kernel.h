@@ -73,20 +73,38 @@ struct Rows {
 
   // n values of row t, head h, from value c, into out as fp32.
   void read(int64_t t, int64_t h, int64_t c, int64_t n, float* out) const {
-    const int64_t offset = t * strides[0] + h * strides[1] + c * strides[2];
-    switch (dtype) {
-      case at::kBFloat16:
-        return widen(static_cast<const at::BFloat16*>(data) + offset, strides[2], n, out);
-      case at::kHalf:
-        return widen(static_cast<const at::Half*>(data) + offset, strides[2], n, out);
-      default:
-        return widen(static_cast<const float*>(data) + offset, strides[2], n, out);
+    gather(t * strides[0] + h * strides[1] + c * strides[2], strides[2], n, out);
+  }
+  // n values of each of the heads h .. h + heads - 1 of row t into out [heads, n] as fp32; one value a head (dt, or
+  // x of Mamba1's heads of one channel) is one read across the heads.
+  void read_heads(int64_t t, int64_t h, int64_t heads, int64_t n, float* out) const {
+    if (n == 1) return gather(t * strides[0] + h * strides[1], strides[1], heads, out);
+    for (int64_t k = 0; k < heads; ++k) read(t, h + k, 0, n, out + k * n);
+  }
+  // The values read_heads reads: in place where they are fp32 and lie as out would hold them, else read into out.
+  const float* view_heads(int64_t t, int64_t h, int64_t heads, int64_t n, float* out) const {
+    if (dtype == at::kFloat && (heads == 1 || strides[1] == n) && (n == 1 || strides[2] == 1)) {
+      return static_cast<const float*>(data) + t * strides[0] + h * strides[1];
     }
+    read_heads(t, h, heads, n, out);
+    return out;
   }
   float value(int64_t t, int64_t h) const {
     float x;
     read(t, h, 0, 1, &x);
     return x;
+  }
+
+ private:
+  void gather(int64_t offset, int64_t stride, int64_t n, float* out) const {
+    switch (dtype) {
+      case at::kBFloat16:
+        return widen(static_cast<const at::BFloat16*>(data) + offset, stride, n, out);
+      case at::kHalf:
+        return widen(static_cast<const at::Half*>(data) + offset, stride, n, out);
+      default:
+        return widen(static_cast<const float*>(data) + offset, stride, n, out);
+    }
   }
 };
 
@@ -133,30 +151,32 @@ struct StatePool {
   int64_t heads, size;
 };
 
-// Request i's recurrence for head h (not a padding request's): step(src, dst, t) for each of its tokens t in order,
-// src the state the token follows (its parent's; for the first of a path the slot's, or zeros without a prefix) and
-// dst where the state after it goes: intermediate[slot, j, h] in verify; with a tree, tree_states[j] (the task's,
-// [q_len, size]), the last one then copied to the slot; otherwise the slot itself, updated in place (a head's state is
-// contiguous, as near in the caches as a copy would be, without copying it in and out). src may be dst.
+// Request i's recurrence for the heads h .. h + heads - 1 (not a padding request's), whose states lie together in
+// every place as one [heads, size]: step(src, dst, t) for each of its tokens t in order, src the states the token
+// follows (its parent's; for the first of a path the slot's, or zeros without a prefix) and dst where the states after
+// it go: intermediate[slot, j, h] in verify; with a tree, tree_states[j] (the task's, [q_len, heads, size]), the last
+// one then copied to the slot; otherwise the slot itself, updated in place (the heads' states are contiguous, as near
+// in the caches as a copy would be, without copying them in and out). src may be dst.
 template <typename Step>
-void recur(const Batch& b, const StatePool& pool, int64_t i, int64_t h, float* tree_states, Step&& step) {
-  const int64_t n = b.q_len(i), t0 = b.cu[i], slot = b.slots[i];
+void recur(const Batch& b, const StatePool& pool, int64_t i, int64_t h, int64_t heads, float* tree_states,
+           Step&& step) {
+  const int64_t n = b.q_len(i), t0 = b.cu[i], slot = b.slots[i], size = heads * pool.size;
   float* const own = pool.state + (slot * pool.heads + h) * pool.size;
   const auto place = [&](int64_t j) {
     if (b.verify) return pool.intermediate + ((slot * b.verify_len + j) * pool.heads + h) * pool.size;
-    return b.tree ? tree_states + j * pool.size : own;
+    return b.tree ? tree_states + j * size : own;
   };
   for (int64_t j = 0; j < n; ++j) {
     const int64_t parent = b.parents[t0 + j];
     float* dst = place(j);
     const float* src = parent >= 0 ? place(parent) : b.has_prefix(i) ? own : nullptr;
     if (!src) {
-      std::fill_n(dst, pool.size, 0.f);
+      std::fill_n(dst, size, 0.f);
       src = dst;
     }
     step(src, dst, t0 + j);
   }
-  if (!b.verify && b.tree && n > 0) std::copy_n(place(n - 1), pool.size, own);
+  if (!b.verify && b.tree && n > 0) std::copy_n(place(n - 1), size, own);
 }
 
 // The kernels (their files), each over the batch's tokens, writing every output row (padding requests': zeros).
