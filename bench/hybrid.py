@@ -3,16 +3,18 @@ against transformers' own generate, side by side in one run.
 
 Every model has 8 decoder layers of width 256 with random weights: the hybrids mix stateful layers with attention
 (qwen3_5_text, lfm2, granitemoehybrid, jamba: 6 stateful + 2 attention layers; nemotron_h: 6 Mamba2 + 2 attention
-blocks, each followed by an MLP block; falcon_h1: Mamba2 beside attention in every layer). Two workloads:
+blocks, each followed by an MLP block; falcon_h1: Mamba2 beside attention in every layer). Two workloads, which
+differ only in their prompts:
 
-    decode-heavy   8 prompts of 16 to 250 tokens, 64 new tokens each
-    prefill-heavy  8 prompts of 500 to 1000 tokens, 8 new tokens each
+    decode-heavy   8 prompts of 16 to 250 tokens, 32 new tokens each
+    prefill-heavy  8 prompts of 500 to 1000 tokens, 32 new tokens each
 
 hybrid_ops: one `HybridGenerator` per model (compile=True), its second call timed (the first compiles); tokens/s are
 new tokens over the call's seconds, prefill included. transformers: `model.generate` greedy on one prompt at a time
 (its own cache of conv and recurrent states, its PyTorch fallbacks where flash-linear-attention and mamba-ssm are not
-installed), the prompts' seconds summed. The tokens of both are compared (tiny random models rarely agree to the last
-token over long runs in fp32: the count of identical requests is printed).
+installed), the prompts' seconds summed. The tokens of both are compared (the count of identical requests is
+printed). Then qwen3_5_text packaged (`hybrid_ops.package`) and served from the package by a new process: the seconds
+from its start to the first token (bench/startup.py's measurement).
 
     python -m bench hybrid            # both workloads, every model
     python -m bench hybrid --quick    # decode-heavy, fewer new tokens, transformers on two prompts
@@ -77,7 +79,7 @@ FAMILY = {
     "falcon_h1": ("Mamba2", 0.5),
     "jamba": ("Mamba1", None),
 }
-WORKLOADS = {"decode-heavy": ((16, 250), 64), "prefill-heavy": ((500, 1000), 8)}
+WORKLOADS = {"decode-heavy": ((16, 250), 32), "prefill-heavy": ((500, 1000), 32)}
 
 
 def make_model(name):
@@ -149,12 +151,25 @@ def hybrid_section(quick):
             row["vs_llama"] = row["tokens_per_second"] / llama
             row["vs_transformers"] = row["tokens_per_second"] / row["transformers_tokens_per_second"]
         results[workload] = rows
+    if not quick:
+        from .startup import measure
+
+        results["package"] = measure("qwen3_5_text", 32, variants=["package"])
     return results
 
 
 def markdown(results) -> str:
     lines = ["## Hybrid families end to end (python -m bench hybrid)", ""]
     for workload, rows in results.items():
+        if workload == "package":
+            (row,) = rows
+            lines += [
+                f"qwen3_5_text from a package (packaged once in {row['packaging_s']:.0f} s): a new process's start to "
+                f"its first token {row['first_token_s']:.1f} s, then {row['tokens_per_s']:.1f} tok/s warm; "
+                f"transformers imported: {'yes' if row['transformers'] else 'no'}.",
+                "",
+            ]
+            continue
         lines += [
             f"{workload}:",
             "",

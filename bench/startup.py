@@ -33,10 +33,15 @@ VARIANTS = ["compile=False", "compile=True, cold", "compile=True, warm", "compil
 
 
 def model(name):
-    """The demo model, or a Llama of 8 layers 1024 wide (GQA 16/4 heads, 4096 ids), seeded alike."""
+    """The demo model, a Llama of 8 layers 1024 wide (GQA 16/4 heads, 4096 ids), seeded alike, or one of
+    bench/hybrid.py's models by its type."""
     sys.path.insert(0, str(ROOT))
     from examples.generate import demo_model
 
+    from .hybrid import MODELS, make_model
+
+    if name in MODELS:
+        return make_model(name)
     if name == "demo":
         return demo_model()
     return demo_model(**LARGER_SIZES)
@@ -88,8 +93,8 @@ def run_child(variant, job, inductor_cache):
     return dict(result, first_token_s=result["first_token"] - start)
 
 
-def measure(name, new_tokens):
-    """Rows of the five variants on model `name`: 8 prompts of the demo's lengths."""
+def measure(name, new_tokens, variants=VARIANTS):
+    """Rows of the `variants` (default: all five) on model `name`: 8 prompts of the demo's lengths."""
     import hybrid_ops
 
     sys.path.insert(0, str(ROOT))
@@ -113,13 +118,15 @@ def measure(name, new_tokens):
         )
         caches = {v: str(Path(scratch, f"inductor-{i}")) for i, v in enumerate(VARIANTS)}
         caches["compile=True, warm"] = caches["compile=True, cold"]
-        for variant in VARIANTS:
+        for variant in variants:
             rows.append(dict(model=name, variant=variant, **run_child(variant, job, caches[variant])))
             print(f"{name}, {variant}: {rows[-1]['first_token_s']:.1f} s to the first token", flush=True)
     assert all(r["tokens"] == rows[0]["tokens"] for r in rows), "the variants gave different tokens"
-    eager, compiled = rows[0]["tokens_per_s"], rows[2]["tokens_per_s"]
+    by_variant = {r["variant"]: r["tokens_per_s"] for r in rows}
     for r in rows:
-        r.update(packaging_s=packaging_s, vs_compiled=r["tokens_per_s"] / compiled, vs_eager=r["tokens_per_s"] / eager)
+        r.update(packaging_s=packaging_s)
+        if "compile=True, warm" in by_variant:
+            r.update(vs_compiled=r["tokens_per_s"] / by_variant["compile=True, warm"])
         del r["tokens"], r["first_token"]
     return rows
 
