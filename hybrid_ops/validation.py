@@ -56,8 +56,19 @@ def tensors_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table):
         and seq_lens.device == device
         and block_table.device == device
         and k_cache.is_contiguous()
-        and v_cache.is_contiguous()
+        and value_rows_ok(v_cache)
     )
+
+
+def value_rows_ok(v_cache) -> bool:
+    """v_cache [num_pages, page_size, Hkv, Dv] is contiguous, or the leading Dv values of each row of a contiguous
+    [num_pages, page_size, Hkv, E] tensor (E > Dv): MLA's latent cache passes `k_cache[..., :Dv]`, whose values are
+    the first Dv of its keys, stored once."""
+    if v_cache.is_contiguous():
+        return True
+    _, page_size, num_kv_heads, v_head_dim = v_cache.shape
+    row = v_cache.stride(2)
+    return v_cache.stride() == (page_size * num_kv_heads * row, num_kv_heads * row, row, 1) and row > v_head_dim
 
 
 def check_args(tensors, options) -> None:
@@ -70,7 +81,8 @@ def check_tensors(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table
     """Shape, dtype and device checks that need no data; raises `HybridInputError` naming the argument. Shapes:
 
     q: [T, Hq, D]; k: [T, Hkv, D]; v: [T, Hkv, Dv]; k_cache: [num_pages, page_size, Hkv, D], v_cache:
-    [num_pages, page_size, Hkv, Dv], contiguous, q's dtype or both one of FP8_DTYPES; cu_seqlens_q: [B + 1] int32;
+    [num_pages, page_size, Hkv, Dv], contiguous (v_cache: or the leading Dv values of contiguous rows,
+    `value_rows_ok`), q's dtype or both one of FP8_DTYPES; cu_seqlens_q: [B + 1] int32;
     seq_lens: [B] int32; block_table: [B, max_pages] int32. Dv may differ from D (MLA-style models).
     """
     for name, t, rank in (
@@ -113,11 +125,15 @@ def check_tensors(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table
         ),
     )
     check_input(v_head_dim > 0, lambda: f"v_cache's head dim Dv must be positive, got shape {tuple(v_cache.shape)}")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not t.is_contiguous():
-            raise HybridInputError(
-                f"{name} must be a contiguous [num_pages, page_size, Hkv, D] tensor, got strides {t.stride()}"
-            )
+    if not k_cache.is_contiguous():
+        raise HybridInputError(
+            f"k_cache must be a contiguous [num_pages, page_size, Hkv, D] tensor, got strides {k_cache.stride()}"
+        )
+    if not value_rows_ok(v_cache):
+        raise HybridInputError(
+            f"v_cache must be a contiguous [num_pages, page_size, Hkv, Dv] tensor or the leading Dv values of the rows "
+            f"of one (as k_cache[..., :Dv] of a latent cache), got strides {v_cache.stride()}"
+        )
     check_input(
         cache_head_dim == head_dim, lambda: f"k_cache head dim {cache_head_dim} must equal q's head dim {head_dim}"
     )

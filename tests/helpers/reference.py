@@ -123,6 +123,18 @@ def make_case(
     )
 
 
+def latent_case(q_lens, prefix_lens, num_q_heads=8, head_dim=40, v_head_dim=32, **kwargs) -> Case:
+    """A batch over an MLA latent cache: one kv head whose values are the first Dv values of its keys, stored once
+    (v_cache is `k_cache[..., :Dv]`, v is `k[..., :Dv]`), as a model stores [normalised latent, roped key part]."""
+    case = make_case(q_lens, prefix_lens, num_q_heads, 1, head_dim, v_head_dim=v_head_dim, **kwargs)
+    latent = dict(
+        v=case.k[..., :v_head_dim],
+        v_cache=case.k_cache[..., :v_head_dim],
+        prefix_v=[k[..., :v_head_dim] for k in case.prefix_k],
+    )
+    return Case(**{**case.__dict__, **latent})
+
+
 def _cumsum(xs):
     total = 0
     for x in xs:
