@@ -6,6 +6,7 @@
     python -m bench tree            # a speculative tree's verify step against the chain's, cpu backend
     python -m bench startup         # seconds from a new process's start to its first token (bench/startup.py)
     python -m bench hybrid          # hybrid model families against a Llama and transformers (bench/hybrid.py)
+    python -m bench mla             # MLA decode over a latent cache against expanded K and V (bench/mla.py)
     python -m bench --quick         # smaller sizes, fewer repetitions (prints only)
     python -m bench op e2e --save   # some sections, their tables written as the kept results
 
@@ -43,7 +44,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parent.parent))  # the e2e and prefix sections import examples/generate.py
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 STATIC_CACHE_LEN = 4096
-SECTIONS = ["op", "dispatch", "e2e", "prefix", "fp8", "tree", "startup", "hybrid", "plot"]
+SECTIONS = ["op", "dispatch", "e2e", "prefix", "fp8", "tree", "startup", "hybrid", "mla", "plot"]
 
 
 def timeit(fn, reps=7, warmup=5):
@@ -770,6 +771,10 @@ def markdown(results):
         from .hybrid import markdown as hybrid_markdown
 
         lines += ["", hybrid_markdown(results["hybrid"])]
+    if "mla" in results:
+        from .mla import markdown as mla_markdown
+
+        lines += ["", mla_markdown(results["mla"])]
     return "\n".join(lines) + "\n"
 
 
@@ -855,6 +860,10 @@ def main(argv=None):
         from .hybrid import hybrid_section
 
         results["hybrid"] = hybrid_section(args.quick)
+    if "mla" in args.sections:
+        from .mla import mla_section
+
+        results["mla"] = mla_section(args.quick, args.reps)
     if "plot" in args.sections:
         results["sweep"] = context_sweep(args.quick)
     load.append(os.getloadavg()[0])

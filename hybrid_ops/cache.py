@@ -3,6 +3,7 @@ metadata of each step's batch."""
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -10,6 +11,22 @@ from .errors import HybridInputError, OutOfPagesError
 from .fp8 import FP8_DTYPES, raw
 from .metadata import ForwardBatch, build_metadata
 from .modes import ForwardMode
+
+
+class LayerShape(NamedTuple):
+    """One layer's cache: `num_kv_heads` heads of keys of `head_dim` and values of `v_head_dim`. latent: the values
+    are the first v_head_dim values of the keys' rows, stored once (MLA's latent cache: [normalised latent, roped key
+    part], the latent read as the values): v_caches[layer] is then a view of k_caches[layer]."""
+
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    latent: bool = False
+
+    @property
+    def values_per_token(self) -> int:
+        """Values one token stores in this layer."""
+        return self.num_kv_heads * (self.head_dim + (0 if self.latent else self.v_head_dim))
 
 
 @dataclass(eq=False)  # hashed by identity: a key names its parent entry itself, never a page id that is reused later
@@ -25,7 +42,8 @@ class PagedKVCache:
 
     k_caches[layer]: [num_pages, page_size, num_kv_heads, head_dim], v_caches[layer]: [num_pages, page_size,
     num_kv_heads, v_head_dim] (head_dim unless given), dtype `dtype`; or, with `layer_shapes`, each layer's own
-    (num_kv_heads, head_dim, v_head_dim), for models whose layers differ (it then sets num_layers too). Their
+    (num_kv_heads, head_dim, v_head_dim[, latent]) (`LayerShape`), for models whose layers differ (it then sets
+    num_layers too). A latent layer (MLA) stores its keys only: its v_cache is `k_cache[..., :v_head_dim]`. Their
     addresses never change (`mark_static_address`), so CUDA-graph trees accept the ops' in-place writes.
     An fp8 `dtype` (float8_e4m3fn, float8_e5m2) stores k / k_scale and v / v_scale: `k_scales[layer]`,
     `v_scales[layer]` are float32 [] tensors, `kv_scale` (1.0 unless given) at first; `scales(layer)` gives the ops'
@@ -71,12 +89,19 @@ class PagedKVCache:
     ):
         if layer_shapes is None:
             layer_shapes = [(num_kv_heads, head_dim, v_head_dim or head_dim)] * num_layers
+        layer_shapes = [LayerShape(*shape) for shape in layer_shapes]
         sizes = [("num_pages", num_pages), ("page_size", page_size), ("num_layers", len(layer_shapes))]
         for i, shape in enumerate(layer_shapes):
-            sizes += zip((f"layer {i}'s num_kv_heads", f"layer {i}'s head_dim", f"layer {i}'s v_head_dim"), shape)
+            sizes += zip((f"layer {i}'s num_kv_heads", f"layer {i}'s head_dim", f"layer {i}'s v_head_dim"), shape[:3])
         for name, value in sizes:
             if not (isinstance(value, int) and value > 0):
                 raise HybridInputError(f"{name} must be a positive int, got {value!r}")
+        for i, shape in enumerate(layer_shapes):
+            if shape.latent and not shape.v_head_dim < shape.head_dim:
+                raise HybridInputError(
+                    f"layer {i} is latent: its values are the first v_head_dim of its keys' head_dim values, so "
+                    f"v_head_dim must be below head_dim, got {shape.v_head_dim} and {shape.head_dim}"
+                )
         if not (
             isinstance(dtype, torch.dtype) and (dtype.is_floating_point and dtype.itemsize > 1 or dtype in FP8_DTYPES)
         ):
@@ -91,9 +116,17 @@ class PagedKVCache:
         self.max_pages_per_request = max_pages_per_request or num_pages
         self.scratch_page = num_pages if reserve_scratch else None
         pages = (num_pages + reserve_scratch, page_size)
-        self.k_caches = [torch.zeros((*pages, heads, d), dtype=dtype, device=device) for heads, d, _ in layer_shapes]
-        self.v_caches = [torch.zeros((*pages, heads, d), dtype=dtype, device=device) for heads, _, d in layer_shapes]
-        for t in self.k_caches + self.v_caches if for_compile else ():
+        self.layer_shapes = layer_shapes
+        self.k_caches = [
+            torch.zeros((*pages, s.num_kv_heads, s.head_dim), dtype=dtype, device=device) for s in layer_shapes
+        ]
+        self.v_caches = [
+            k[..., : s.v_head_dim]
+            if s.latent
+            else torch.zeros((*pages, s.num_kv_heads, s.v_head_dim), dtype=dtype, device=device)
+            for k, s in zip(self.k_caches, layer_shapes)
+        ]
+        for t in self.stored_caches if for_compile else ():
             torch._dynamo.mark_static_address(t)
             torch._dynamo.mark_static(t)
         self.k_scales = self.v_scales = None
@@ -113,6 +146,12 @@ class PagedKVCache:
         self._evictable = OrderedDict()  # page ids no request holds that carry a key, least recently released first
         self._prefix = {}  # key -> _CachedPage
         self._cached = {}  # page id -> its _CachedPage
+
+    @property
+    def stored_caches(self) -> list:
+        """Every cache tensor that holds memory of its own: the k caches and the v caches but latent layers' views."""
+        values = [v for v, shape in zip(self.v_caches, self.layer_shapes) if not shape.latent]
+        return self.k_caches + values
 
     def layer(self, layer_id: int):
         """(k_cache, v_cache) of one layer."""
@@ -280,7 +319,7 @@ class PagedKVCache:
             pages = torch.tensor(self._pages[request_id], device=self.device)
             src, dst = (torch.tensor(positions, device=self.device) for positions in zip(*moves))
             src, dst = (pages[p // self.page_size] * self.page_size + p % self.page_size for p in (src, dst))
-            for cache in self.k_caches + self.v_caches:
+            for cache in self.stored_caches:
                 rows = raw(cache).view(-1, *cache.shape[2:])
                 rows.index_copy_(0, dst, rows.index_select(0, src))
         del self._tokens[request_id][start:]
@@ -322,7 +361,7 @@ class PagedKVCache:
         """Gives the request its own copy of its page `index` (in its page list), in every layer."""
         pages = self._pages[request_id]
         page = self._allocate()
-        for cache in self.k_caches + self.v_caches:
+        for cache in self.stored_caches:
             cache[page] = cache[pages[index]]
         self._release([pages[index]])
         pages[index] = page

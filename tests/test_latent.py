@@ -1,13 +1,15 @@
-"""MLA's latent cache through the attention ops: one kv head whose values are the first Dv values of its keys, stored
-once (v_cache = k_cache[..., :Dv]), on every backend that runs on the CPU, against the float64 reference; the write
-lands once in the one cache tensor; the op compiles over it."""
+"""MLA's latent cache: through the attention ops, one kv head whose values are the first Dv values of its keys, stored
+once (v_cache = k_cache[..., :Dv]), on every backend that runs on the CPU, against the float64 reference, the write
+landing once in the one cache tensor, compiled over it; then the MLA model families served over it (weight
+absorption, integrations/mla.py) with transformers' own tokens."""
 
 import pytest
 import torch
+from helpers.models import NEW_TOKENS, PROMPTS, SIZES, make_model, preempting_pages, reference_tokens, tiny_config
 from helpers.reference import BACKENDS, assert_close, expected_cache, latent_case, reference, slow_except
 from torch._inductor.utils import run_and_get_code
 
-from hybrid_ops import ForwardMode, HybridInputError
+from hybrid_ops import ForwardMode, GenerationStats, HybridGenerator, HybridInputError
 
 # (q_lens, prefix_lens, mode): a ragged prefill over prefixes, decode, verify of 3 draft tokens.
 STEPS = {
@@ -16,16 +18,16 @@ STEPS = {
     "verify": ([3, 3], [9, 30], ForwardMode.TARGET_VERIFY),
 }
 # (Hq, D, Dv): a small one, and DeepSeek-V3's latent (kv_lora_rank 512 + qk_rope_head_dim 64) with 16 heads.
-SIZES = {"small": (8, 40, 32), "deepseek": (16, 576, 512)}
+HEADS = {"small": (8, 40, 32), "deepseek": (16, 576, 512)}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("step", STEPS)
-@pytest.mark.parametrize("size", slow_except("small", list(SIZES)))
+@pytest.mark.parametrize("size", slow_except("small", list(HEADS)))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_latent_cache(backend, step, size, dtype):
     q_lens, prefix_lens, mode = STEPS[step]
-    num_q_heads, head_dim, v_head_dim = SIZES[size]
+    num_q_heads, head_dim, v_head_dim = HEADS[size]
     case = latent_case(q_lens, prefix_lens, num_q_heads, head_dim, v_head_dim, page_size=16, dtype=dtype)
     k_expected, _ = expected_cache(case)
     out = torch.ops.hybrid.attn(*case.args, int(mode), prefill_backend=backend, decode_backend=backend,
@@ -65,3 +67,50 @@ def test_compiled_over_the_latent_cache(backend):
     assert "torch.ops.hybrid.attn.default(" in code and "aten.copy" not in code and ".clone(" not in code
     assert_close(out, reference(case), torch.float32)
     assert torch.equal(cache, k_expected)
+
+
+# The MLA families of transformers' causal LMs (deepseek_v2's layer and those built on it), each served over its
+# latent cache.
+MLA_TYPES = [
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe_lite",
+    "longcat_flash",
+    "minicpm3",
+    "youtu",
+    "sarvam_mla",
+    "kimi_linear",
+    "bailing_hybrid",
+]
+
+
+@pytest.mark.parametrize("model_type", slow_except("deepseek_v3", MLA_TYPES))
+def test_mla_models_over_their_latent_cache(model_type):
+    """Every MLA layer's cache holds (kv_lora_rank + qk_rope_head_dim) values per token and layer, its values a view
+    of its keys (no second copy); greedy tokens equal transformers' own, through a page budget that preempts."""
+    config = tiny_config(model_type)
+    model = make_model(config)
+    generator = HybridGenerator(model, **SIZES, num_pages=preempting_pages(model), compile=False)
+    text = config.get_text_config()
+    latent = [i for i, shape in enumerate(generator.cache.layer_shapes) if shape.latent]
+    assert latent, "no layer served over a latent cache"
+    for i in latent:
+        k_cache, v_cache = generator.cache.layer(i)
+        row = k_cache[0, 0].numel() * k_cache.element_size()
+        assert row == (text.kv_lora_rank + text.qk_rope_head_dim) * k_cache.element_size()
+        assert v_cache.data_ptr() == k_cache.data_ptr() and v_cache.shape[-1] == text.kv_lora_rank
+    stats = GenerationStats()
+    assert generator.generate(PROMPTS, NEW_TOKENS, stats=stats) == reference_tokens(make_model(config))
+    assert stats.preemptions > 0
+
+
+@pytest.mark.slow
+def test_compiled_mla_model_never_recompiles(fresh_dynamo):
+    """The compiled generator over a latent cache (deepseek_v3): transformers' tokens, then other prompts without a
+    recompile."""
+    config = tiny_config("deepseek_v3")
+    generator = HybridGenerator(make_model(config), **SIZES)
+    assert generator.generate(PROMPTS, NEW_TOKENS) == reference_tokens(make_model(config))
+    others = [[(3 * i + 5 * j) % 90 + 3 for j in range(n)] for i, n in enumerate([7, 13, 2])]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert generator.generate(others, NEW_TOKENS) == reference_tokens(make_model(config), others)

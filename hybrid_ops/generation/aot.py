@@ -11,7 +11,8 @@ step is `ModelRunner.forward`'s, as a function of tensors only:
 T, B, n and the caches' page count are dynamic within the sizes packaged; the mode is read with `.item()`, so one
 program serves every mode; the caches (and fp8 scales) are the caller's, written in place. A hybrid model's states
 (every state tensor of its `StatePool`, in order; none for other models, whose state_slots is an empty tensor) are
-the caller's too, their slot count dynamic. The archive also holds
+the caller's too, their slot count dynamic. v_caches holds the layers' that are not latent: an MLA layer's values are
+a view of its keys (`cache.LayerShape`), made inside the step. The archive also holds
 `extra/hybrid_ops.json` (`packaged.PackageInfo`): what a serving process is checked against.
 """
 
@@ -24,19 +25,20 @@ import torch
 from ..errors import HybridInputError, HybridOpsError
 from .cache_manager import paged_cache
 from .checks import check_model_sizes
-from .packaged import INFO, PackageInfo, config_fields, library_versions
+from .packaged import INFO, PackageInfo, config_fields, library_versions, stored_values
 from .runner import graph_backends, model_step, step_buckets
 
 
 class _Step(torch.nn.Module):
     """`ModelRunner._forward` with the mode as a 0-d tensor and the caches as inputs: what torch.export traces."""
 
-    def __init__(self, model, backends, state_counts):
+    def __init__(self, model, backends, state_counts, layer_shapes):
         super().__init__()
         from ..integrations.transformers import HybridStep
 
         self.model, self.backends, self.step_type = model, backends, HybridStep
         self.state_counts = state_counts  # states per stateful layer: how the flat list of states nests
+        self.layer_shapes = layer_shapes
 
     def forward(
         self,
@@ -58,6 +60,8 @@ class _Step(torch.nn.Module):
         for count in self.state_counts:
             nested.append(states[start : start + count])
             start += count
+        stored = iter(v_caches)
+        v_caches = [k[..., : s.v_head_dim] if s.latent else next(stored) for k, s in zip(k_caches, self.layer_shapes)]
         step = self.step_type(
             forward_mode.item(),
             cu_seqlens_q,
@@ -156,7 +160,7 @@ def package(
         {0: requests},
         {0: requests},
         [{0: pages}] * len(layer_shapes),
-        [{0: pages}] * len(layer_shapes),
+        [{0: pages}] * sum(not s.latent for s in cache.layer_shapes),
         scales,
         scales,
         {0: requests} if state_list else None,
@@ -165,7 +169,9 @@ def package(
     state_counts = [len(m.states) for m in mixers]
     try:
         with torch.no_grad():
-            exported = torch.export.export(_Step(model, backends, state_counts), example, dynamic_shapes=dynamic_shapes)
+            exported = torch.export.export(
+                _Step(model, backends, state_counts, cache.layer_shapes), example, dynamic_shapes=dynamic_shapes
+            )
     except HybridOpsError:
         raise
     except Exception as e:
@@ -215,7 +221,7 @@ def _example(cache, max_tokens, states):
         torch.tensor(int(batch.forward_mode)),
         *batch.metadata,
         cache.k_caches,
-        cache.v_caches,
+        stored_values(cache),
         cache.k_scales or [],
         cache.v_scales or [],
         torch.tensor([0, 1] if states else [], dtype=torch.int32, device=cache.device),

@@ -14,7 +14,7 @@ admitted on cached pages starts from the snapshot of the last of them (`StatePoo
 
 import torch
 
-from ..cache import PagedKVCache
+from ..cache import LayerShape, PagedKVCache
 from ..metadata import ForwardBatch
 from ..modes import ForwardMode
 from ..state import StatePool
@@ -57,7 +57,8 @@ def state_pool(mixers, layer_shapes, max_batch_size, page_size, kv_cache_dtype, 
 def slot_pages(states: StatePool, layer_shapes, page_size: int, kv_cache_dtype) -> int:
     """The pages a slot of `states` counts as in the budget of a cache of `layer_shapes` ((Hkv, D, Dv) per layer) in
     `kv_cache_dtype`: those its bytes would fill, so that the budget bounds K/V and state together."""
-    bytes_per_page = page_size * kv_cache_dtype.itemsize * sum(h * (d + dv) for h, d, dv in layer_shapes)
+    values = sum(LayerShape(*shape).values_per_token for shape in layer_shapes)
+    bytes_per_page = page_size * kv_cache_dtype.itemsize * values
     return -(-states.bytes_per_slot // bytes_per_page)
 
 

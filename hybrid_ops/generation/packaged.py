@@ -34,8 +34,9 @@ _UNCOMPARED = ("transformers_version",)
 @dataclasses.dataclass(frozen=True)
 class PackageInfo:
     """What a package records. config: the model's `config.to_dict()` (JSON values); dtypes as names
-    ("float32"); layer_shapes: each layer's cache (Hkv, D, Dv); state_shapes: each stateful layer's states, [shape,
-    dtype name] each (a request's); backends: (prefill, decode) as the ops are called."""
+    ("float32"); layer_shapes: each layer's cache (Hkv, D, Dv, latent) (`cache.LayerShape`); state_shapes: each
+    stateful layer's states, [shape, dtype name] each (a request's); backends: (prefill, decode) as the ops are
+    called."""
 
     torch: str
     hybrid_ops: str
@@ -75,6 +76,11 @@ def config_fields(config) -> dict:
     return {k: v for k, v in fields.items() if not k.startswith("_") and k not in _UNCOMPARED}
 
 
+def stored_values(cache) -> list:
+    """The cache's v caches but those of latent layers (views of their k caches): what a packaged step takes."""
+    return [v for v, shape in zip(cache.v_caches, cache.layer_shapes) if not shape.latent]
+
+
 class PackagedStep:
     """A loaded package (torch's `AOTIModelPackageLoader`) as a `StepRunner`'s forward (`runner.py`'s step function)
     over `cache`'s tensors and a hybrid model's `states` (a `StatePool`, or None): the inputs flattened in the exported
@@ -90,7 +96,13 @@ class PackagedStep:
             raise HybridInputError("a package serves steps without a tree_mask")
         cache = self.cache
         inputs = [input_ids, position_ids, logits_index, torch.tensor(forward_mode), cu_seqlens_q, seq_lens]
-        inputs += [block_table, *cache.k_caches, *cache.v_caches, *(cache.k_scales or ()), *(cache.v_scales or ())]
+        inputs += [
+            block_table,
+            *cache.k_caches,
+            *stored_values(cache),
+            *(cache.k_scales or ()),
+            *(cache.v_scales or ()),
+        ]
         inputs += [self.no_slots if state_slots is None else state_slots]
         inputs += [] if self.states is None else self.states.all_states
         return self.loader.boxed_run(inputs)[0]

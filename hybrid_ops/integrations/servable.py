@@ -10,7 +10,9 @@ import inspect
 
 import torch
 
+from ..cache import LayerShape
 from ..errors import HybridInputError
+from .mla import serve_latent
 from .stateful import serve_state
 from .transformers import HybridStep, Probe
 
@@ -225,5 +227,7 @@ def probe_attention(model, refuse, stateful=None, served=()) -> list:
             f"its config sets sliding_window={config.sliding_window} but layers {windowless} call attention "
             f"without it (the window lives in its mask or cache only)"
         )
-    # A layer without attention keeps its place in the cache's list, so indices stay the layers'.
-    return [probe.calls.get(layer, [(1, 1, 1)])[0] for layer in range(num_layers)]
+    # A layer without attention keeps its place in the cache's list, so indices stay the layers'. MLA layers served
+    # over a latent cache store their latent row instead of their expanded K and V.
+    latent = serve_latent(model, {module.layer_idx: module for module in probe.modules})
+    return [latent.get(layer) or LayerShape(*probe.calls.get(layer, [(1, 1, 1)])[0]) for layer in range(num_layers)]

@@ -157,10 +157,21 @@ class _LinearCache:
         self.state.copy_(value)
 
 
-class _StepHolder:
-    """The step of the forward running now, where the stateful layers read it."""
+class StepHolder:
+    """The step of the model's forward running now, where its layers read it (`step_holder`)."""
 
     step = None
+
+
+def step_holder(model) -> StepHolder:
+    """The model's `StepHolder`, its forward wrapped (once) to hold each call's `hybrid_step` while it runs: some
+    decoder layers do not pass the step on to their submodules (Jamba's, Zaya's), and MLA's `expand_kv` never sees
+    it."""
+    holder = getattr(model, "_hybrid_step_holder", None)
+    if holder is None:
+        holder = model._hybrid_step_holder = StepHolder()
+        model.forward = _model_forward(model.forward, holder)
+    return holder
 
 
 def serve_state(model, refuse) -> list:
@@ -171,13 +182,10 @@ def serve_state(model, refuse) -> list:
     if mixers is not None:
         return mixers
     mixers = find_mixers(model, refuse)
-    holder = _StepHolder()
     for index, mixer in enumerate(mixers):
         mixer.index = index
         mixer_op.MIXERS[mixer.id] = mixer
-        mixer.module.forward = _layer_forward(mixer, holder)
-    if mixers:
-        model.forward = _model_forward(model.forward, holder)
+        mixer.module.forward = _layer_forward(mixer, step_holder(model))
     model._hybrid_mixers = mixers
     return mixers
 

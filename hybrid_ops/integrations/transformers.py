@@ -167,30 +167,39 @@ def hybrid_attention(
         raise HybridInputError(
             f"the attention of layer {module.layer_idx} takes {dropped}, which the op has no input for"
         )
-    layer = module.layer_idx
-    out = torch.ops.hybrid.attn(
-        query[0].transpose(0, 1),
-        key[0].transpose(0, 1),
-        value[0].transpose(0, 1),
-        hybrid_step.k_caches[layer],
-        hybrid_step.v_caches[layer],
-        hybrid_step.cu_seqlens_q,
-        hybrid_step.seq_lens,
-        hybrid_step.block_table,
-        hybrid_step.forward_mode,
-        scale=scaling,
-        sliding_window=sliding_window or -1,
-        logit_cap=softcap or 0.0,
-        sinks=sinks,
-        attention_chunk=attention_chunk(getattr(module, "config", None), layer),
-        prefill_backend=hybrid_step.prefill_backend,
-        decode_backend=hybrid_step.decode_backend,
-        speculative_attention_mode=hybrid_step.speculative_attention_mode,
-        k_scale=None if hybrid_step.k_scales is None else hybrid_step.k_scales[layer],
-        v_scale=None if hybrid_step.v_scales is None else hybrid_step.v_scales[layer],
-        tree_mask=hybrid_step.tree_mask,
-    )
-    return out[None], None
+    layer, step = module.layer_idx, hybrid_step
+
+    def attn(q, k, v, latent_values=None):
+        """The op over the layer's cache; latent_values: its values are the first that many of its keys' (MLA)."""
+        k_cache = step.k_caches[layer]
+        v_cache = step.v_caches[layer] if latent_values is None else k_cache[..., :latent_values]
+        return torch.ops.hybrid.attn(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            step.cu_seqlens_q,
+            step.seq_lens,
+            step.block_table,
+            step.forward_mode,
+            scale=scaling,
+            sliding_window=sliding_window or -1,
+            logit_cap=softcap or 0.0,
+            sinks=sinks,
+            attention_chunk=attention_chunk(getattr(module, "config", None), layer),
+            prefill_backend=step.prefill_backend,
+            decode_backend=step.decode_backend,
+            speculative_attention_mode=step.speculative_attention_mode,
+            k_scale=None if step.k_scales is None else step.k_scales[layer],
+            v_scale=None if step.v_scales is None else step.v_scales[layer],
+            tree_mask=step.tree_mask,
+        )
+
+    latent = getattr(module, "hybrid_latent", None)  # an MLA layer over its latent cache (mla.py)
+    if latent is not None:
+        return latent.attend(query, key, attn), None
+    return attn(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1))[None], None
 
 
 def dense_attention(query, key, value, attention_mask, scaling, sliding_window, softcap, sinks=None):
