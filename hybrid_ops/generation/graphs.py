@@ -11,7 +11,7 @@ import torch
 
 from ..buckets import plan_for_graph
 from ..metadata import ForwardBatch
-from ..modes import ForwardMode
+from ..modes import ForwardMode, select_path
 
 
 class CudaGraphStep:
@@ -46,7 +46,8 @@ class CudaGraphStep:
 
     def _plan(self, forward_mode, static):
         batch = ForwardBatch(ForwardMode(forward_mode), *static[3:6])
-        plan_for_graph(self.backends[batch.forward_mode.is_decode_or_idle()], self.cache, batch, self.q_dtype)
+        path = select_path(batch.forward_mode)  # as hybrid::attn routes it (a package's speculative mode: "prefill")
+        plan_for_graph(self.backends[path == "decode"], path, self.cache, batch, self.q_dtype)
 
     def _capture(self, forward_mode, inputs):
         """One eager run of the step on a side stream (first launches and lazy initialisation stay out of the

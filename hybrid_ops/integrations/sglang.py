@@ -173,7 +173,9 @@ class PhaseBackend:
         # FlashInfer, has no fp32-q kernel).
         k_cache = self.kv_cache.k_caches[0]
         q_dtype = torch.bfloat16 if k_cache.dtype in FP8_DTYPES else k_cache.dtype
-        plan_for_graph(self.backend, self.kv_cache, batch, q_dtype)
+        # sglang calls forward_decode (hybrid::decode) in DECODE and IDLE, forward_extend (hybrid::prefill) otherwise.
+        path = "decode" if batch.forward_mode.is_decode_or_idle() else "prefill"
+        plan_for_graph(self.backend, path, self.kv_cache, batch, q_dtype)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         # Capture runs with every request at length 1: one valid position, nothing out of range.
