@@ -20,7 +20,7 @@ from helpers.models import (
 
 import hybrid_ops
 from hybrid_ops import HybridGenerator, HybridInputError
-from hybrid_ops.integrations import stateful
+from hybrid_ops.integrations import layers, stateful
 from hybrid_ops.integrations.transformers import HybridStep, hybrid_attention
 
 # model type -> what it covers; tiny configs (helpers/models.py), 3 layers.
@@ -197,8 +197,9 @@ def test_stateful_greedy_tokens_equal_transformers(model_type):
     ],
 )
 def test_unverified_state_refused(monkeypatch, model_type, dropped, reason):
-    """A layer keeping state of a class the state op has not been verified on is refused."""
+    """A layer keeping state of a class that neither the state ops' families nor hybrid::mixer serve is refused."""
     monkeypatch.setattr(stateful, "SERVED", {k: v for k, v in stateful.SERVED.items() if k != dropped})
+    monkeypatch.setattr(layers, "FAMILIES", {k: v for k, v in layers.FAMILIES.items() if k != dropped})
     with pytest.raises(HybridInputError, match=f"{model_type} cannot be served exactly: {reason}"):
         hybrid_tokens(make_model(tiny_config(model_type)))
 
@@ -231,25 +232,14 @@ def test_attention_keyword_without_an_input_refused():
     assert not cache.k_caches[0].any()
 
 
-@pytest.mark.parametrize(
-    "option, reason",
-    [
-        ("prefix_caching", "a cached page holds no state to start from"),
-        ("cuda_graphs", "their state op reads each step's metadata on the host"),
-    ],
-)
-def test_stateful_options_refused(option, reason):
-    message = f"{option}=True is not supported for a model whose layers keep recurrent or convolution state"
-    with pytest.raises(HybridInputError, match=re.escape(f"{message} (model.layers.0.conv): {reason}")):
-        HybridGenerator(make_model(tiny_config("lfm2")), max_batch_size=1, max_seq_len=8, **{option: True})
-
-
 def test_cache_sized_per_layer():
-    """MLA: K pages of the q/k head dim (nope 16 + rope 8), V pages of v_head_dim; gpt2: every head is a KV head."""
+    """MLA: one latent row per token (kv_lora_rank 32 + rope 8), its values a view of its first 32; gpt2: every head
+    is a KV head."""
     cache = HybridGenerator(
         make_model(tiny_config("deepseek_v3")), max_batch_size=1, max_seq_len=8, compile=False
     ).cache
-    assert [(k.shape[2:], v.shape[2:]) for k, v in zip(cache.k_caches, cache.v_caches)] == [((4, 24), (4, 16))] * 3
+    assert [(k.shape[2:], v.shape[2:]) for k, v in zip(cache.k_caches, cache.v_caches)] == [((1, 40), (1, 32))] * 3
+    assert all(v.data_ptr() == k.data_ptr() for k, v in zip(cache.k_caches, cache.v_caches))
     cache = HybridGenerator(make_model(tiny_config("gpt2")), max_batch_size=1, max_seq_len=8, compile=False).cache
     assert [k.shape[2:] for k in cache.k_caches] == [(4, 16)] * 3
 
