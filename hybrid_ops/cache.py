@@ -131,9 +131,12 @@ class PagedKVCache:
             torch._dynamo.mark_static(t)
         self.k_scales = self.v_scales = None
         if dtype in FP8_DTYPES:
-            self.k_scales, self.v_scales = (
-                [torch.full((), float(kv_scale), device=device) for _ in layer_shapes] for _ in range(2)
-            )
+            # A latent layer's values are its keys' bytes: one scale serves both (v_scales[layer] is k_scales[layer]).
+            self.k_scales = [torch.full((), float(kv_scale), device=device) for _ in layer_shapes]
+            self.v_scales = [
+                k if s.latent else torch.full((), float(kv_scale), device=device)
+                for k, s in zip(self.k_scales, layer_shapes)
+            ]
             for t in self.k_scales + self.v_scales if for_compile else ():
                 torch._dynamo.mark_static_address(t)
         self.device = torch.device(device)

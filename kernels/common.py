@@ -24,6 +24,19 @@ def kernel_kv(k_cache, v_cache, k_scale, v_scale):
     return k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale, fp8
 
 
+def values_in_keys(k_cache, v_cache, blocks) -> bool:
+    """V_IN_K of `attend_pages`: v_cache holds the leading values of k_cache's rows (MLA's latent cache,
+    `k_cache[..., :Dv]`: the same storage and page, row and head strides) and V's padded width is K's first block
+    (blocks: `config.head_blocks`), so that one read of the block serves the scores and the values."""
+    block_d, _, block_dv = blocks
+    return (
+        block_d == block_dv
+        and v_cache.data_ptr() == k_cache.data_ptr()
+        and v_cache.stride()[:3] == k_cache.stride()[:3]
+        and v_cache.shape[3] <= k_cache.shape[3]
+    )
+
+
 @triton.jit
 def find_segment(offsets, x, n, LOG_N: tl.constexpr):
     """The last i in [0, n) with offsets[i] <= x (offsets non-decreasing, offsets[0] <= x): which request a token
@@ -129,24 +142,67 @@ def tree_rows(TreeWords, Positions, q_pos, token, row_ok, num_words,
     return row_pos, rows
 
 
+@triton.jit
+def load_q(Q, row_offset, row_ok, stride_qd,
+           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROPE: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """q's rows as `attend_pages` takes them: (q [R, BLOCK_D], q_rope [R, BLOCK_ROPE]), columns [0, BLOCK_D) and
+    [BLOCK_D, BLOCK_D + BLOCK_ROPE) masked at HEAD_DIM (`config.head_blocks`); without a rope block q_rope is q, unread.
+    row_offset: [R] int64 offset of each row's first value from Q; rows outside row_ok read zeros."""
+    d = tl.arange(0, BLOCK_D)
+    q = tl.load(
+        Q + row_offset[:, None] + d[None, :] * stride_qd, mask=row_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_rope = q
+    if BLOCK_ROPE > 0:
+        dr = BLOCK_D + tl.arange(0, BLOCK_ROPE)
+        q_rope = tl.load(
+            Q + row_offset[:, None] + dr[None, :] * stride_qd,
+            mask=row_ok[:, None] & (dr < HEAD_DIM)[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            q_rope = q_rope.to(tl.float32)
+    return q, q_rope
+
+
+@triton.jit
+def load_kv(Cache, offset, ok, start, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, UPCAST: tl.constexpr,
+            KV_FP8: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
+    """[BLOCK_N, BLOCK] of cache rows (offset: [BLOCK_N] of each row's first value, ok: [BLOCK_N] which to read),
+    columns [start, start + BLOCK) masked at HEAD_DIM, in the dtype the dots take: fp8 bytes as their stored values
+    in q's dtype (`dtype`), bf16 as fp32 in the interpreter (UPCAST)."""
+    c = start + tl.arange(0, BLOCK)
+    x = tl.load(Cache + offset[:, None] + c[None, :], mask=ok[:, None] & (c < HEAD_DIM)[None, :], other=0)
+    if KV_FP8 != "":
+        x = fp8_to_float(x, KV_FP8).to(dtype)
+    elif UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
 # The signatures of attend_pages, of the kernels that pass its arguments on and of their launchers, the launches and the
 # calls of attend_pages keep a line per kind of argument (`fmt: skip`, `fmt: off`): one argument a line would repeat
 # the same thirty lines in each kernel and hide which launch argument meets which parameter.
 @triton.jit
 def attend_pages(
-    q, q_pos, acc, l_i, m_i,  # q: [R, BLOCK_D]; q_pos: [R] slot of each row's token; acc: [R, BLOCK_DV]
+    q, q_rope, q_pos, acc, l_i, m_i,  # q: [R, BLOCK_D], q_rope: [R, BLOCK_ROPE] (`load_q`); q_pos: [R] token slots
     KCache, VCache, block_table_row, kv_head,  # block_table_row: pointer to this request's block_table row
     kv_lo, kv_hi, seq_len, num_pages, num_table_pages, scale, logit_cap, sliding_window, attention_chunk,
     stride_kp, stride_kr, stride_kh, stride_vp, stride_vr, stride_vh,  # caches: page, row, head (head dim contiguous)
     row_pos, tree_words, num_words, prefix, Positions, key_start, num_tokens,  # trees (see below)
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROPE: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr, V_IN_K: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, UPCAST: tl.constexpr,
     KV_FP8: tl.constexpr, HAS_TREE: tl.constexpr,
 ):  # fmt: skip
     """Online softmax of q's rows over KV slots [kv_lo, kv_hi) of one request, read in place from its pages.
 
-    K rows have HEAD_DIM elements (padded to BLOCK_D), V rows HEAD_DIM_V (padded to BLOCK_DV). Keys past
+    acc: [R, BLOCK_DV] fp32. K rows have HEAD_DIM elements, read as BLOCK_D and BLOCK_ROPE columns
+    (`config.head_blocks`), V rows HEAD_DIM_V (padded to BLOCK_DV). V_IN_K: V's rows are the first HEAD_DIM_V values
+    of K's (a latent cache, VCache at KCache with its strides) and BLOCK_DV == BLOCK_D: K's first block, already
+    read for the scores, serves as V (its columns past HEAD_DIM_V reach acc columns that no output keeps). Keys past
     `seq_len`, beyond the block table, in pages outside [0, num_pages), after a row's own slot, or outside its
     sliding window or its chunk of positions are masked: neither loaded nor weighted. fp8 K/V (bytes) are read as
     their stored values in q's dtype, which holds them exactly: the caller folds the scales in.
@@ -157,8 +213,6 @@ def attend_pages(
     or chunk, new key c's position is Positions[key_start + c] (prefix + its depth; read inside [0, num_tokens)), a
     prefix key's its slot. Tiles of the prefix alone read no word nor position.
     """
-    d = tl.arange(0, BLOCK_D)
-    dv = tl.arange(0, BLOCK_DV)
     for start in range(kv_lo, kv_hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         page_index = pos // PAGE_SIZE
@@ -168,22 +222,20 @@ def attend_pages(
         page = page.to(tl.int64)
         row = pos % PAGE_SIZE
         k_offset = page * stride_kp + row * stride_kr + kv_head * stride_kh
+        # Both offsets before either load, as ptxas allocates fewer registers so (sm_90: 96 rather than 119 at D 128).
         v_offset = page * stride_vp + row * stride_vr + kv_head * stride_vh
-        k = tl.load(
-            KCache + k_offset[:, None] + d[None, :], mask=ok[:, None] & (d < HEAD_DIM)[None, :], other=0
-        )  # [BLOCK_N, BLOCK_D]
-        v = tl.load(
-            VCache + v_offset[:, None] + dv[None, :], mask=ok[:, None] & (dv < HEAD_DIM_V)[None, :], other=0
-        )  # [BLOCK_N, BLOCK_DV]
-        if KV_FP8 != "":
-            k = fp8_to_float(k, KV_FP8).to(q.dtype)
-            v = fp8_to_float(v, KV_FP8).to(q.dtype)
-        elif UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k = load_kv(KCache, k_offset, ok, 0, HEAD_DIM, BLOCK_D, UPCAST, KV_FP8, q.dtype)  # [BLOCK_N, BLOCK_D]
+        if V_IN_K:
+            v = k
+        else:
+            v = load_kv(VCache, v_offset, ok, 0, HEAD_DIM_V, BLOCK_DV, UPCAST, KV_FP8, q.dtype)  # [BLOCK_N, BLOCK_DV]
         # fp32 inputs as three TF32 products (about fp32's precision; plain TF32 would round them to 10 bits), on
         # tensor cores: IEEE fp32 dots spill kilobytes of registers. fp16/bf16 inputs ignore it.
-        s = tl.dot(q, tl.trans(k), input_precision="tf32x3") * scale  # [R, BLOCK_N], fp32
+        s = tl.dot(q, tl.trans(k), input_precision="tf32x3")  # [R, BLOCK_N], fp32
+        if BLOCK_ROPE > 0:
+            k_rope = load_kv(KCache, k_offset, ok, BLOCK_D, HEAD_DIM, BLOCK_ROPE, UPCAST, KV_FP8, q.dtype)
+            s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision="tf32x3")
+        s = s * scale
         if SOFT_CAP:
             # logit_cap * tanh(s / logit_cap), with tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits at +-inf
             s = logit_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / logit_cap) + 1.0))

@@ -37,6 +37,7 @@ class Tiles:
     block_n: int  # keys per step of the online softmax
     num_warps: int
     num_stages: int
+    block_heads: int = 1  # prefill: heads of a kv group per program (a larger group takes several programs)
 
 
 def block_d(head_dim: int) -> int:
@@ -44,22 +45,57 @@ def block_d(head_dim: int) -> int:
     return max(triton.next_power_of_2(head_dim), 16)
 
 
+# Up to this head dim (D and Dv) a K row is one block of block_d(D) columns.
+ONE_BLOCK_HEAD_DIM = 256
+# Past it, rows of D = Dv + a rope part (MLA's latent cache: DeepSeek's 512 + 64) are read as V's padded width
+# (at most SPLIT_MAX_DV) and the rest (at most SPLIT_MAX_ROPE): 576 as 512 + 64 rather than padded to 1024.
+SPLIT_MAX_DV = 512
+SPLIT_MAX_ROPE = 64
+
+
+def head_blocks(head_dim: int, v_head_dim: int) -> tuple[int, int, int] | None:
+    """(BLOCK_D, BLOCK_ROPE, BLOCK_DV) of the attention kernels for D = head_dim and Dv = v_head_dim, or None where no
+    table below holds tiles for them.
+
+    q and K rows are read as columns [0, BLOCK_D) and [BLOCK_D, BLOCK_D + BLOCK_ROPE) (BLOCK_ROPE 0: no second
+    block), each masked at D, their scores the sum of one `tl.dot` per block; V rows as [0, BLOCK_DV). Past
+    ONE_BLOCK_HEAD_DIM only D > Dv is served, with BLOCK_D = BLOCK_DV: then V's columns are K's first block, which
+    the kernels read once when V is K's leading columns (a latent cache).
+    """
+    if max(head_dim, v_head_dim) <= ONE_BLOCK_HEAD_DIM:
+        return block_d(head_dim), 0, block_d(v_head_dim)
+    block_dv = block_d(v_head_dim)
+    rope = head_dim - block_dv
+    if v_head_dim >= head_dim or block_dv > SPLIT_MAX_DV or rope > SPLIT_MAX_ROPE:
+        return None
+    return block_dv, block_d(rope) if rope > 0 else 0, block_dv
+
+
 # (fp32, head dim up to) -> (row cap, BLOCK_N, warps): decode rows per program are min(next_pow2(rows), cap), >= 16.
+# The head dim is max(D, Dv); past 256 the rows are MLA's, D = Dv + rope (`head_blocks`).
 DECODE_TILES = {
     (False, 128): (32, 64, 4),
     (False, 256): (16, 32, 4),
+    (False, 576): (32, 32, 8),
     (True, 128): (16, 32, 4),
     (True, 256): (16, 32, 8),
+    (True, 576): (16, 16, 16),
 }
-# (fp32, head dim up to) -> (query rows, BLOCK_N, warps): prefill rows = tokens x next_pow2(group).
+# (fp32, head dim up to) -> (query rows, BLOCK_N, warps): prefill rows = tokens x heads, the heads of a kv group
+# (padded to a power of two) or as many as the rows hold, the rest of the group in more programs.
 PREFILL_TILES = {
     (False, 64): (128, 64, 4),
     (False, 128): (64, 64, 4),
     (False, 256): (64, 32, 8),
+    (False, 576): (32, 32, 8),
     (True, 128): (32, 32, 4),
     (True, 256): (32, 32, 8),
+    (True, 576): (16, 16, 16),
 }
 GPU_STAGES = 2
+# The decode reduction holds [splits, columns] fp32 partials per program (4 warps): at most this many, 128 per
+# thread, as [64, 256] at D 256. Wider rows (Dv 512 over 64 splits) take more programs, each a block of columns.
+REDUCE_ELEMENTS = 64 * 256
 
 
 def _lookup(table, dtype, head_dim):
@@ -80,15 +116,23 @@ def decode_tiles(dtype: torch.dtype, head_dim: int, rows: int, target: Target) -
 
 
 def prefill_tiles(dtype: torch.dtype, head_dim: int, group: int, target: Target, tree: bool = False) -> Tiles:
-    """Tiles of the prefill kernel; `block_rows` tokens x next_pow2(group) heads per program. With a tree mask, half
-    the keys per step on a GPU: the tree's bits would otherwise make the largest tiles spill registers."""
+    """Tiles of the prefill kernel; `block_rows` tokens x `block_heads` heads per program: next_pow2(group), or the
+    table's rows where a group is larger (a program of 128 heads x Dv 512 would hold 256 KB of fp32 outputs). With
+    a tree mask, half the keys per step on a GPU: the tree's bits would otherwise make the largest tiles spill
+    registers."""
     if target.gpu_tiles:
         rows, block_n, num_warps = _lookup(PREFILL_TILES, dtype, head_dim)
         block_n = block_n // 2 if tree else block_n
         num_stages = GPU_STAGES
     else:
         rows, block_n, num_warps, num_stages = 128, 128, 8 if head_dim > 64 else 4, 1
-    return Tiles(max(rows // triton.next_power_of_2(group), 1), block_n, num_warps, num_stages)
+    block_heads = min(triton.next_power_of_2(group), rows)
+    return Tiles(rows // block_heads, block_n, num_warps, num_stages, block_heads)
+
+
+def reduce_columns(num_splits: int, block_dv: int) -> int:
+    """Columns of Dv (padded: block_dv) per program of the decode reduction over num_splits partials."""
+    return min(block_dv, REDUCE_ELEMENTS // triton.next_power_of_2(num_splits))
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,10 @@ BLOCK_R of the q_len x group query rows of request i that share kv_head (row r: 
 kv_head * group + r % group), and the s-th of num_splits equal BLOCK_N-aligned chunks of the request's visible KV
 range [lo, seq_len) (lo > 0 with a sliding window). Row tiles bound a program's registers and shared memory
 whatever the group size and draft length. It writes a normalised partial output and its log-sum-exp (-inf for
-an empty chunk). Stage 2, grid (T, Hq): combines the splits, weighting each by exp(lse - max lse); a head's sink
-joins there, once, as one more term exp(sink - max) of the denominator with nothing to add to the output. With
+an empty chunk). Stage 2, grid (T, Hq, cdiv(BLOCK_DV, BLOCK_C)): combines the splits of a block of BLOCK_C of
+Dv's columns (all of them but for wide rows over many splits, `config.reduce_columns`), weighting each by
+exp(lse - max lse); a head's sink joins there, once, as one more term exp(sink - max) of the denominator with
+nothing to add to the output. With
 chunked attention, keys before a row's chunk are masked in stage 1. A tree mask (HAS_TREE, verify over a draft tree)
 is applied in stage 1 as in prefill; the split ranges stay as they are: a request's lowest position is its first
 token's, prefix, under a tree too (depth 0).
@@ -20,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import attend_pages, kernel_kv, kernel_tree, tree_rows
-from .config import Target, block_d, decode_tiles
+from .common import attend_pages, kernel_kv, kernel_tree, load_q, tree_rows, values_in_keys
+from .config import Target, decode_tiles, head_blocks, reduce_columns
 
 
 # A line per kind of argument, here, in the launch and in the call of attend_pages (see common.attend_pages).
@@ -35,10 +37,10 @@ def _decode_split_kernel(
     stride_kp, stride_kr, stride_kh, stride_vp, stride_vr, stride_vh,  # caches [num_pages, page_size, Hkv, D or Dv]
     stride_bt, stride_ks, stride_vs,  # block_table rows; scales (0 when expanded from one value)
     num_words,  # W, of the tree words
-    BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, UPCAST: tl.constexpr,
-    KV_FP8: tl.constexpr, HAS_TREE: tl.constexpr,
+    BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROPE: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, V_IN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
+    UPCAST: tl.constexpr, KV_FP8: tl.constexpr, HAS_TREE: tl.constexpr,
 ):  # fmt: skip
     request = tl.program_id(0)
     kv_head = tl.program_id(1) // row_tiles
@@ -51,15 +53,8 @@ def _decode_split_kernel(
     row_ok = rows < q_len * group
     token = request * q_len + rows // group
     head = kv_head * group + rows % group
-    d = tl.arange(0, BLOCK_D)
-    q_mask = row_ok[:, None] & (d[None, :] < HEAD_DIM)
-    q = tl.load(
-        Q + token[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
-        mask=q_mask,
-        other=0.0,
-    )
-    if UPCAST:
-        q = q.to(tl.float32)
+    q_row = token.to(tl.int64) * stride_qt + head * stride_qh
+    q, q_rope = load_q(Q, q_row, row_ok, stride_qd, HEAD_DIM, BLOCK_D, BLOCK_ROPE, UPCAST)
     q_pos = prefix + rows // group
     row_pos, tree_words = tree_rows(
         TreeWords, Positions, q_pos, token, row_ok, num_words, HAS_TREE, HAS_WINDOW or HAS_CHUNK
@@ -78,12 +73,12 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_R], -1e30, dtype=tl.float32)
     # fmt: off
     acc, l_i, m_i = attend_pages(
-        q, q_pos, acc, l_i, m_i, KCache, VCache, BlockTable + request * stride_bt, kv_head,
+        q, q_rope, q_pos, acc, l_i, m_i, KCache, VCache, BlockTable + request * stride_bt, kv_head,
         kv_lo, kv_hi, seq_len, num_pages, num_table_pages, scale, logit_cap, sliding_window, attention_chunk,
         stride_kp, stride_kr, stride_kh, stride_vp, stride_vr, stride_vh,
         row_pos, tree_words, num_words, prefix, Positions, request * q_len, q_len * tl.num_programs(0),
-        HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, PAGE_SIZE, SOFT_CAP, HAS_WINDOW, HAS_CHUNK, UPCAST, KV_FP8,
-        HAS_TREE,
+        HEAD_DIM, BLOCK_D, BLOCK_ROPE, HEAD_DIM_V, BLOCK_DV, V_IN_K, BLOCK_N, PAGE_SIZE, SOFT_CAP, HAS_WINDOW,
+        HAS_CHUNK, UPCAST, KV_FP8, HAS_TREE,
     )
     # fmt: on
     has_keys = l_i > 0
@@ -108,7 +103,8 @@ def _decode_reduce_kernel(
     stride_ot,
     stride_oh,
     HEAD_DIM_V: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,  # a partial's padded width
+    BLOCK_C: tl.constexpr,  # its columns per program
     BLOCK_S: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
@@ -116,7 +112,7 @@ def _decode_reduce_kernel(
     head = tl.program_id(1)
     row = token.to(tl.int64) * tl.num_programs(1) + head
     s = tl.arange(0, BLOCK_S)
-    dv = tl.arange(0, BLOCK_DV)
+    dv = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     lse = tl.load(PartialLse + row * num_splits + s, mask=s < num_splits, other=float("-inf"))
     lse_max = tl.maximum(tl.max(lse, 0), -1e30)  # finite even when no split saw a key
     if HAS_SINKS:
@@ -166,7 +162,9 @@ def decode(q, k_cache, v_cache, seq_lens, block_table, options, target: Target, 
     if num_splits is None:
         programs = (1 if batch_invariant else num_requests) * num_kv_heads * row_tiles
         num_splits = num_kv_splits(programs, block_table.shape[1] * page_size, tiles.block_n, target.num_sms)
-    padded_dv = block_d(v_head_dim)
+    blocks = head_blocks(head_dim, v_head_dim)
+    padded_dv, columns = blocks[2], reduce_columns(num_splits, blocks[2])
+    v_in_k = values_in_keys(k_cache, v_cache, blocks)
     k_cache, v_cache, k_scale, v_scale, kv_fp8 = kernel_kv(k_cache, v_cache, options.k_scale, options.v_scale)
     cu_seqlens_q = None  # as the kernel reads q: token j of request i is q[i * q_len + j]
     if options.tree_mask is not None:
@@ -181,13 +179,13 @@ def decode(q, k_cache, v_cache, seq_lens, block_table, options, target: Target, 
         *q.stride(),
         *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0), k_scale.stride(0), v_scale.stride(0),
         num_words,
-        BLOCK_R=tiles.block_rows, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), HEAD_DIM_V=v_head_dim,
-        BLOCK_DV=padded_dv, BLOCK_N=tiles.block_n, PAGE_SIZE=page_size,
+        BLOCK_R=tiles.block_rows, HEAD_DIM=head_dim, BLOCK_D=blocks[0], BLOCK_ROPE=blocks[1], HEAD_DIM_V=v_head_dim,
+        BLOCK_DV=padded_dv, V_IN_K=v_in_k, BLOCK_N=tiles.block_n, PAGE_SIZE=page_size,
         SOFT_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0, HAS_CHUNK=attention_chunk > 0,
         UPCAST=target.interpret and q.dtype == torch.bfloat16, KV_FP8=kv_fp8, HAS_TREE=has_tree,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
-    _decode_reduce_kernel[(num_tokens, num_q_heads)](
+    _decode_reduce_kernel[(num_tokens, num_q_heads, triton.cdiv(padded_dv, columns))](
         partial_out,
         partial_lse,
         out,
@@ -197,6 +195,7 @@ def decode(q, k_cache, v_cache, seq_lens, block_table, options, target: Target, 
         out.stride(1),
         HEAD_DIM_V=v_head_dim,
         BLOCK_DV=padded_dv,
+        BLOCK_C=columns,
         BLOCK_S=triton.next_power_of_2(num_splits),
         HAS_SINKS=sinks is not None,
     )

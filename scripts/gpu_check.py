@@ -30,6 +30,10 @@
    a tree's prefill; outputs, slots' states and intermediate states, every slot the batch does not hold poisoned
    and left as it was. On CUDA each op also captured in a CUDA graph on the decode path and replayed over new
    inputs, slots and lengths, equal to eager calls. Then a timing table, Triton against torch, decode and prefill.
+7. MLA over its latent cache (D 576 = 512 + a rope part of 64, v_cache = k_cache[..., :512], one kv head): Triton's
+   decode, verify 4 and prefill at 16 and 128 query heads, bf16, fp16 and fp32, against the float64 reference, the
+   cache written once; then decode (batch 16 x context 4k, 128 heads) over the latent cache against the same
+   attention over expanded per-head K (192) and V (128), the cache bytes each reads.
 """
 
 import argparse
@@ -55,6 +59,7 @@ from helpers.reference import (  # noqa: E402
     expected_cache,
     fp8_case,
     fp8_store_case,
+    latent_case,
     make_case,
     random_tree,
     reference,
@@ -708,6 +713,37 @@ def benchmark_state_ops(device, smoke, rows):
             print(row, flush=True)
 
 
+def check_mla_latent(device, smoke, rows, report):
+    """Section 7: MLA's latent cache through the Triton kernels (two dots for the scores, V read with K's first
+    block), then its decode time against expanded heads'."""
+    dims = (4, 40, 32) if smoke else (576, 512)
+    heads = (4,) if smoke else (16, 128)
+    d, dv = dims[-2:]
+    for dtype in (torch.bfloat16,) if smoke else (torch.bfloat16, torch.float16, torch.float32):
+        for hq in heads:
+            for path, q_lens in (("decode", [1, 1]), ("decode", [4, 4]), ("prefill", [37, 5])):
+                case = latent_case(q_lens, [300, 41], hq, d, dv, page_size=16, dtype=dtype, seed=hq, device=device)
+                k_expected, _ = expected_cache(case)
+                out = getattr(torch.ops.hybrid, path)(*case.args, backend="triton")
+                assert_close(out.cpu(), reference(case), dtype)
+                assert torch.equal(case.k_cache.cpu(), k_expected.cpu()), "the latent cache's bytes"
+    report.append(f"triton MLA latent cache D {d} / Dv {dv}: decode, verify 4, prefill at Hq {heads} correct")
+    print(report[-1], flush=True)
+    batch, context, hq = (2, 64, 4) if smoke else (16, 4096, 128)
+    q_lens, prefixes = [1] * batch, [context - 1] * batch
+    latent = paged_batch(q_lens, prefixes, hq, 1, d, 16, torch.bfloat16, device)
+    latent = (*latent[:4], latent[3][..., :dv], *latent[5:])
+    expanded_d, expanded_dv = (24, 16) if smoke else (192, 128)  # DeepSeek's qk_nope + rope, v_head_dim
+    expanded = paged_batch(q_lens, prefixes, hq, hq, expanded_d, 16, torch.bfloat16, device)
+    expanded = (*expanded[:2], expanded[2][..., :expanded_dv].contiguous(), expanded[3],
+                expanded[4][..., :expanded_dv].contiguous(), *expanded[5:])  # fmt: skip
+    for name, args, row_bytes in (("latent", latent, d), ("expanded", expanded, hq * (expanded_d + expanded_dv))):
+        ms = timed(lambda: torch.ops.hybrid.decode(*args, backend="triton"), device)
+        kv_bytes = batch * context * row_bytes * 2
+        rows.append(dict(cache=name, shape=f"batch {batch} x ctx {context}, Hq {hq}", ms=ms, gbps=kv_bytes / ms / 1e6))
+        print(rows[-1], flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, any device")
@@ -734,6 +770,8 @@ def main():
     rates = benchmark(device, args.smoke, rows)
     state_rows = []
     benchmark_state_ops(device, args.smoke, state_rows)
+    mla_rows = []
+    check_mla_latent(device, args.smoke, mla_rows, report)
     lines = report + [
         "",
         f"copy bandwidth {rates['copy_gbps']:.0f} GB/s, bf16 matmul {rates['matmul_tflops']:.0f} "
@@ -760,13 +798,15 @@ def main():
             f"| {row['op']} | {row['shape']} | {row['torch']:.3f} | {row['triton']:.3f} "
             f"| {row['torch'] / row['triton']:.1f}x | {gbps} |"
         )
+    lines += ["", "| MLA decode cache | shape | triton ms | cache GB/s |", "|---|---|---:|---:|"]
+    lines += [f"| {r['cache']} | {r['shape']} | {r['ms']:.3f} | {r['gbps']:.0f} |" for r in mla_rows]
     lines.append(f"\n{time.time() - start:.0f} s in all")
     text = "\n".join(lines) + "\n"
     print(text)
     name = "gpu" if device == "cuda" else "gpu_check_smoke_cpu"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.md").write_text(text)
-    results = dict(report=report, rates=rates, rows=rows, state_rows=state_rows)
+    results = dict(report=report, rates=rates, rows=rows, state_rows=state_rows, mla_rows=mla_rows)
     (args.out / f"{name}.json").write_text(json.dumps(results, indent=1))
     if os.environ.get("OUT"):
         (Path(os.environ["OUT"]) / f"{name}.md").write_text(text)

@@ -9,8 +9,8 @@ gets) on CPU tensors with `JITFunction.run` replaced by a recorder, then special
 `JITFunction.run` does (constexprs, ints equal to 1, divisibility by 16 and 16-byte alignment) and compiles it with
 the ptxas of the triton wheel, in a fresh cache so that ptxas reports every kernel. Identical specialisations are
 compiled once. Checks, per target: a cubin; shared memory within the per-block limit; no register spills on sm_90
-for attention at fp16/bf16 up to head dim 128, and for the state ops at every size (their state lives in
-registers across the tokens). Exits 1 listing what failed.
+for attention at fp16/bf16 up to head dim 128 and over MLA's latent cache (D 576, Dv 512) in q's dtype, and for the
+state ops at every size (their state lives in registers across the tokens). Exits 1 listing what failed.
 
 Uses triton's private APIs (`create_function_from_signature`, `JITFunction._pack_args`): pinned to triton 3.9.0 in
 the test extra. Must run without TRITON_INTERPRET (an interpreted kernel cannot be compiled).
@@ -73,10 +73,13 @@ class Case:
     v_head_dim: int = None  # v's own head dim Dv (MLA); None: head_dim
     tree: bool = False  # a tree mask (speculative verify, a draft's prefill)
     chunk: int = -1  # attention_chunk
+    latent: bool = False  # MLA's latent cache: v_cache = k_cache[..., :Dv], v = k[..., :Dv]
+    prefix: int = 300  # tokens cached before the new ones (a multiple of no page size)
 
     @property
     def checks_spills(self):
-        return self.dtype != torch.float32 and self.head_dim <= NO_SPILL_MAX_HEAD_DIM
+        latent = self.latent and self.kv_dtype is None  # MLA's latent cache in q's dtype
+        return self.dtype != torch.float32 and (self.head_dim <= NO_SPILL_MAX_HEAD_DIM or latent)
 
     def __str__(self):
         mode = ("decode" if self.q_len == 1 else f"verify {self.q_len}") if self.kind == "decode" else "prefill"
@@ -85,8 +88,10 @@ class Case:
             f"{mode} {DTYPE_NAMES[self.dtype]} {dims} Hq{self.num_q_heads}/Hkv{self.num_kv_heads} page {self.page_size}"
         )
         text += f" batch {self.batch}" if self.batch != 2 else ""
+        text += f" prefix {self.prefix}" if self.prefix != 300 else ""
         return (
             text
+            + (" latent" if self.latent else "")
             + (" window+cap" if self.options else "")
             + (f" chunk {self.chunk}" if self.chunk > 0 else "")
             + (f" kv {DTYPE_NAMES[self.kv_dtype]}" if self.kv_dtype else "")
@@ -148,6 +153,24 @@ def cases():
         out.append(Case(kind, torch.bfloat16, 128, 32, 8, q_len, kv_dtype=torch.float8_e4m3fn, tree=True))
         out.append(Case(kind, torch.bfloat16, 192, 16, 16, q_len, v_head_dim=128, options=(256, 30.0), tree=True))
     out.append(Case("decode", torch.bfloat16, 128, 64, 8, 64, tree=True))  # 64 drafts x GQA 8
+    # MLA over its latent cache (DeepSeek: D 576 = kv_lora_rank 512 + rope 64, its values the first 512 of each row,
+    # v_cache = k_cache[..., :512]), 16 and 128 query heads on its one kv head; then verify 4 (512 rows), 64 splits
+    # (a batch of 1 over 4096 tokens: the reduction in column blocks), a tree, e4m3, and values in a cache of their
+    # own (K's and V's tiles apart: the most shared memory).
+    latent = dict(v_head_dim=512, latent=True)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for hq in (16, 128):
+            for page_size in (16, 64):
+                for kind, q_len in (("decode", 1), ("prefill", 40)):
+                    out.append(Case(kind, dtype, 576, hq, 1, q_len, page_size, **latent))
+    out.append(Case("decode", torch.bfloat16, 576, 128, 1, 4, **latent))
+    out.append(Case("decode", torch.bfloat16, 576, 16, 1, 1, batch=1, prefix=4096, **latent))
+    for kind, q_len in (("decode", 16), ("prefill", 40)):
+        out.append(Case(kind, torch.bfloat16, 576, 16, 1, q_len, options=(256, 30.0), tree=True, **latent))
+    for kind, q_len in (("decode", 1), ("prefill", 40)):
+        out.append(Case(kind, torch.bfloat16, 576, 128, 1, q_len, kv_dtype=torch.float8_e4m3fn, **latent))
+        for dtype in (torch.bfloat16, torch.float32):
+            out.append(Case(kind, dtype, 576, 16, 1, q_len, v_head_dim=512))
     return out
 
 
@@ -237,14 +260,14 @@ def record_launches(case_list, num_sms):
 
 
 def call_backend(backend, case):
-    """One backend call on CPU tensors (`call_state_op` for a state op's): `batch` requests of a 300-token prefix
-    (a multiple of no page size). fp8 caches get scales as the ops pass them: e4m3 one per kv head, e5m2 one for all
-    (a stride-0 view)."""
+    """One backend call on CPU tensors (`call_state_op` for a state op's): `batch` requests of `prefix` cached tokens.
+    fp8 caches get scales as the ops pass them: e4m3 one per kv head, e5m2 one for all (a stride-0 view). A latent
+    case's values are the first Dv of its keys (v_cache a view of k_cache), as MLA layers pass them."""
     if isinstance(case, StateCase):
         call_state_op(backend, case)
         return
     gen = torch.Generator().manual_seed(0)
-    prefix, num_tokens = 300, case.batch * case.q_len
+    prefix, num_tokens = case.prefix, case.batch * case.q_len
     pages_per_request = -(-(prefix + case.q_len) // case.page_size)
     k_cache = torch.zeros(
         case.batch * pages_per_request,
@@ -271,6 +294,8 @@ def call_backend(backend, case):
     v_head_dim = case.v_head_dim or case.head_dim
     v = torch.randn(num_tokens, case.num_kv_heads, v_head_dim, generator=gen).to(case.dtype)
     v_cache = k_cache.new_zeros(*k_cache.shape[:3], v_head_dim)
+    if case.latent:
+        v, v_cache = k[..., :v_head_dim], k_cache[..., :v_head_dim]
     options = Options(
         scale=case.head_dim**-0.5,
         sliding_window=window,

@@ -57,7 +57,14 @@ KV_SCALE_ARGS = {
     "two_dims": lambda: (torch.ones(1, 1), torch.ones(1)),
     "meta": lambda: (torch.ones(2, device="meta"), torch.ones(2)),
 }
-
+# v_cache's layouts: contiguous or the leading values of wider rows (MLA's latent cache) are accepted, others not.
+V_CACHE_LAYOUTS = {
+    "contiguous": lambda v: v,
+    "leading_values": lambda v: torch.cat([v, v[..., :3]], -1)[..., : v.shape[-1]],
+    "trailing_values": lambda v: torch.cat([v[..., :3], v], -1)[..., 3:],
+    "rows_apart": lambda v: torch.cat([v, v], 1)[:, ::2],
+    "every_other_value": lambda v: torch.cat([v, v], -1)[..., ::2],
+}
 
 KV_SCALE_ARGS_OF = ("k_scale", "v_scale")  # what KV_SCALE_ARGS draws, good and bad
 
@@ -102,6 +109,7 @@ def inputs(draw, first=None):
     if cache_dtypes is not None:
         cache_dtypes = cache_dtypes if isinstance(cache_dtypes, tuple) else (cache_dtypes, cache_dtypes)
         args[3:5] = (cache.to(dtype) for cache, dtype in zip(args[3:5], cache_dtypes))
+    args[4] = V_CACHE_LAYOUTS[draw(st.sampled_from(list(V_CACHE_LAYOUTS)))](args[4])
     options |= dict(zip(KV_SCALE_ARGS_OF, KV_SCALE_ARGS[draw(st.sampled_from(list(KV_SCALE_ARGS)))]()))
     options["sinks"] = torch.randn(case.q.shape[1]) if draw(st.booleans()) else None
     width = max(q_lens, default=0) + draw(st.integers(0, 2))

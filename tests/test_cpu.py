@@ -34,8 +34,9 @@ CASES = {
     "decode": ("decode", [1] * 3, [1100, 511, 1536], 8, 128, 16),
     # 3 draft tokens x group 4 = 12 rows per kv head: units of every kv head; 3 and 2 slices; page 7; head dim 80.
     "verify_all_heads": ("decode", [3] * 2, [600, 260], 8, 80, 7),
-    # 4 draft tokens x group 8 = 32 rows (the many-rows path); head dim 80 (copied rows); page 5.
-    "verify": ("decode", [4] * 2, [700, 1030], 16, 80, 5),
+    # 8 draft tokens x group 16 = 128 rows (the many-rows path, with AMX from 16 rows: `GEMM_ROWS`); head dim 80
+    # (copied rows where a vector holds 16 floats); page 5.
+    "verify": ("decode", [8] * 2, [700, 1030], 32, 80, 5),
     # A short chunk over a long prefix (one query block: sliced keys) beside a chunk of two query blocks (group 4:
     # 128 tokens a block; 600 rows), whose tiles are packed once: from key 0, or (window 77) from the second tile.
     "chunk_over_prefix": ("prefill", [9, 150], [1200, 400], 8, 64, 16),
@@ -265,8 +266,8 @@ TREE_CASES = {
     "verify": ("decode", [7] * 3, [1100, 300, 513], 4, 64, 16),
     # 5 tokens x group 3, head dim 20 (copied rows): few rows, units of one kv head; 2 slices of 512 keys and 1; page 3.
     "verify_head_dim_20": ("decode", [5] * 2, [700, 40], 6, 20, 3),
-    # 16 tokens x group 4 = 64 rows: the many-rows path over 256-key tiles; 2 slices of 512 keys and 1; page 5.
-    "verify_many_rows": ("decode", [16] * 2, [900, 260], 8, 64, 5),
+    # 32 tokens x group 4 = 128 rows: the many-rows path over 256-key tiles; 2 slices of 512 keys and 1; page 5.
+    "verify_many_rows": ("decode", [32] * 2, [900, 260], 8, 64, 5),
     # 300 tokens x group 4: three query blocks (128 tokens) over tiles packed once, their rows in chunks of 64, the
     # tree's own keys across 256-key tiles; beside a 40-token tree without a prefix (one block, one slice).
     "prefill": ("prefill", [300, 40], [500, 0], 8, 64, 16),

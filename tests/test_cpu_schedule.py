@@ -24,21 +24,25 @@ def kernels():
     return hybrid_ops.get_backend("cpu")._module
 
 
-def schedule(q_lens, prefix_lens, num_kv_heads, group, head_dim, v_head_dim, sliding_window, attention_chunk):
-    """(units, merges, pack_jobs), each a list of dicts."""
+def schedule(
+    q_lens, prefix_lens, num_kv_heads, group, head_dim, v_head_dim, sliding_window, attention_chunk, gemm_rows
+):
+    """(units, merges, pack_jobs), each a list of dicts; gemm_rows: GEMM_ROWS_AMX or GEMM_ROWS."""
     cu_seqlens_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
     seq_lens = torch.tensor([p + n for p, n in zip(prefix_lens, q_lens)], dtype=torch.int32)
     tables = kernels().schedule(
-        cu_seqlens_q, seq_lens, num_kv_heads, group, head_dim, v_head_dim, sliding_window, attention_chunk
+        cu_seqlens_q, seq_lens, num_kv_heads, group, head_dim, v_head_dim, sliding_window, attention_chunk, gemm_rows
     )
     return [[dict(zip(fields, row)) for row in t.tolist()] for fields, t in zip((UNIT, MERGE, PACK_JOB), tables)]
 
 
-def check_schedule(q_lens, prefix_lens, num_kv_heads, group, head_dim, v_head_dim, sliding_window, attention_chunk):
+def check_schedule(
+    q_lens, prefix_lens, num_kv_heads, group, head_dim, v_head_dim, sliding_window, attention_chunk, gemm_rows
+):
     """Asserts the schedule's properties; returns it. Head dims from 20, 36, 64, 80, 128, 144: whole vectors of every
     vector width (8 or 16 floats) when a multiple of 16, of none otherwise."""
     k = kernels()
-    shape = (num_kv_heads, group, head_dim, v_head_dim, sliding_window, attention_chunk)
+    shape = (num_kv_heads, group, head_dim, v_head_dim, sliding_window, attention_chunk, gemm_rows)
     units, merges, pack_jobs = schedule(q_lens, prefix_lens, *shape)
     seq_lens = [p + n for p, n in zip(prefix_lens, q_lens)]
     block_tokens = max(1, k.BLOCK_ROWS // group)
@@ -53,7 +57,7 @@ def check_schedule(q_lens, prefix_lens, num_kv_heads, group, head_dim, v_head_di
         i, rows = u["request"], u["num_tokens"] * group
         assert 0 <= u["t0"] < u["t0"] + u["num_tokens"] <= q_lens[i], u
         assert first_key(i, u["t0"]) <= u["lo"] < u["hi"] <= prefix_lens[i] + u["t0"] + u["num_tokens"], u
-        assert u["num_heads"] == (num_kv_heads if rows < k.GEMM_ROWS and in_place else 1), u
+        assert u["num_heads"] == (num_kv_heads if rows < gemm_rows and in_place else 1), u
         assert u["head"] % u["num_heads"] == 0 and u["head"] + u["num_heads"] <= num_kv_heads, u
         heads, tokens = range(u["head"], u["head"] + u["num_heads"]), range(u["t0"], u["t0"] + u["num_tokens"])
         for h, t in itertools.product(heads, tokens):
@@ -97,7 +101,7 @@ def check_schedule(q_lens, prefix_lens, num_kv_heads, group, head_dim, v_head_di
     # packed tile is read.
     tile, read = k.GEMM_BLOCK_N, set()
     for u in (u for u in units if u["packed"] >= 0):
-        assert u["num_tokens"] * group >= k.GEMM_ROWS and u["partial"] == -1, u
+        assert u["num_tokens"] * group >= gemm_rows and u["partial"] == -1, u
         assert u["packed_from"] % tile == 0 and u["packed_from"] <= u["lo"], u
         start = u["packed_from"] + (u["lo"] - u["packed_from"]) // tile * tile
         for j0 in range(start, u["hi"], tile):
@@ -121,21 +125,24 @@ def check_schedule(q_lens, prefix_lens, num_kv_heads, group, head_dim, v_head_di
     return units, merges, pack_jobs
 
 
-# q_lens, prefix_lens, Hkv, group, head dim, value head dim; what the schedule must hold: slices (merges), units of
-# every kv head, packed tiles.
+# q_lens, prefix_lens, Hkv, group, head dim, value head dim, brgemm's rows ("amx": GEMM_ROWS_AMX, "vec": GEMM_ROWS);
+# what the schedule must hold: slices (merges), units of every kv head, packed tiles.
 CASES = {
     # Units of every kv head: 5 slices, exactly 2, a slice boundary at the last key, and one key alone.
-    "decode": ([1] * 4, [1100, 511, 1536, 0], 2, 4, 128, 128, ("merges", "all_heads")),
+    "decode": ([1] * 4, [1100, 511, 1536, 0], 2, 4, 128, 128, "amx", ("merges", "all_heads")),
     # 12 rows per kv head: units of every kv head; 3 and 2 slices.
-    "verify_all_heads": ([3] * 2, [600, 260], 4, 4, 64, 64, ("merges", "all_heads")),
-    # 32 rows per kv head: a unit per kv head (the brgemm path), 2 and 3 slices.
-    "verify": ([4] * 2, [700, 1030], 2, 8, 128, 144, ("merges",)),
+    "verify_all_heads": ([3] * 2, [600, 260], 4, 4, 64, 64, "amx", ("merges", "all_heads")),
+    # 32 rows per kv head: a unit per kv head (the brgemm path on AMX), 2 and 3 slices; without AMX units of every kv
+    # head, up to 127 rows, and a unit per kv head from 128.
+    "verify": ([4] * 2, [700, 1030], 2, 8, 128, 144, "amx", ("merges",)),
+    "verify_vec": ([4] * 2, [700, 1030], 2, 8, 128, 144, "vec", ("merges", "all_heads")),
+    "verify_vec_brgemm": ([8] * 2, [700, 1030], 2, 16, 128, 128, "vec", ("merges",)),
     # A short chunk over a long prefix (sliced) beside a chunk of two query blocks (packed tiles).
-    "chunk_over_prefix": ([9, 150], [1200, 400], 2, 4, 64, 64, ("merges", "packed")),
+    "chunk_over_prefix": ([9, 150], [1200, 400], 2, 4, 64, 64, "amx", ("merges", "packed")),
     # Fresh prefills, one of two query blocks (group 1: 512 tokens a block), none with a request of no new token.
-    "prefill": ([600, 70, 0], [0, 0, 5], 3, 1, 128, 128, ("packed",)),
+    "prefill": ([600, 70, 0], [0, 0, 5], 3, 1, 128, 128, "amx", ("packed",)),
     # Few rows of a head dim of no whole vectors: a unit per kv head, 2 slices and 1.
-    "verify_head_dim_20": ([2] * 2, [700, 90], 2, 2, 20, 36, ("merges",)),
+    "verify_head_dim_20": ([2] * 2, [700, 90], 2, 2, 20, 36, "amx", ("merges",)),
 }
 OPTIONS = {"default": (-1, -1), "window": (200, -1), "chunk": (-1, 300), "window_chunk": (77, 100)}
 
@@ -143,8 +150,9 @@ OPTIONS = {"default": (-1, -1), "window": (200, -1), "chunk": (-1, 300), "window
 @pytest.mark.parametrize("option", OPTIONS)
 @pytest.mark.parametrize("name", CASES)
 def test_schedule(name, option):
-    *shape, reaches = CASES[name]
-    units, merges, pack_jobs = check_schedule(*shape, *OPTIONS[option])
+    *shape, gemm, reaches = CASES[name]
+    gemm_rows = {"amx": kernels().GEMM_ROWS_AMX, "vec": kernels().GEMM_ROWS}[gemm]
+    units, merges, pack_jobs = check_schedule(*shape, *OPTIONS[option], gemm_rows)
     if option == "default":  # windows and chunks may leave too few keys to split
         assert bool(merges) == ("merges" in reaches)
     assert any(u["num_heads"] > 1 for u in units) == ("all_heads" in reaches)
@@ -167,4 +175,5 @@ def test_random_schedules(data):
         data.draw(st.sampled_from([head_dim, 36, 80])),
         data.draw(st.just(-1) | st.integers(1, 700)),
         data.draw(st.just(-1) | st.integers(1, 700)),
+        data.draw(st.sampled_from([kernels().GEMM_ROWS_AMX, kernels().GEMM_ROWS])),
     )

@@ -62,14 +62,17 @@ class TritonBackend(Backend):
 
     def supports(self, spec) -> bool:
         # Attention: head dims below 16 are padded to 16 in the kernels (a 16-bit tl.dot needs K >= 16); the tile
-        # tables stop at 256, for D and Dv alike. A state op's kernel holds one head dim whole in a program (its
-        # tables stop at 256 too) and splits the other over programs.
+        # tables hold D and Dv up to 256, and past it D = Dv + a rope part, Dv up to 512 and the rope part up to
+        # 64 (MLA's latent cache, 576 = 512 + 64: `kernels.config.head_blocks`). A state op's kernel holds one head
+        # dim whole in a program (its tables stop at 256) and splits the other over programs.
+        from ..kernels.config import head_blocks
+
         on_device = spec.device.type == "cuda" or (spec.device.type == "cpu" and _interpreting())
         if not (on_device and spec.dtype in FLOAT_DTYPES):
             return False
         state_op = next((op for op in STATE_OPS if op in spec.features), None)
         if state_op is None:
-            return max(spec.head_dim, spec.v_head_dim) <= 256
+            return head_blocks(spec.head_dim, spec.v_head_dim) is not None
         whole = _WHOLE_HEAD_DIM[state_op]
         return whole is None or getattr(spec, whole) <= 256
 

@@ -102,8 +102,8 @@ void prefetch_rows(const T* const* rows, int64_t n, int64_t row_bytes) {
 }
 
 // One tile of n keys for few rows per kv head, rows given as pointers to `padded_dim` (K) and `v_padded_dim` (V)
-// values (cache rows in place, or packed fp32 rows) of the unit's first kv head; head h's rows are h * head_dim and
-// h * v_head_dim further. Scratch rows are head-major: [num_heads][rows].
+// values (cache rows in place, or packed fp32 rows) of the unit's first kv head; head h's rows are h * k_head_stride
+// and h * v_head_stride further (a unit of packed rows has one head). Scratch rows are head-major: [num_heads][rows].
 //
 // A unit of several heads reads each memory page (PAGE_BYTES) front to back, as the hardware prefetcher follows: it
 // takes keys in groups of `pages` memory pages of per_page positions each, and each group in per_page passes of one
@@ -113,7 +113,7 @@ template <typename T, typename C, typename R>
 void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, const R* const* k, const R* const* v,
                  int64_t rows, Scratch<T, C>& s) {
   const int64_t dim = pb.padded_dim, heads = u.num_heads;
-  const int64_t position_bytes = heads * pb.head_dim * static_cast<int64_t>(sizeof(R));
+  const int64_t position_bytes = heads * pb.k_head_stride * static_cast<int64_t>(sizeof(R));
   // Positions per memory page, when passes are worth taking: a page of BLOCK_N or more positions (16-bit rows of
   // D 8, read in place where a vector is 8 floats) holds the whole tile, which key order reads front to back.
   const int64_t fit = PAGE_BYTES / position_bytes;
@@ -130,7 +130,7 @@ void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, 
     passes(j, std::min(j + group, n), [&](int64_t a, int64_t b, int64_t ks) {
       for (int64_t h = 0; h < heads; ++h) {
         for_row_blocks(rows, [&](auto rb, int64_t r) {
-          scores_dot<decltype(rb)::value>(q + (h * rows + r) * dim, dim, k, a, b, ks, h * pb.head_dim,
+          scores_dot<decltype(rb)::value>(q + (h * rows + r) * dim, dim, k, a, b, ks, h * pb.k_head_stride,
                                           s.scores.data() + (h * rows + r) * BLOCK_N);
         });
       }
@@ -144,7 +144,7 @@ void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, 
       for (int64_t h = 0; h < heads; ++h) {
         for_row_blocks(rows, [&](auto rb, int64_t r) {
           constexpr int RB = decltype(rb)::value;
-          const int64_t v_dim = pb.v_padded_dim, offset = h * pb.v_head_dim;
+          const int64_t v_dim = pb.v_padded_dim, offset = h * pb.v_head_stride;
           const float* p = s.scores.data() + (h * rows + r) * BLOCK_N;
           float* acc = s.acc.data() + (h * rows + r) * v_dim;
           int64_t d = 0;

@@ -82,6 +82,14 @@ bool kv_scale_ok(const std::optional<at::Tensor>& kv_scale, int64_t num_kv_heads
 }
 
 // validation.check_args: true when it would pass (validation.tensors_ok, then every option's check).
+// validation.value_rows_ok: v_cache contiguous, or the leading Dv values of each row of a contiguous tensor.
+bool value_rows_ok(const at::Tensor& v_cache) {
+  if (v_cache.is_contiguous()) return true;
+  const int64_t row = v_cache.stride(2);
+  return v_cache.stride(3) == 1 && row > v_cache.size(3) && v_cache.stride(1) == v_cache.size(2) * row &&
+         v_cache.stride(0) == v_cache.size(1) * v_cache.size(2) * row;
+}
+
 bool args_ok(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
              const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
              const at::Tensor& block_table, const Options& o) {
@@ -125,7 +133,7 @@ bool args_ok(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
     if (!t->device().is_cpu()) return false;
   }
   constexpr double inf = std::numeric_limits<double>::infinity();
-  return k_cache.is_contiguous() && v_cache.is_contiguous() && (!o.scale || (*o.scale > 0 && *o.scale < inf)) &&
+  return k_cache.is_contiguous() && value_rows_ok(v_cache) && (!o.scale || (*o.scale > 0 && *o.scale < inf)) &&
          (o.sliding_window == -1 || o.sliding_window > 0) && o.logit_cap >= 0 && o.logit_cap < inf &&
          (o.attention_chunk == -1 || o.attention_chunk > 0);
 }
@@ -248,11 +256,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(units, merges, pack_jobs): int64 rows of (request, head, num_heads, t0, num_tokens, lo, hi, partial, "
         "packed, packed_from), (request, head, num_tokens, num_splits, partial, split_stride), (request, head, j0, n)",
         py::arg("cu_seqlens_q"), py::arg("seq_lens"), py::arg("num_kv_heads"), py::arg("group"), py::arg("head_dim"),
-        py::arg("v_head_dim"), py::arg("sliding_window") = -1, py::arg("attention_chunk") = -1);
+        py::arg("v_head_dim"), py::arg("sliding_window") = -1, py::arg("attention_chunk") = -1,
+        py::arg("gemm_rows") = hybrid_ops::cpu::GEMM_ROWS);
   m.attr("KV_SPLIT") = hybrid_ops::cpu::KV_SPLIT;
   m.attr("KV_SPLIT_ALL_HEADS") = hybrid_ops::cpu::KV_SPLIT_ALL_HEADS;
   m.attr("BLOCK_ROWS") = hybrid_ops::cpu::BLOCK_ROWS;
   m.attr("GEMM_ROWS") = hybrid_ops::cpu::GEMM_ROWS;
+  m.attr("GEMM_ROWS_AMX") = hybrid_ops::cpu::GEMM_ROWS_AMX;
   m.attr("GEMM_BLOCK_N") = hybrid_ops::cpu::GEMM_BLOCK_N;
   m.def("widen_fp8", &hybrid_ops::widen_fp8,
         "fp8 codes [n] (n a multiple of 64) as raw float32 values, by the wide load or 16 at a time", py::arg("codes"),

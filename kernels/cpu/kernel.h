@@ -94,13 +94,16 @@ struct Problem {
   Metadata md;
   int64_t q_strides[3], page_size, num_kv_heads, group;
   int64_t head_dim, padded_dim, v_head_dim, v_padded_dim;  // D and Dv, and rounded up to whole vectors
+  // Elements from a cache row's head to the next: D and Dv, or wider for values that lead each row of a latent cache.
+  int64_t k_head_stride, v_head_stride;
   float scale, logit_cap;
-  int64_t window, chunk;
+  int64_t window, chunk, gemm_rows;  // gemm_rows: the schedule's (schedule.h)
 
-  // One kv head's row `in_page` of the request's `page`-th page, in a cache of `dim` values per head.
-  const C* row(const C* cache, int64_t dim, int64_t request, int64_t page, int64_t in_page, int64_t head) const {
+  // One kv head's row `in_page` of the request's `page`-th page, in a cache whose heads are head_stride apart.
+  const C* row(const C* cache, int64_t head_stride, int64_t request, int64_t page, int64_t in_page,
+               int64_t head) const {
     const int64_t id = md.table[request * md.table_stride + page];
-    return cache + ((id * page_size + in_page) * num_kv_heads + head) * dim;
+    return cache + ((id * page_size + in_page) * num_kv_heads + head) * head_stride;
   }
   int64_t tile_elems() const { return GEMM_BLOCK_N * (padded_dim + v_padded_dim); }
   QueryRows rows_of(const Unit& u) const {
@@ -163,7 +166,7 @@ struct Scratch {
         key_end(rows),
         tree_row(rows),
         own(rows) {
-    if (gemm_rows < GEMM_ROWS) return;
+    if (gemm_rows == 0) return;
     if (amx) {
       amx16.allocate(gemm_rows, padded_dim, v_padded_dim);
     } else {
@@ -192,11 +195,11 @@ void tile_rows(const Problem<T, C>& pb, int64_t request, int64_t head, int64_t j
       in_page = 0;
     }
     if (j == 0 || in_page == 0) {
-      k_rows[j] = pb.row(pb.k_cache, pb.head_dim, request, page, in_page, head);
-      v_rows[j] = pb.row(pb.v_cache, pb.v_head_dim, request, page, in_page, head);
+      k_rows[j] = pb.row(pb.k_cache, pb.k_head_stride, request, page, in_page, head);
+      v_rows[j] = pb.row(pb.v_cache, pb.v_head_stride, request, page, in_page, head);
     } else {
-      k_rows[j] = k_rows[j - 1] + pb.num_kv_heads * pb.head_dim;
-      v_rows[j] = v_rows[j - 1] + pb.num_kv_heads * pb.v_head_dim;
+      k_rows[j] = k_rows[j - 1] + pb.num_kv_heads * pb.k_head_stride;
+      v_rows[j] = v_rows[j - 1] + pb.num_kv_heads * pb.v_head_stride;
     }
   }
 }
@@ -232,14 +235,15 @@ void run_unit(const Problem<T, C>& pb, const Unit& u, Scratch<T, C>& s);
 template <typename T, typename C>
 void run_merge(const Problem<T, C>& pb, const Merge& mg);
 
-// A cache and its new rows: src [T, Hkv, dim] in q's dtype, any strides, into cache [num_pages, page_size, Hkv, dim];
-// fp8 caches quantized with kv_scale [Hkv].
+// A cache and its new rows: src [T, Hkv, dim] in q's dtype, any strides, into cache [num_pages, page_size, Hkv, dim]
+// whose heads' rows are head_stride >= dim apart (dim unless its values lead a latent cache's rows); fp8 caches
+// quantized with kv_scale [Hkv].
 template <typename T, typename C>
 struct KvRows {
   const T* src;
   int64_t src_strides[3];
   C* cache;
-  int64_t dim;
+  int64_t dim, head_stride;
   const float* kv_scale;
 };
 

@@ -1,7 +1,8 @@
 // Paged attention on the CPU: KV store, then attention of every request's new tokens over its pages, read where
 // they lie (no gather copy). Shapes and metadata as in hybrid_ops/metadata.py:
 //   q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv] (any strides); k_cache [num_pages, page_size, Hkv, D], v_cache
-//   [num_pages, page_size, Hkv, Dv] contiguous; cu_seqlens_q [B + 1], seq_lens [B], block_table [B, max_pages] int32;
+//   [num_pages, page_size, Hkv, Dv] contiguous (v_cache: or the leading Dv values of a contiguous tensor's rows, MLA's
+//   latent cache); cu_seqlens_q [B + 1], seq_lens [B], block_table [B, max_pages] int32;
 //   out [T, Hq, Dv]; sinks [Hq] float32 or none. q fp32, fp16 or bf16; caches in q's dtype,
 //   or fp8 (float8_e4m3fn, float8_e5m2) holding saturate(x / scale) with one fp32 scale per kv head for k and for v
 //   (hybrid_ops/fp8.py); softmax and accumulation in fp32.
@@ -62,12 +63,13 @@ std::vector<float> per_head(const std::optional<at::Tensor>& kv_scale, int64_t n
 
 // Few-rows units read K/V rows in place, and take every kv head, when both head dims are whole vectors.
 ScheduleParams schedule_params(int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t v_head_dim,
-                               int64_t window, int64_t chunk) {
+                               int64_t window, int64_t chunk, int64_t gemm_rows) {
   return {.num_kv_heads = num_kv_heads,
           .group = group,
           .rows_in_place = head_dim % VEC == 0 && v_head_dim % VEC == 0,
           .window = window,
-          .chunk = chunk};
+          .chunk = chunk,
+          .gemm_rows = gemm_rows};
 }
 
 // Scales and the cache's dtype (C) as in paged_attention.
@@ -81,17 +83,21 @@ at::Tensor forward_typed(const at::Tensor& q, const at::Tensor& k, const at::Ten
   auto out = at::empty({num_tokens, num_q_heads, v_head_dim}, q.options());
   if (num_tokens == 0) return out;
 
-  const Schedule work = schedule(md, schedule_params(num_kv_heads, group, head_dim, v_head_dim, window, chunk));
+  const int64_t gemm_rows = amx_available<T, C>() ? GEMM_ROWS_AMX : GEMM_ROWS;
+  const Schedule work =
+      schedule(md, schedule_params(num_kv_heads, group, head_dim, v_head_dim, window, chunk, gemm_rows));
   const std::vector<float> k_scales = per_head(k_scale, num_kv_heads), v_scales = per_head(v_scale, num_kv_heads);
   store_kv<T, C>({.src = k.data_ptr<T>(),
                   .src_strides = {k.stride(0), k.stride(1), k.stride(2)},
                   .cache = k_cache.data_ptr<C>(),
                   .dim = head_dim,
+                  .head_stride = k_cache.stride(2),
                   .kv_scale = k_scales.data()},
                  {.src = v.data_ptr<T>(),
                   .src_strides = {v.stride(0), v.stride(1), v.stride(2)},
                   .cache = v_cache.data_ptr<C>(),
                   .dim = v_head_dim,
+                  .head_stride = v_cache.stride(2),
                   .kv_scale = v_scales.data()},
                  md, page_size, num_kv_heads);
 
@@ -124,10 +130,13 @@ at::Tensor forward_typed(const at::Tensor& q, const at::Tensor& k, const at::Ten
                          .padded_dim = padded_dim,
                          .v_head_dim = v_head_dim,
                          .v_padded_dim = v_padded_dim,
+                         .k_head_stride = k_cache.stride(2),
+                         .v_head_stride = v_cache.stride(2),
                          .scale = static_cast<float>(scale),
                          .logit_cap = static_cast<float>(logit_cap),
                          .window = window,
-                         .chunk = chunk};
+                         .chunk = chunk,
+                         .gemm_rows = gemm_rows};
   std::vector<std::unique_ptr<Scratch<T, C>>> scratch(at::get_num_threads());
   const auto thread_scratch = [&]() -> Scratch<T, C>& {
     auto& s = scratch[at::get_thread_num()];
@@ -261,7 +270,7 @@ bool metadata_values_ok(const at::Tensor& cu_seqlens_q, const at::Tensor& seq_le
 std::tuple<at::Tensor, at::Tensor, at::Tensor> work_schedule(const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
                                                              int64_t num_kv_heads, int64_t group, int64_t head_dim,
                                                              int64_t v_head_dim, int64_t window,
-                                                             int64_t attention_chunk) {
+                                                             int64_t attention_chunk, int64_t gemm_rows) {
   TORCH_CHECK(cu_seqlens_q.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt && cu_seqlens_q.dim() == 1 &&
                   seq_lens.dim() == 1 && cu_seqlens_q.size(0) == seq_lens.size(0) + 1,
               "cu_seqlens_q [B + 1] and seq_lens [B] must be int32");
@@ -278,8 +287,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> work_schedule(const at::Tensor& c
     TORCH_CHECK(md.cu[i + 1] >= md.cu[i] && md.lens[i] >= md.cu[i + 1] - md.cu[i],
                 "each request needs a query length in [0, seq_lens]");
   }
-  const cpu::Schedule work =
-      cpu::schedule(md, cpu::schedule_params(num_kv_heads, group, head_dim, v_head_dim, window, attention_chunk));
+  const cpu::Schedule work = cpu::schedule(
+      md, cpu::schedule_params(num_kv_heads, group, head_dim, v_head_dim, window, attention_chunk, gemm_rows));
   return {cpu::as_rows(work.units), cpu::as_rows(work.merges), cpu::as_rows(work.pack_jobs)};
 }
 

@@ -40,10 +40,11 @@ bool metadata_values_ok(const at::Tensor& cu_seqlens_q, const at::Tensor& seq_le
                         int64_t num_tokens, int64_t num_pages, int64_t page_size, bool decode);
 
 // The kernel's work for requests of cu_seqlens_q [B + 1] and seq_lens [B] int32 (schedule.h), for tests: int64 rows of
-// its units, merges and pack jobs, each row the fields of a Unit, Merge or PackJob in order.
+// its units, merges and pack jobs, each row the fields of a Unit, Merge or PackJob in order; gemm_rows as
+// ScheduleParams'.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> work_schedule(const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
                                                              int64_t num_kv_heads, int64_t group, int64_t head_dim,
                                                              int64_t v_head_dim, int64_t window,
-                                                             int64_t attention_chunk);
+                                                             int64_t attention_chunk, int64_t gemm_rows);
 
 }  // namespace hybrid_ops

@@ -54,6 +54,7 @@ Schedule schedule(const Metadata& md, const ScheduleParams& params) {
   const int64_t num_kv_heads = params.num_kv_heads, group = params.group;
   const int64_t block_tokens = std::max<int64_t>(1, BLOCK_ROWS / group);
   Schedule out;
+  out.gemm_rows = params.gemm_rows;
   for (int64_t i = 0; i < md.num_requests; ++i) {
     const int64_t q_len = md.cu[i + 1] - md.cu[i], len = md.lens[i], prefix = len - q_len;
     // A block of nt queries from token t0 sees keys from its lowest position's first key on (first_key rises with the
@@ -80,11 +81,11 @@ Schedule schedule(const Metadata& md, const ScheduleParams& params) {
       // Few rows per kv head, whole-vector rows: a unit takes every kv head, so that it reads each position's
       // Hkv * D elements together (one stream per page); else a unit per kv head.
       const int64_t rows = nt * group;
-      const int64_t heads = rows < GEMM_ROWS && params.rows_in_place ? num_kv_heads : 1;
+      const int64_t heads = rows < params.gemm_rows && params.rows_in_place ? num_kv_heads : 1;
       const int64_t split = heads > 1 ? KV_SPLIT_ALL_HEADS : KV_SPLIT;
       const int64_t splits = q_len <= block_tokens ? (hi - lo + split - 1) / split : 1;
       out.max_rows = std::max(out.max_rows, heads * rows);
-      if (rows >= GEMM_ROWS) out.max_gemm_rows = std::max(out.max_gemm_rows, rows);
+      if (rows >= params.gemm_rows) out.max_gemm_rows = std::max(out.max_gemm_rows, rows);
       for (int64_t h = 0; h < num_kv_heads; h += heads) {
         Unit u{.request = i,
                .head = h,
@@ -97,7 +98,7 @@ Schedule schedule(const Metadata& md, const ScheduleParams& params) {
                .packed = -1,
                .packed_from = packed_from};
         if (splits <= 1) {
-          if (packed >= 0 && rows >= GEMM_ROWS) u.packed = packed + h * num_tiles;
+          if (packed >= 0 && rows >= params.gemm_rows) u.packed = packed + h * num_tiles;
           out.units.push_back(u);
           continue;
         }

@@ -16,8 +16,12 @@ constexpr int64_t BLOCK_N = 64;              // keys per tile of few-rows units 
 constexpr int64_t KV_SPLIT = 512;            // keys per slice of a request with one query block (a multiple of BLOCK_N)
 constexpr int64_t KV_SPLIT_ALL_HEADS = 256;  // the same for a unit of every kv head
 constexpr int64_t BLOCK_ROWS = 512;          // query rows (tokens x group) per unit of a longer prefill
-constexpr int64_t GEMM_ROWS = 16;            // from this many rows, the products go through brgemm (attend_brgemm.cpp)
-constexpr int64_t GEMM_BLOCK_N = 256;        // keys per tile of the brgemm path
+// From this many query rows per kv head a unit's products go through brgemm (attend_brgemm.cpp), else dot products
+// over rows read in place: 16 where 16-bit rows multiply on AMX; 128 otherwise, as on a 2-core AVX2 machine the dot
+// products took 0.4-0.9x brgemm's time at 16-128 rows (D 128 and MLA's 576) and brgemm won from 256.
+constexpr int64_t GEMM_ROWS_AMX = 16;
+constexpr int64_t GEMM_ROWS = 128;
+constexpr int64_t GEMM_BLOCK_N = 256;  // keys per tile of the brgemm path
 
 // Views of contiguous metadata tensors: cu_seqlens_q [B + 1], seq_lens [B], block_table [B, width]; and of a tree
 // (tree_mask [T, tree_width] bool, rows tree_stride apart) with each new token's depth in it [T] (`tree_depths`), or
@@ -74,11 +78,11 @@ struct Merge {
 };
 
 // What the schedule depends on besides the metadata. rows_in_place: the head dims are whole vectors, so few-rows
-// units read K/V rows in place and take every kv head.
+// units read K/V rows in place and take every kv head. gemm_rows: GEMM_ROWS_AMX or GEMM_ROWS.
 struct ScheduleParams {
   int64_t num_kv_heads, group;
   bool rows_in_place;
-  int64_t window, chunk;
+  int64_t window, chunk, gemm_rows;
 };
 
 struct Schedule {
@@ -88,6 +92,7 @@ struct Schedule {
   int64_t partial_rows = 0;   // rows of the split partials
   int64_t max_rows = 0;       // the most query rows of a unit
   int64_t max_gemm_rows = 0;  // of a unit whose products go through brgemm (0: none)
+  int64_t gemm_rows = 0;      // ScheduleParams::gemm_rows
 };
 
 // The schedule of requests whose cu_seqlens_q and seq_lens metadata_ok accepted (the block table is not read; a

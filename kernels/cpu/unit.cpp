@@ -114,7 +114,7 @@ void run_unit(const Problem<T, C>& pb, const Unit& u, Scratch<T, C>& s) {
     s.tree_row[r] = md.tree ? md.tree + t * md.tree_stride : nullptr;
     s.own[r] = j;
   }
-  const bool brgemm = q_rows.per_head >= GEMM_ROWS;
+  const bool brgemm = q_rows.per_head >= pb.gemm_rows;
   if (brgemm) {
     attend_brgemm(pb, u, s);
   } else {
