@@ -6,9 +6,19 @@ absorption, integrations/mla.py) with transformers' own tokens."""
 import pytest
 import torch
 from helpers.models import NEW_TOKENS, PROMPTS, SIZES, make_model, preempting_pages, reference_tokens, tiny_config
-from helpers.reference import BACKENDS, assert_close, expected_cache, latent_case, make_case, reference, slow_except
+from helpers.reference import (
+    BACKENDS,
+    assert_close,
+    expected_cache,
+    fp8_case,
+    latent_case,
+    make_case,
+    reference,
+    slow_except,
+)
 from torch._inductor.utils import run_and_get_code
 
+import hybrid_ops
 from hybrid_ops import ForwardMode, GenerationStats, HybridGenerator, HybridInputError
 
 # (q_lens, prefix_lens, mode): a ragged prefill over prefixes, decode, verify of 3 draft tokens.
@@ -35,6 +45,31 @@ def test_latent_cache(backend, step, size, dtype):
     assert out.shape == (sum(q_lens), num_q_heads, v_head_dim)
     assert_close(out, reference(case), dtype)
     assert torch.equal(case.k_cache, k_expected), "the latent cache differs from the expected"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("step", STEPS)
+def test_latent_fp8_cache(backend, step):
+    """An e4m3 latent cache: the latent row stored once as k / scale (one scale: the values are the keys' bytes),
+    attention against float64 over the dequantized rows."""
+    q_lens, prefix_lens, mode = STEPS[step]
+    case = latent_case(q_lens, prefix_lens, 8, 40, 32, page_size=16, dtype=torch.bfloat16)
+    scale = torch.tensor(0.37)
+    fp8, read, (k_expected, _) = fp8_case(case, torch.float8_e4m3fn, scale, scale)
+    fp8.v_cache = fp8.k_cache[..., :32]
+    out = torch.ops.hybrid.attn(*fp8.args, int(mode), k_scale=scale, v_scale=scale, prefill_backend=backend,
+                                decode_backend=backend, speculative_attention_mode="decode")  # fmt: skip
+    assert_close(out, reference(read), torch.bfloat16)
+    assert torch.equal(fp8.k_cache.view(torch.uint8), k_expected)
+
+
+def test_latent_fp8_layer_shares_its_scale():
+    """PagedKVCache's fp8 latent layer: v_scales[layer] is k_scales[layer] (its values are its keys' bytes); a layer
+    of its own values keeps two."""
+    cache = hybrid_ops.PagedKVCache(8, 4, 1, 1, layer_shapes=[(1, 40, 32, True), (2, 16, 16)],
+                                    dtype=torch.float8_e4m3fn, kv_scale=0.5, for_compile=False)  # fmt: skip
+    assert cache.v_scales[0] is cache.k_scales[0] and cache.v_scales[1] is not cache.k_scales[1]
+    assert cache.scales(0)["v_scale"].item() == 0.5
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

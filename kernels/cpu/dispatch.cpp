@@ -74,7 +74,7 @@ std::shared_ptr<const Tables> current_tables() { return std::atomic_load(&tables
 
 bool is_fp8(at::ScalarType dtype) { return dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2; }
 
-// validation._kv_scale_ok: float32 of shape [], [1] or [Hkv], on the CPU.
+// options._kv_scale: float32 of shape [], [1] or [Hkv], on the CPU.
 bool kv_scale_ok(const std::optional<at::Tensor>& kv_scale, int64_t num_kv_heads) {
   return kv_scale && kv_scale->scalar_type() == at::kFloat && kv_scale->device().is_cpu() &&
          (kv_scale->dim() == 0 ||
