@@ -732,7 +732,7 @@ def check_mla_latent(device, smoke, rows, report):
     batch, context, hq = (2, 64, 4) if smoke else (16, 4096, 128)
     q_lens, prefixes = [1] * batch, [context - 1] * batch
     latent = paged_batch(q_lens, prefixes, hq, 1, d, 16, torch.bfloat16, device)
-    latent = (*latent[:4], latent[3][..., :dv], *latent[5:])
+    latent = (*latent[:2], latent[1][..., :dv], latent[3], latent[3][..., :dv], *latent[5:])
     expanded_d, expanded_dv = (24, 16) if smoke else (192, 128)  # DeepSeek's qk_nope + rope, v_head_dim
     expanded = paged_batch(q_lens, prefixes, hq, hq, expanded_d, 16, torch.bfloat16, device)
     expanded = (*expanded[:2], expanded[2][..., :expanded_dv].contiguous(), expanded[3],

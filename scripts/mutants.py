@@ -10,8 +10,9 @@ tests selected for it must fail.
                                                # (here: does anything else in the file catch it?)
 
 Each row of MUTANTS names a file, a text that must occur in it exactly once, the text that replaces it, and the
-tests (pytest arguments) that must catch the change. Edit the table when the code moves: a missing anchor is
-reported as stale and fails the check. Needs Python >= 3.11 (tomllib) and git.
+tests (pytest arguments) that must catch the change: fail on an assertion or an error the code raises (`CAUGHT_ON`;
+a crash, a collection error or a timeout is reported as an error, not caught). Edit the table when the code moves: a
+missing anchor is reported as stale and fails the check. Needs Python >= 3.11 (tomllib) and git.
 """
 
 import argparse
@@ -795,6 +796,15 @@ MUTANTS = [
       "            s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=\"tf32x3\")",
       "            s = s",
       "tests/test_triton_tiles.py -k mla"),
+    # -- Each option on each backend that claims it (tests/test_backend_options.py) ----------------------------------
+    M("torch_backend_ignores_sinks", "hybrid_ops/backends/torch_ref.py",
+      "scale, logit_cap, sinks = options.scale, options.logit_cap, options.sinks",
+      "scale, logit_cap, sinks = options.scale, options.logit_cap, None",
+      "tests/test_backend_options.py -k 'torch and sinks'"),
+    M("torch_backend_ignores_the_chunk", "hybrid_ops/backends/torch_ref.py",
+      "        if attention_chunk > 0:\n            visible &=",
+      "        if attention_chunk > 10**9:\n            visible &=",
+      "tests/test_backend_options.py -k 'torch and attention_chunk'"),
 ]
 # fmt: on
 
@@ -848,27 +858,39 @@ def check_imports_from(copy: Path, env, files) -> None:
             sys.exit(f"{module} imports from {path}, not from the copy {copy}")
 
 
-def run_tests(copy: Path, env, tests: str, extra) -> tuple[int, str, float]:
-    """(pytest's exit status, its summary counts, seconds) for one selection, stopping at the first failure."""
+def run_tests(copy: Path, env, tests: str, extra) -> tuple[int, str, float, str]:
+    """(pytest's exit status, its summary counts, seconds, its output) for one selection, stopping at the first
+    failure."""
     command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *shlex.split(tests), *extra]
     start = time.perf_counter()
     try:
         result = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True, timeout=900)
     except subprocess.TimeoutExpired:
-        return -1, "timed out", time.perf_counter() - start
+        return -1, "timed out", time.perf_counter() - start, ""
     counts = re.findall(r"(\d+) (passed|failed|errors?|deselected)", result.stdout)
     summary = ", ".join(f"{n} {word}" for n, word in counts if word != "deselected") or "no summary"
-    return result.returncode, summary, time.perf_counter() - start
+    return result.returncode, summary, time.perf_counter() - start, result.stdout
 
 
-def verdict(returncode: int) -> str:
+# What a test may fail on for its mutant to count as caught, read from pytest's "E" lines: an assertion (pytest.raises'
+# own included: "Failed: DID NOT RAISE", a message that does not match), or an error the code raises on purpose
+# (HybridInputError, under torch.compile too). Anything else (a TypeError, an import or collection error, a timeout,
+# a crash) is not a test catching the bug.
+CAUGHT_ON = re.compile(r"^(assert |(?:[\w.]+\.)?(AssertionError|Failed|HybridInputError)\b)")
+
+
+def verdict(returncode: int, output: str = "") -> str:
     if returncode == 0:
         return "NOT CAUGHT"
     if returncode == 5:
         return "ERROR (no tests selected)"
-    if returncode in (3, 4):  # pytest's internal and usage errors
-        return "ERROR"
-    return "caught"  # 1: a test failed; 2: collection failed; < 0: timed out, or died (an interpreter abort)
+    if returncode != 1:  # 2: interrupted (collection), 3-4: pytest's own errors, < 0: timed out or died
+        return f"ERROR (pytest exit {returncode})"
+    raised = re.findall(r"^E\s+(.*)$", output, re.MULTILINE)
+    if any(CAUGHT_ON.search(line) for line in raised):
+        return "caught"
+    first = next((line for line in raised if re.match(r"[\w.]+:", line)), "an error")
+    return f"ERROR (failed on {first.split(':')[0][:60]})"
 
 
 def apply_and_test(copy: Path, env, mutant, extra) -> tuple:
@@ -885,10 +907,10 @@ def apply_and_test(copy: Path, env, mutant, extra) -> tuple:
         )
     path.write_text(original.replace(mutant.original, mutant.mutated))
     try:
-        returncode, summary, seconds = run_tests(copy, env, mutant.tests, extra)
+        returncode, summary, seconds, output = run_tests(copy, env, mutant.tests, extra)
     finally:
         path.write_text(original)
-    return mutant.name, mutant.tests, summary, verdict(returncode), seconds
+    return mutant.name, mutant.tests, summary, verdict(returncode, output), seconds
 
 
 def main() -> int:
@@ -946,7 +968,7 @@ def main() -> int:
             # The unmutated copy must pass every selection, or a "caught" would mean nothing.
             selections = [] if args.no_baseline else list(dict.fromkeys(m.tests for m in mutants))
             baselines = pool.map(lambda tests: in_a_copy(run_tests, tests, args.pytest_args), selections)
-            for tests, (returncode, summary, seconds) in zip(selections, baselines):
+            for tests, (returncode, summary, seconds, _) in zip(selections, baselines):
                 print(f"baseline  {tests:64} {summary:24} {seconds:5.1f} s", flush=True)
                 if returncode not in (0, 5):  # 5: --deselect may empty a selection
                     sys.exit(f"the unmutated copy fails `pytest {tests}`: fix the tests or the code first")

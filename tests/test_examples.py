@@ -123,6 +123,7 @@ def test_gpu_check_script_smoke(tmp_path):
         assert f"correct: triton q torch.bfloat16, cache {cache}, every mode" in out
     assert "trees: torch, prefill and verify" in out
     assert "state ops: triton mamba1" in out and "| mamba1 | prefill 2 x 16 |" in out
+    assert "triton MLA latent cache D 40 / Dv 32" in out and "| latent | batch 2 x ctx 64, Hq 4 |" in out
     assert (tmp_path / "gpu_check_smoke_cpu.md").exists()
 
 

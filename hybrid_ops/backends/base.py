@@ -49,7 +49,8 @@ class Backend:
     # True if the backend reads the metadata to the host and checks its values itself on every call; otherwise the
     # ops run `validation.check_metadata_values` for it when validation is switched on.
     checks_values: bool = False
-    # What it serves of options.ALL_FEATURES (the options' features: "sinks", "attention_chunk", "fp8_kv").
+    # What it serves of options.ALL_FEATURES, each by name ("sinks", "attention_chunk", "fp8_kv", "tree_mask"): an
+    # option's feature is claimed by no backend until one lists it (tests/test_backend_options.py runs each).
     features: frozenset = frozenset()
 
     def is_available(self) -> bool:

@@ -43,7 +43,7 @@ from ..errors import HybridInputError
 from ..modes import ROUTING, SPECULATIVE_ATTENTION_MODES
 from ..options import cpp_header
 from ..validation import FLOAT_DTYPES, check_metadata_values, check_state_metadata_values
-from .base import ALL_FEATURES, STATE_OPS, Backend
+from .base import STATE_OPS, Backend
 from .registry import registry
 
 # ATen's compile flags for each CPU capability (cmake/Codegen.cmake); at::vec picks its implementation from the
@@ -162,7 +162,7 @@ class CpuBackend(Backend):
     name = "cpu"
     requirement = "a C++ compiler and ninja to build its kernels (pip install ninja)"
     checks_values = True  # the kernels check the metadata's values before they write anything (see `prefill`)
-    features = ALL_FEATURES | frozenset(STATE_OPS)
+    features = frozenset({"sinks", "attention_chunk", "fp8_kv", "tree_mask", *STATE_OPS})
 
     def __init__(self):
         self._module = None

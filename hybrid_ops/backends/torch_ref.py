@@ -22,7 +22,7 @@ from ..metadata import new_token_slots
 from ..settings import deterministic_enabled
 from ..validation import FLOAT_DTYPES, check_metadata_values
 from . import torch_state
-from .base import ALL_FEATURES, STATE_OPS, Backend
+from .base import STATE_OPS, Backend
 
 # Decode batches whose padded K + V gather stays under this many bytes run as one batched call.
 BATCHED_DECODE_BYTES = 8 << 20
@@ -241,7 +241,7 @@ def attend(q, k, v, bias, is_causal, options):
 class TorchBackend(Backend):
     name = "torch"  # always available: nothing to require
     checks_values = True
-    features = ALL_FEATURES | frozenset(STATE_OPS)
+    features = frozenset({"sinks", "attention_chunk", "fp8_kv", "tree_mask", *STATE_OPS})
     causal_conv1d = staticmethod(torch_state.causal_conv1d)
     gated_delta_rule = staticmethod(torch_state.gated_delta_rule)
     selective_scan = staticmethod(torch_state.selective_scan)

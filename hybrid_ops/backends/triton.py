@@ -19,7 +19,7 @@ import torch
 
 from ..settings import deterministic_enabled
 from ..validation import FLOAT_DTYPES
-from .base import ALL_FEATURES, STATE_OPS, Backend
+from .base import STATE_OPS, Backend
 from .deps import importable
 
 
@@ -52,7 +52,7 @@ def _store(k, v, k_cache, v_cache, metadata, options):
 class TritonBackend(Backend):
     name = "triton"
     requirement = "triton (pip install 'hybrid_ops[triton]')"
-    features = ALL_FEATURES | frozenset(STATE_OPS)
+    features = frozenset({"sinks", "attention_chunk", "fp8_kv", "tree_mask", *STATE_OPS})
 
     def __init__(self):
         self.target = None  # a kernels.config.Target that overrides the device's
