@@ -16,6 +16,7 @@ from helpers.reference import (
     reference,
     slow_except,
 )
+from helpers.serving import assert_logits_equal_transformers, serve
 from torch._inductor.utils import run_and_get_code
 
 import hybrid_ops
@@ -172,6 +173,17 @@ def test_mla_models_over_their_latent_cache(model_type, compile, fresh_dynamo):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model_type", slow_except("deepseek_v3", MLA_TYPES))
+def test_mla_logits_equal_transformers(model_type):
+    """Every sampled row's logits through the packed forward over latent caches (prefill chunks across pages, mixed
+    steps, batched decoding, a preemption) against transformers' forward over the same tokens, to 1e-5: a tiny
+    model's greedy tokens can hide a wrong term (a dropped rope part leaves them unchanged)."""
+    model = make_model(tiny_config(model_type), attn_implementation="hybrid")
+    tokens, rows = serve(model)
+    assert any(getattr(m, "hybrid_latent", None) for m in model.modules()), "no layer served over a latent cache"
+    assert_logits_equal_transformers(model_type, make_model(tiny_config(model_type)), rows, tokens)
+
+
 def test_compiled_mla_model_never_recompiles(fresh_dynamo):
     """The compiled generator over a latent cache (deepseek_v3): transformers' tokens, then other prompts without a
     recompile."""

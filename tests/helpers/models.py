@@ -123,7 +123,14 @@ OVERRIDES = {
     "bamba": {"attn_layer_indices": [1], **MAMBA2},
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention", "linear_attention"], **MAMBA2},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
-    "falcon_h1": {**MAMBA2, "mamba_d_ssm": 64},
+    # Multipliers off 1, so that a layer that dropped one would differ.
+    "falcon_h1": {
+        **MAMBA2,
+        "mamba_d_ssm": 64,
+        "ssm_multipliers": [0.5, 1.5, 0.8, 1.25, 0.6],
+        "ssm_in_multiplier": 0.8,
+        "ssm_out_multiplier": 1.3,
+    },
     "nemotron_h": {"mamba_num_heads": 8, "mamba_head_dim": 8, "ssm_state_size": 16, "n_groups": 1, "chunk_size": 8},
     "kimi_linear": {"linear_head_dim": 16, "linear_num_heads": 4},
     **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lara_mini"), GATED_DELTA),
