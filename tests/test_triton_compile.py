@@ -3,7 +3,7 @@
 `scripts/triton_resources.py` runs the backend's launch path on CPU tensors with Triton's launcher replaced by a
 recorder, compiles every recorded launch as Triton specialises it on a GPU (in a fresh process: no interpreter),
 and checks shared memory against each target's per-block limit and spills on sm_90 (attention at fp16/bf16 up to
-D 128 and over MLA's latent cache, the state ops at every size). 448 specialisations (106 of them the state ops'),
+D 128 and over MLA's latent cache, the state ops at every size). 443 specialisations (106 of them the state ops'),
 230-510 s on 2 cores shared with other work (a cold Triton cache in a temporary directory).
 """
 
