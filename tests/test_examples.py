@@ -152,3 +152,20 @@ def test_readme_example():
     scope = {}
     exec(re.search(r"```python\n(.*?)```", readme, re.S).group(1), scope)
     assert_close(scope["out"], dense_attention(scope["q"], scope["k"], scope["v"], prefix=0), torch.float32)
+
+
+def test_repository_root_does_not_shadow_the_kernels_package():
+    """Python run from the repository's root (`python -m pytest`, `python -m bench`) finds kernels/ as a top-level
+    `kernels` before the PyPI package of that name, which transformers imports: the folder hands over to the package,
+    and is hybrid_ops.kernels when imported as that."""
+    import importlib.metadata
+    import subprocess
+
+    try:
+        importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("the PyPI package kernels is not installed (transformers >= 5.25 requires it)")
+    code = "import kernels, hybrid_ops.kernels as h; print(kernels.__file__); print(h.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    package, ours = out.split()
+    assert ours == str(ROOT / "kernels" / "__init__.py") and package != ours
