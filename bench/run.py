@@ -44,7 +44,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parent.parent))  # the e2e and prefix sections import examples/generate.py
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 STATIC_CACHE_LEN = 4096
-SECTIONS = ["op", "dispatch", "e2e", "prefix", "fp8", "tree", "startup", "hybrid", "mla", "plot"]
+SECTIONS = ["op", "dispatch", "e2e", "step", "prefix", "fp8", "tree", "startup", "hybrid", "mla", "plot"]
 
 
 def timeit(fn, reps=7, warmup=5):
@@ -436,7 +436,7 @@ def dispatch_section():
     return rows
 
 
-LLAMA_CPP_TYPES = ["f32", "bf16"]  # the GGUF types converted from the fp32 model
+LLAMA_CPP_TYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # the GGUF type of a model's dtype
 
 
 def tokens_as_ours(tokens, ours):
@@ -446,23 +446,28 @@ def tokens_as_ours(tokens, ours):
 
 def e2e_section(quick, llama_cpp):
     """Generation through our loop, transformers' static-cache compiled generate and llama.cpp (`llama_cpp`, a
-    `LlamaCpp`: a GGUF of each type in LLAMA_CPP_TYPES), greedy, on the demo's model and a larger one: one prompt, the
-    demo's prompts and a more ragged batch. Each method's tokens are compared with ours; llama.cpp's logits at the
-    prompts' last positions with transformers' eager fp32 forward (their first token)."""
+    `LlamaCpp`: a GGUF of the model's type, f32 or bf16), greedy, on the demo's model and a larger one in fp32 and
+    bf16: one prompt, the demo's prompts and a more ragged batch. Each method's tokens are compared with ours;
+    llama.cpp's logits at the prompts' last positions with transformers' eager forward (their first token)."""
     from examples.generate import PROMPT_LENGTHS, demo_model, demo_prompts, run_hybrid, run_transformers_static
 
+    ragged = torch.linspace(16, 1000, 16).long().tolist()
     models = {"demo": demo_model()}
     workloads = [
         ("demo", "1 prompt of 150, 48 new", [150], 48),
         ("demo", "8 prompts of 7..150, 48 new", PROMPT_LENGTHS, 48),
-        ("demo", "16 prompts of 16..1000, 32 new", torch.linspace(16, 1000, 16).long().tolist(), 32),
+        ("demo", "16 prompts of 16..1000, 32 new", ragged, 32),
         ("8 layers, 1024 wide", "1 prompt of 150, 48 new", [150], 48),
         ("8 layers, 1024 wide", "8 prompts of 7..150, 48 new", PROMPT_LENGTHS, 48),
+        ("8 layers, 1024 wide", "16 prompts of 16..1000, 32 new", ragged, 32),
+        ("8 layers, 1024 wide, bf16", "8 prompts of 7..150, 48 new", PROMPT_LENGTHS, 48),
+        ("8 layers, 1024 wide, bf16", "16 prompts of 16..1000, 32 new", ragged, 32),
     ]
     if quick:
         workloads = [("demo", "8 prompts of 7..150, 16 new", PROMPT_LENGTHS, 16)]
     else:
         models["8 layers, 1024 wide"] = demo_model(**LARGER_SIZES)
+        models["8 layers, 1024 wide, bf16"] = demo_model(dtype=torch.bfloat16, **LARGER_SIZES)
     rows = []
     for model_name, name, lengths, new_tokens in workloads:
         model = models[model_name]
@@ -483,22 +488,21 @@ def e2e_section(quick, llama_cpp):
         }
         with torch.no_grad():
             logits = torch.stack([model(torch.tensor([p])).logits[0, -1] for p in prompts])
-        for outtype in LLAMA_CPP_TYPES:
-            method = f"llama.cpp {outtype} (llama-cpp-python)"
-            try:
-                out = llama_cpp.generate(model, prompts, new_tokens, outtype)
-            except PeerError as e:
-                measured[method] = dict(note=str(e))
-                print(f"  {workload}: {method} failed: {e}", flush=True)
-                continue
-            measured[method] = dict(
+        outtype = LLAMA_CPP_TYPES[model.dtype]
+        llama_method = f"llama.cpp {outtype} (llama-cpp-python)"
+        try:
+            out = llama_cpp.generate(model, prompts, new_tokens, outtype)
+            measured[llama_method] = dict(
                 tokens_per_s=total / out["seconds"],
                 ttft_ms=statistics.mean(out["first_token_seconds"]) * 1e3,
                 same_tokens=tokens_as_ours(out["tokens"], tokens),
-                logits_error=(torch.tensor(out["first_logits"]) - logits).abs().max().item(),
-                logits_std=logits.std().item(),
+                logits_error=(torch.tensor(out["first_logits"]) - logits.float()).abs().max().item(),
+                logits_std=logits.float().std().item(),
             )
-        for peer in ("transformers static cache (compiled)", f"llama.cpp {LLAMA_CPP_TYPES[0]} (llama-cpp-python)"):
+        except PeerError as e:
+            measured[llama_method] = dict(note=str(e))
+            print(f"  {workload}: {llama_method} failed: {e}", flush=True)
+        for peer in ("transformers static cache (compiled)", llama_method):
             if measured[peer].get("tokens_per_s"):
                 measured[f"ratio hybrid_ops / {peer.split(' ')[0]}"] = dict(
                     tokens_per_s=ours["tokens_per_s"] / measured[peer]["tokens_per_s"],
@@ -767,6 +771,10 @@ def markdown(results):
         from .startup import markdown as startup_markdown
 
         lines += ["", startup_markdown(results["startup"])]
+    if "step" in results:
+        from .step import markdown as step_markdown
+
+        lines += ["", step_markdown(results["step"])]
     if "hybrid" in results:
         from .hybrid import markdown as hybrid_markdown
 
@@ -846,6 +854,10 @@ def main(argv=None):
     if "e2e" in args.sections:
         with LlamaCpp(args.llama_cpp_python, args.llama_cpp_converter) as llama_cpp:
             results["e2e"] = e2e_section(args.quick, llama_cpp)
+    if "step" in args.sections:
+        from .step import step_section
+
+        results["step"] = step_section(args.quick)
     if "prefix" in args.sections:
         results["prefix"] = prefix_section(args.quick)
     if "fp8" in args.sections:

@@ -166,6 +166,10 @@ def test_a_request_larger_than_the_page_budget_is_refused(model):
         (dict(cuda_graphs="yes"), "cuda_graphs must be a bool, got 'yes'"),
         (dict(compile=None), "compile must be a bool, got None"),
         (
+            dict(compile_options="max-autotune"),
+            "compile_options must be a dict of Inductor's options or None, got 'max-autotune'",
+        ),
+        (
             dict(kv_cache_dtype=torch.bfloat16),
             "kv_cache_dtype must be None (the model's torch.float32), "
             "torch.float8_e4m3fn or torch.float8_e5m2, got torch.bfloat16",
@@ -549,6 +553,25 @@ def test_compiled_generator_warms_up_once_and_never_recompiles(model, tmp_path):
     assert_empty(generator)
     info = torch.compiler.load_cache_artifacts((tmp_path / "compiled.bin").read_bytes())
     assert len(info.inductor_artifacts) > 0
+
+
+@pytest.mark.slow
+def test_compiled_steps_on_the_cpu_multiply_by_weights_packed_at_compile_time(model):
+    """The default options freeze the weights: every linear layer of the compiled steps is a product over a weight
+    packed when the graph compiled (oneDNN's, o_proj's with the residual add, or MKL's where the graph's token count is
+    static; q/k/v and gate/up one product each), none a plain matrix product, and the tokens are eager's."""
+    from torch._inductor.utils import run_and_get_code
+
+    prompts = random_prompts(3)
+    want = [solo(model, p, 5) for p in prompts]
+    generator = HybridGenerator(model, **{**SIZES, "max_seq_len": 36})  # sizes of its own: its graphs compile here
+    tokens, codes = run_and_get_code(generator.generate, prompts, 5)
+    assert tokens == want
+    layers = model.config.num_hidden_layers
+    for code in codes:  # one per graph: per layer q/k/v, o, gate/up and down, then the head
+        packed = re.findall(r"= torch\.ops\.(?:mkldnn\._linear_pointwise|mkl\._mkl_linear)\.\w+\(", code)
+        assert len(packed) == 4 * layers + 1
+        assert "extern_kernels.mm(" not in code and "extern_kernels.addmm(" not in code
 
 
 @pytest.mark.slow

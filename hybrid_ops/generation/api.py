@@ -69,6 +69,13 @@ class HybridGenerator:
     it changes which step each request samples in: unseeded sampling, which draws from torch's default generator in
     step order, would then depend on what earlier calls left in the cache.
 
+    `compile_options` are Inductor's config options for the compiled forward (`torch._inductor.config`). The default
+    (`runner.default_compile_options`) freezes the weights on the CPU: each compiled graph (one for most steps, a few
+    more for the sizes Dynamo specialises) holds its own copy of the linear layers' weights, prepacked for oneDNN,
+    which makes a decode step's products 2-4x faster and costs that memory (the 8-layer, 1024-wide fp32 model of
+    docs/benchmarks.md: 2.5 GB resident against 1.0 GB); the weights are read once, when a graph compiles, so a
+    change to them afterwards is not seen. `compile_options={}` keeps the weights as they are.
+
     `kv_cache_dtype=torch.float8_e4m3fn` (or `float8_e5m2`) stores K/V in fp8, half the cache of bf16, with a
     per-tensor scale of 1.0 in every layer (the K/V of the models measured stay well inside e4m3's range of 448;
     `cache.k_scales` / `cache.v_scales` hold them, to set before generating); the accuracy cost on the demo model is
@@ -109,6 +116,7 @@ class HybridGenerator:
         compile_cache: str | None = None,
         prefix_caching: bool = False,
         kv_cache_dtype=None,
+        compile_options: dict | None = None,
     ):
         from ..integrations.servable import check_servable
         from ..integrations.transformers import kv_heads_per_rank, tensor_parallel_group
@@ -119,6 +127,10 @@ class HybridGenerator:
             prefill_chunk=prefill_chunk, num_pages=num_pages,
         )  # fmt: skip
         check_flags(compile=compile, cuda_graphs=cuda_graphs, prefix_caching=prefix_caching)
+        if compile_options is not None and not isinstance(compile_options, dict):
+            raise HybridInputError(
+                f"compile_options must be a dict of Inductor's options or None, got {compile_options!r}"
+            )
         param = next(model.parameters())
         model.set_attn_implementation("hybrid")
         self.model = model.eval()
@@ -158,6 +170,7 @@ class HybridGenerator:
             cuda_graphs=cuda_graphs,
             compile_cache=compile_cache,
             states=states,
+            compile_options=compile_options,
         )
         eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self._serve(runner, prefix_caching, config.vocab_size, eos_token_id, states, state_pages)

@@ -47,6 +47,30 @@ def graph_backends(device, cuda_graphs: bool, backends) -> tuple:
     return tuple(backends)
 
 
+def default_compile_options(device) -> dict:
+    """Inductor's options for a step's compile on `device`. On the CPU the weights are frozen into the graphs and
+    prepacked for oneDNN's matrix products (`freezing`: a decode step's linears read their weights at 2-4x the rate
+    of the unpacked products), and the linears that read one input become one product (`cpp.enable_concat_linear`:
+    q/k/v, gate/up). Each compiled graph holds its own packed copy of the weights. Measured by `python -m bench step`
+    (docs/benchmarks.md)."""
+    return {"freezing": True, "cpp.enable_concat_linear": True} if device.type == "cpu" else {}
+
+
+def with_inductor_options(fn, options: dict):
+    """`fn` (a compiled function) called under Inductor's config `options`: Dynamo reads some of them while it traces
+    (`freezing`: whether the parameters become constants), so `torch.compile(options=...)`, which applies them only to
+    Inductor's own compile, would freeze nothing."""
+    if not options:
+        return fn
+    from torch._inductor import config
+
+    def call(*args):
+        with config.patch(options):
+            return fn(*args)
+
+    return call
+
+
 def step_buckets(cache: PagedKVCache, max_batch_size: int, prefill_chunk: int):
     """(token counts, batch sizes): the buckets that `cuda_graphs` pads steps of at most `max_batch_size` requests and
     `prefill_chunk + max_batch_size` tokens to; their last entries bound every step, padded or not."""
@@ -162,12 +186,15 @@ class ModelRunner(StepRunner):
     """A `StepRunner` of `model` (attention through `torch.ops.hybrid.attn`).
 
     compile=True: `forward` is `torch.compile(fullgraph=True, dynamic=True)` of `_forward` (on CUDA with
-    `cuda_graphs`, `mode="reduce-overhead"`); `warm_up` then compiles the graphs Dynamo specialises, and with
-    `compile_cache=PATH` the compiled artifacts are loaded from PATH at construction and written there after the
-    warm-up. cuda_graphs=True: "auto" backends mean "triton" on CUDA (FlashInfer plans on the host, outside the graphs).
+    `cuda_graphs`, `mode="reduce-overhead"`), called under `compile_options`; `warm_up` then compiles the graphs Dynamo
+    specialises, and with `compile_cache=PATH` the compiled artifacts are loaded from PATH at construction and written
+    there after the warm-up. cuda_graphs=True: "auto" backends mean "triton" on CUDA (FlashInfer plans on the host,
+    outside the graphs).
     `states`: a hybrid model's state slots (`StatePool`), whose slots each step's `state_slots` name.
     speculative_attention_mode: the ops' routing of TARGET_VERIFY and DRAFT_EXTEND steps ("prefill" or "decode").
     compile_backend: torch.compile's backend ("eager" traces and guards as "inductor" does, without code generation).
+    compile_options: Inductor's config while the forward runs and compiles; None: `default_compile_options` (none for
+    another compile_backend).
     """
 
     def __init__(
@@ -185,6 +212,7 @@ class ModelRunner(StepRunner):
         states: StatePool | None = None,
         speculative_attention_mode: str = "prefill",
         compile_backend: str = "inductor",
+        compile_options: dict | None = None,
     ):
         from ..integrations.transformers import HybridStep, tensor_parallel_group
 
@@ -193,12 +221,16 @@ class ModelRunner(StepRunner):
         self.states = states
         self.speculative_attention_mode, self.compile_backend = speculative_attention_mode, compile_backend
         self.backends = graph_backends(cache.device, cuda_graphs, (prefill_backend, decode_backend))
+        if compile_options is None:
+            compile_options = default_compile_options(cache.device) if compile_backend == "inductor" else {}
+        self.compile_options = dict(compile_options)
         mode = "reduce-overhead" if cuda_graphs and cache.device.type == "cuda" else None
         forward = self._forward
         if compile:
             forward = torch.compile(
                 self._own_forward(), fullgraph=True, dynamic=True, mode=mode, backend=compile_backend
             )
+            forward = with_inductor_options(forward, self.compile_options)
         super().__init__(
             forward, cache, max_batch_size, max_seq_len, prefill_chunk, cuda_graphs, tensor_parallel_group(model)
         )
@@ -220,6 +252,7 @@ class ModelRunner(StepRunner):
             self.backends,
             self.speculative_attention_mode,
             self.compile_backend,
+            tuple(sorted(self.compile_options.items())),
             self.cuda_graphs,
         )
         fn = ModelRunner._forward

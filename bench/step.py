@@ -1,0 +1,208 @@
+"""Where a generation step's time goes on the CPU, and what each compile lever changes, on the 8-layer, 1024-wide
+Llama of the end-to-end section (bench/startup.py's LARGER_SIZES) over the demo's 8 prompts, 48 new tokens each.
+
+    python -m bench step            # fp32 and bf16
+    python -m bench step --quick    # fp32, fewer rounds
+
+Profile: one `generate` call of a generator compiled with the default options (and Inductor's kernels named in the
+profile, `cpp.enable_kernel_profile`) under torch.profiler; each step's time split by what ran, for the mean decode
+step and the prefill step: the linear layers' matrix products, attention (`hybrid::*`, the K/V store included),
+Inductor's generated kernels (norms, rotary, activations, residual adds), Dynamo's guards, the rest of the compiled
+forward (Python: the graph's wrapper and the call), sampling, and the host's work outside the forward (the scheduler,
+the step's metadata, its input tensors). The profiler's own cost inflates the small entries.
+
+Levers: one generator per set of Inductor options (`HybridGenerator(compile_options=...)`), their `generate` calls
+alternated round by round; each row its median tokens/s, decode-step and prefill-step times, and tokens/s over the
+default's. "guards skipped" is the default's generator run under `torch.compiler.set_stance(skip_guard_eval_unsafe=
+True)` (measured, not used: it trusts that no guard fails). Every variant's tokens are compared with the default's.
+"""
+
+import statistics
+import time
+from contextlib import nullcontext
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+CATEGORIES = [
+    ("linear layers", lambda n: n in ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "mkl::_mkl_linear")),
+    ("attention (hybrid::attn, K/V store included)", lambda n: n.startswith("hybrid::")),
+    ("norms, rotary, activations, residuals (Inductor's kernels)", lambda n: n.startswith("cpp_fused")),
+    ("Dynamo's guards", lambda n: n == "TorchDynamo Cache Lookup"),
+]
+REST = "rest of the forward (Python, the graph's wrapper)"
+LEVERS = {
+    "default: freezing + concatenated linears": None,
+    "no freezing (compile_options={})": {},
+    "freezing only": {"freezing": True},
+    "default + cpp_wrapper": {"freezing": True, "cpp.enable_concat_linear": True, "cpp_wrapper": True},
+}
+
+
+class StepClock:
+    """Wraps a generator's step, forward and sampling in profiler ranges and perf_counter stamps: `forwards` holds
+    (new tokens, seconds) of each forward call."""
+
+    def __init__(self, generator):
+        from hybrid_ops.generation import api
+
+        self.forwards = []
+        forward, step, sample = generator.runner.forward, generator._step, api.next_tokens
+
+        def timed_forward(input_ids, *args):
+            start = time.perf_counter()
+            with record_function("forward"):
+                out = forward(input_ids, *args)
+            self.forwards.append((input_ids.shape[1], time.perf_counter() - start))
+            return out
+
+        def timed_step(stats):
+            with record_function("step"):
+                return step(stats)
+
+        def timed_sample(*args):
+            with record_function("sampling"):
+                return sample(*args)
+
+        generator.runner.forward, generator._step = timed_forward, timed_step
+        api.next_tokens = timed_sample  # the module's name, which _step calls
+
+    def split(self, num_requests):
+        """(median decode-step seconds, prefill seconds summed) of the forwards since the last split."""
+        decode = [s for n, s in self.forwards if n <= num_requests]
+        prefill = sum(s for n, s in self.forwards if n > num_requests)
+        self.forwards.clear()
+        return statistics.median(decode), prefill
+
+
+def categorise(step_event):
+    """{category: seconds} of one profiled step: its descendants' self times by name; the forward's uncategorised
+    time as REST, sampling's as "sampling", the rest of the step as the host's."""
+    out = dict.fromkeys([c for c, _ in CATEGORIES] + [REST, "sampling", "host: scheduler, metadata, inputs"], 0.0)
+
+    def walk(event, region):
+        name = event.name
+        region = name if name in ("forward", "sampling") else region
+        category = next((c for c, match in CATEGORIES if match(name)), None)
+        if category is None:
+            category = {"forward": REST, "sampling": "sampling"}.get(region, "host: scheduler, metadata, inputs")
+        out[category] += event.self_cpu_time_total / 1e6
+        for child in event.cpu_children:
+            walk(child, region)
+
+    walk(step_event, None)
+    return out
+
+
+def generator_for(model, prompts, new_tokens, compile_options=None):
+    import hybrid_ops
+
+    return hybrid_ops.HybridGenerator(
+        model, max_batch_size=len(prompts), max_seq_len=max(map(len, prompts)) + new_tokens, prefill_chunk=1024,
+        compile_options=compile_options,
+    )  # fmt: skip
+
+
+def profile_steps(model, prompts, new_tokens):
+    """{"decode": {category: mean seconds per decode step}, "prefill": {category: seconds of the prefill steps}}."""
+    from hybrid_ops.generation.runner import default_compile_options
+
+    options = default_compile_options(torch.device("cpu")) | {"cpp.enable_kernel_profile": True}
+    generator = generator_for(model, prompts, new_tokens, options)
+    generator.generate(prompts, new_tokens)
+    clock = StepClock(generator)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        generator.generate(prompts, new_tokens)
+    steps = sorted(
+        (e for e in prof.events() if e.name == "step" and e.cpu_parent is None), key=lambda e: e.time_range.start
+    )
+    split = {"decode": [], "prefill": []}
+    for event, (tokens, _) in zip(steps, clock.forwards):
+        split["decode" if tokens <= len(prompts) else "prefill"].append(categorise(event))
+    return {
+        kind: {c: sum(r[c] for r in rows) / (len(rows) if kind == "decode" else 1) for c in rows[0]}
+        for kind, rows in split.items()
+    }
+
+
+def compare_levers(model, prompts, new_tokens, rounds):
+    """[{lever, tokens_per_s, decode_ms, prefill_ms, ratio, same_tokens}], the levers' calls alternated."""
+    import hybrid_ops
+
+    generators = {}
+    for name, options in LEVERS.items():
+        generators[name] = generator_for(model, prompts, new_tokens, options)
+        generators[name].generate(prompts, new_tokens)  # compiles
+    clocks = {name: StepClock(g) for name, g in generators.items()}
+    default = next(iter(LEVERS))
+    runs = {name: [] for name in [*LEVERS, "default + guards skipped"]}
+    tokens = {}
+    for _ in range(rounds):
+        for name in runs:
+            lever = default if name == "default + guards skipped" else name
+            skip = name == "default + guards skipped"
+            stance = torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if skip else nullcontext()
+            stats = hybrid_ops.GenerationStats()
+            with stance:
+                tokens[name] = generators[lever].generate(prompts, new_tokens, stats=stats)
+            runs[name].append((stats.tokens_per_second, *clocks[lever].split(len(prompts))))
+    rows = []
+    for name, measured in runs.items():
+        rate, decode, prefill = (statistics.median(column) for column in zip(*measured))
+        rows.append(dict(lever=name, tokens_per_s=rate, decode_ms=decode * 1e3, prefill_ms=prefill * 1e3))
+        rows[-1]["same_tokens"] = tokens[name] == tokens[default]
+    for row in rows:
+        row["ratio"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
+    return rows
+
+
+def step_section(quick):
+    """{dtype: {"profile": ..., "levers": [...]}} for fp32 (and bf16 unless quick)."""
+    from examples.generate import PROMPT_LENGTHS, demo_model, demo_prompts
+
+    from .startup import LARGER_SIZES
+
+    out = {}
+    for dtype in [torch.float32] if quick else [torch.float32, torch.bfloat16]:
+        model = demo_model(dtype=dtype, **LARGER_SIZES)
+        prompts = demo_prompts(model.config.vocab_size, PROMPT_LENGTHS)
+        new_tokens = 16 if quick else 48
+        name = str(dtype).removeprefix("torch.")
+        out[name] = dict(profile=profile_steps(model, prompts, new_tokens))
+        print(f"  step {name}: profile {out[name]['profile']}", flush=True)
+        out[name]["levers"] = compare_levers(model, prompts, new_tokens, 2 if quick else 5)
+        for row in out[name]["levers"]:
+            print(f"  step {name}: {row}", flush=True)
+    return out
+
+
+def markdown(results):
+    """The section's tables."""
+    lines = []
+    for dtype, result in results.items():
+        profile_rows = result["profile"]
+        decode_total, prefill_total = (sum(profile_rows[k].values()) for k in ("decode", "prefill"))
+        lines += [
+            f"Where a step's time goes ({dtype}; mean decode step of 8 requests, the prefill step of 502 tokens):",
+            "",
+            "| part | decode ms | decode % | prefill ms | prefill % |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for category in profile_rows["decode"]:
+            d, p = profile_rows["decode"][category], profile_rows["prefill"][category]
+            d_share, p_share = 100 * d / decode_total, 100 * p / prefill_total
+            lines.append(f"| {category} | {d * 1e3:.2f} | {d_share:.0f}% | {p * 1e3:.1f} | {p_share:.0f}% |")
+        lines += [f"| step | {decode_total * 1e3:.2f} | | {prefill_total * 1e3:.1f} | |", ""]
+        lines += [
+            f"Compile levers ({dtype}; medians of alternated rounds):",
+            "",
+            "| lever | tokens/s | / default | decode step ms | prefill ms | tokens as default's |",
+            "|---|---:|---:|---:|---:|---|",
+        ]
+        for r in result["levers"]:
+            lines.append(
+                f"| {r['lever']} | {r['tokens_per_s']:.1f} | {r['ratio']:.2f} | {r['decode_ms']:.2f} | "
+                f"{r['prefill_ms']:.0f} | {'same' if r['same_tokens'] else 'differ'} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
