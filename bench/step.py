@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 CATEGORIES = [
     ("linear layers", lambda n: n in ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "mkl::_mkl_linear")),
     ("attention (hybrid::attn, K/V store included)", lambda n: n.startswith("hybrid::")),
-    ("norms, rotary, activations, residuals (Inductor's kernels)", lambda n: n.startswith("cpp_fused")),
+    ("norms, rotary, activations, residuals (Inductor's kernels)", lambda n: "cpp_fused" in n),
     ("Dynamo's guards", lambda n: n == "TorchDynamo Cache Lookup"),
 ]
 REST = "rest of the forward (Python, the graph's wrapper)"
