@@ -73,8 +73,9 @@ class HybridGenerator:
     (`runner.default_compile_options`) freezes the weights on the CPU: each compiled graph (one for most steps, a few
     more for the sizes Dynamo specialises) holds its own copy of the linear layers' weights, prepacked for oneDNN,
     which makes a decode step's products 2-4x faster and costs that memory (the 8-layer, 1024-wide fp32 model of
-    docs/benchmarks.md: 2.5 GB resident against 1.0 GB); the weights are read once, when a graph compiles, so a
-    change to them afterwards is not seen. `compile_options={}` keeps the weights as they are.
+    docs/benchmarks.md: 2.5 GB resident against 1.0 GB); the weights are read when a graph compiles, so a later change
+    to them is not seen. Inductor caches no graph holding prepacked weights, and cannot freeze a tensor-parallel
+    model's, so with `compile_cache` or `tp_plan` the default is `{}`, which keeps the weights as they are.
 
     `kv_cache_dtype=torch.float8_e4m3fn` (or `float8_e5m2`) stores K/V in fp8, half the cache of bf16, with a
     per-tensor scale of 1.0 in every layer (the K/V of the models measured stay well inside e4m3's range of 448;

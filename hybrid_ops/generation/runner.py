@@ -193,8 +193,9 @@ class ModelRunner(StepRunner):
     `states`: a hybrid model's state slots (`StatePool`), whose slots each step's `state_slots` name.
     speculative_attention_mode: the ops' routing of TARGET_VERIFY and DRAFT_EXTEND steps ("prefill" or "decode").
     compile_backend: torch.compile's backend ("eager" traces and guards as "inductor" does, without code generation).
-    compile_options: Inductor's config while the forward runs and compiles; None: `default_compile_options` (none for
-    another compile_backend).
+    compile_options: Inductor's config while the forward runs and compiles; None: `default_compile_options`, or none
+    with a compile_cache (Inductor caches no graph holding prepacked weights), for a tensor-parallel model (Inductor
+    cannot freeze its graph) or with another compile_backend.
     """
 
     def __init__(
@@ -221,8 +222,12 @@ class ModelRunner(StepRunner):
         self.states = states
         self.speculative_attention_mode, self.compile_backend = speculative_attention_mode, compile_backend
         self.backends = graph_backends(cache.device, cuda_graphs, (prefill_backend, decode_backend))
+        group = tensor_parallel_group(model)
         if compile_options is None:
-            compile_options = default_compile_options(cache.device) if compile_backend == "inductor" else {}
+            # Inductor caches no graph that holds prepacked weights (a compile cache keeps them as they are), and
+            # cannot freeze a sharded model's (its process group is not a tensor).
+            defaults = compile_backend == "inductor" and not compile_cache and group is None
+            compile_options = default_compile_options(cache.device) if defaults else {}
         self.compile_options = dict(compile_options)
         mode = "reduce-overhead" if cuda_graphs and cache.device.type == "cuda" else None
         forward = self._forward
@@ -231,9 +236,7 @@ class ModelRunner(StepRunner):
                 self._own_forward(), fullgraph=True, dynamic=True, mode=mode, backend=compile_backend
             )
             forward = with_inductor_options(forward, self.compile_options)
-        super().__init__(
-            forward, cache, max_batch_size, max_seq_len, prefill_chunk, cuda_graphs, tensor_parallel_group(model)
-        )
+        super().__init__(forward, cache, max_batch_size, max_seq_len, prefill_chunk, cuda_graphs, group)
         self.warmed_up = not compile
         self.compile_cache = compile_cache
         if compile and compile_cache and os.path.exists(compile_cache):
