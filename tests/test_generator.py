@@ -169,6 +169,7 @@ def test_a_request_larger_than_the_page_budget_is_refused(model):
             dict(compile_options="max-autotune"),
             "compile_options must be a dict of Inductor's options or None, got 'max-autotune'",
         ),
+        (dict(compile_options={"freezin": True}), "compile_options: torch._inductor.config.freezin does not exist"),
         (
             dict(kv_cache_dtype=torch.bfloat16),
             "kv_cache_dtype must be None (the model's torch.float32), "

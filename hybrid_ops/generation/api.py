@@ -19,7 +19,16 @@ import torch
 
 from ..errors import HybridInputError, HybridOpsError
 from .cache_manager import KVCacheManager, num_snapshots, paged_cache, state_pool
-from .checks import check_flags, check_model_sizes, check_sizes, is_int, max_positions, prompt_list, token_list
+from .checks import (
+    check_compile_options,
+    check_flags,
+    check_model_sizes,
+    check_sizes,
+    is_int,
+    max_positions,
+    prompt_list,
+    token_list,
+)
 from .runner import ModelRunner
 from .sampler import SamplingParams, next_tokens
 from .scheduler import Request, Scheduler
@@ -128,10 +137,7 @@ class HybridGenerator:
             prefill_chunk=prefill_chunk, num_pages=num_pages,
         )  # fmt: skip
         check_flags(compile=compile, cuda_graphs=cuda_graphs, prefix_caching=prefix_caching)
-        if compile_options is not None and not isinstance(compile_options, dict):
-            raise HybridInputError(
-                f"compile_options must be a dict of Inductor's options or None, got {compile_options!r}"
-            )
+        check_compile_options(compile_options)
         param = next(model.parameters())
         model.set_attn_implementation("hybrid")
         self.model = model.eval()

@@ -67,6 +67,21 @@ def check_flags(**flags) -> None:
             raise HybridInputError(f"{name} must be a bool, got {value!r}")
 
 
+def check_compile_options(options) -> None:
+    """None, or a dict of names in Inductor's config: an unknown name raises here, not at every step's call."""
+    if options is None:
+        return
+    if not isinstance(options, dict):
+        raise HybridInputError(f"compile_options must be a dict of Inductor's options or None, got {options!r}")
+    from torch._inductor import config
+
+    try:
+        with config.patch(options):
+            pass
+    except AttributeError as e:  # names the first option Inductor does not have
+        raise HybridInputError(f"compile_options: {e}") from None
+
+
 def cache_dtype(kv_cache_dtype, model_dtype):
     """The KV cache's dtype: `kv_cache_dtype`, None meaning the model's, or an fp8 dtype."""
     kv_cache_dtype = model_dtype if kv_cache_dtype is None else kv_cache_dtype
