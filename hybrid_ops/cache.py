@@ -1,16 +1,16 @@
-"""`PagedKVCache`: the pages of every layer, a reference-counting page allocator with a prefix cache, and the
-metadata of each step's batch."""
+"""`PagedKVCache`: the pages of every layer and the requests' rows of them, over a page pool and a prefix cache
+(`pages.py`) and a metadata builder (`metadata_builder.py`)."""
 
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from .errors import HybridInputError, OutOfPagesError
 from .fp8 import FP8_DTYPES, raw
-from .metadata import ForwardBatch, build_metadata
+from .metadata import ForwardBatch
+from .metadata_builder import MetadataBuilder
 from .modes import ForwardMode
+from .pages import PagePool, PrefixCache
 
 
 class LayerShape(NamedTuple):
@@ -27,14 +27,6 @@ class LayerShape(NamedTuple):
     def values_per_token(self) -> int:
         """Values one token stores in this layer."""
         return self.num_kv_heads * (self.head_dim + (0 if self.latent else self.v_head_dim))
-
-
-@dataclass(eq=False)  # hashed by identity: a key names its parent entry itself, never a page id that is reused later
-class _CachedPage:
-    """A full page whose K/V rows are known to hold `key`'s tokens."""
-
-    page: int
-    key: tuple  # (the previous page's _CachedPage or None for a first page, the page's token ids as a tuple)
 
 
 class PagedKVCache:
@@ -56,19 +48,22 @@ class PagedKVCache:
     With `reserve_scratch=True` the caches hold one more page, `scratch_page` (id `num_pages`), which no request is
     ever given: padding requests (`hybrid_ops.buckets`) point every block-table column at it.
 
-    Shared pages. Pages are reference counted: `fork(parent, child)` starts `child` on `parent`'s pages (the same
-    page ids), and a page returns to the allocator when no request holds it. A request's new tokens are written only
-    into pages that it alone holds and that no prefix-cache key describes: `step` first gives the request a copy of
-    any other page they land in, in every layer's k and v cache (copy on write). So a forked request's partly filled
-    last page is copied at the first new token written into it (by either request), and a request truncated into a
-    shared page copies it before writing.
+    Shared pages. Pages are reference counted (`pool`, a `PagePool`): `fork(parent, child)` starts `child` on
+    `parent`'s pages (the same page ids), and a page returns to the allocator when no request holds it. A request's
+    new tokens are written only into pages that it alone holds and that no prefix-cache key describes: `step` first
+    gives the request a copy of any other page they land in, in every layer's k and v cache (copy on write). So a
+    forked request's partly filled last page is copied at the first new token written into it (by either request),
+    and a request truncated into a shared page copies it before writing.
 
-    Prefix cache. `register_tokens(request_id, token_ids)` tells the cache the token ids whose K/V a forward has
-    written. Each page they fill gets a key: its token ids chained to the key of the page before it (exact tuples,
-    never a hash: equal keys mean equal tokens from the first position on, so equal K/V). `add(request_id,
-    token_ids)` starts a request on the cached pages of the longest run of full pages of `token_ids`. A keyed page
-    that no request holds stays cached until the allocator needs it (the least recently released first) and counts
-    in `num_free_pages`.
+    Prefix cache (`prefix`, a `PrefixCache`). `register_tokens(request_id, token_ids)` tells the cache the token ids
+    whose K/V a forward has written. Each page they fill gets a key: its token ids chained to the key of the page
+    before it (exact tuples, never a hash: equal keys mean equal tokens from the first position on, so equal K/V).
+    `add(request_id, token_ids)` starts a request on the cached pages of the longest run of full pages of
+    `token_ids`. A keyed page that no request holds stays cached until the allocator needs it (the least recently
+    released first) and counts in `num_free_pages`.
+
+    `step` grows requests by their new tokens and returns the step's `ForwardBatch`, built by `metadata_builder` (a
+    `MetadataBuilder`).
     """
 
     def __init__(
@@ -140,15 +135,12 @@ class PagedKVCache:
             for t in self.k_scales + self.v_scales if for_compile else ():
                 torch._dynamo.mark_static_address(t)
         self.device = torch.device(device)
-        # Pop from the end: low page ids first, so a fresh request gets consecutive pages.
-        self._free_pages = list(range(num_pages - 1, -1, -1))
+        self.prefix = PrefixCache(page_size)
+        self.pool = PagePool(num_pages, self.prefix)
+        self.metadata_builder = MetadataBuilder(page_size, self.max_pages_per_request, self.device, for_compile)
         self._pages = {}  # request id -> list of page ids
         self._lengths = {}  # request id -> tokens stored
         self._tokens = {}  # request id -> ids of its first tokens, those registered (at most its length)
-        self._refs = [0] * num_pages  # page id -> requests holding it
-        self._evictable = OrderedDict()  # page ids no request holds that carry a key, least recently released first
-        self._prefix = {}  # key -> _CachedPage
-        self._cached = {}  # page id -> its _CachedPage
 
     @property
     def stored_caches(self) -> list:
@@ -169,12 +161,12 @@ class PagedKVCache:
     @property
     def num_free_pages(self) -> int:
         """Pages the allocator can hand out: unused ones and the cached pages no request holds."""
-        return len(self._free_pages) + len(self._evictable)
+        return self.pool.num_free
 
     @property
     def num_evictable_pages(self) -> int:
         """Of `num_free_pages`, those keeping a cached prefix until the allocator needs them."""
-        return len(self._evictable)
+        return len(self.prefix.evictable)
 
     @property
     def requests(self):
@@ -196,9 +188,7 @@ class PagedKVCache:
         """A new request holding `pages` (out of the eviction order, if cached) with `tokens` of `length` registered."""
         if request_id in self._pages:
             raise HybridInputError(f"{name} {request_id!r} is in the cache already")
-        for page in pages:
-            self._evictable.pop(page, None)
-            self._refs[page] += 1
+        self.pool.hold(pages)
         self._pages[request_id], self._tokens[request_id], self._lengths[request_id] = list(pages), tokens, length
 
     def add(self, request_id, token_ids=()) -> int:
@@ -231,18 +221,12 @@ class PagedKVCache:
     def prefix_keys(self, token_ids) -> list:
         """The keys of the cached pages `match` finds, in order: opaque objects, each naming its page's tokens and all
         before them for as long as the page stays cached (a state kept at a page boundary is filed under one)."""
-        keys, parent = [], None
-        for start in range(0, len(token_ids) - self.page_size + 1, self.page_size):
-            parent = self._prefix.get((parent, tuple(token_ids[start : start + self.page_size])))
-            if parent is None:
-                break
-            keys.append(parent)
-        return keys
+        return self.prefix.lookup(token_ids)
 
     def page_key(self, request_id, index: int):
         """The key of the request's page `index` (its place in the block-table row) if that page is cached, else
         None (as `prefix_keys` gives them)."""
-        return self._cached.get(self._pages[self._known(request_id)][index])
+        return self.prefix.entry(self._pages[self._known(request_id)][index])
 
     def register_tokens(self, request_id, token_ids) -> None:
         """Record the ids of a request's next tokens after those registered so far (from its first token on, at most
@@ -255,28 +239,11 @@ class PagedKVCache:
             )
         full = len(tokens) // self.page_size
         tokens += token_ids
-        self._key_pages(request_id, full, len(tokens) // self.page_size)
-
-    def _key_pages(self, request_id, start, stop):
-        """Keys the request's full pages start..stop-1, each chained to the key of the page before it. Stops at a page
-        whose key another page has (the same tokens computed twice: the first stays their cached copy), since the
-        pages after it have no key to chain to."""
-        pages, tokens, size = self._pages[request_id], self._tokens[request_id], self.page_size
-        parent = self._cached.get(pages[start - 1]) if start else None
-        if start and parent is None:
-            return
-        for i in range(start, stop):
-            entry = self._cached.get(pages[i])
-            if entry is None:
-                key = (parent, tuple(tokens[i * size : (i + 1) * size]))
-                if key in self._prefix:
-                    return
-                entry = self._prefix[key] = self._cached[pages[i]] = _CachedPage(pages[i], key)
-            parent = entry
+        self.prefix.register(self._pages[request_id], tokens, full, len(tokens) // self.page_size)
 
     def free(self, request_id) -> None:
         """End a request and drop its hold on its pages."""
-        self._release(reversed(self._pages.pop(self._known(request_id))))
+        self.pool.release(reversed(self._pages.pop(self._known(request_id))))
         del self._lengths[request_id], self._tokens[request_id]
 
     def truncate(self, request_id, length: int) -> None:
@@ -285,7 +252,7 @@ class PagedKVCache:
             raise HybridInputError(f"length must be an int in [0, {self.seq_len(request_id)}], got {length!r}")
         pages = self._pages[request_id]
         keep = -(-length // self.page_size)
-        self._release(reversed(pages[keep:]))
+        self.pool.release(reversed(pages[keep:]))
         del pages[keep:], self._tokens[request_id][length:]
         self._lengths[request_id] = length
 
@@ -312,7 +279,7 @@ class PagedKVCache:
         moves = [(start + i, start + k) for k, i in enumerate(indices) if i != k]
         if moves:
             written = sorted({dst // self.page_size for _, dst in moves})
-            shared = [p for p in written if self._shared(self._pages[request_id][p])]
+            shared = [p for p in written if self.pool.shared(self._pages[request_id][p])]
             if len(shared) > self.num_free_pages:
                 raise OutOfPagesError(
                     f"keeping these tokens copies {len(shared)} shared pages, only {self.num_free_pages} are free"
@@ -328,45 +295,20 @@ class PagedKVCache:
         del self._tokens[request_id][start:]
         self.truncate(request_id, start + len(indices))
 
-    def _release(self, pages):
-        """Drops one hold on each page; a page no request holds goes back to the allocator (a keyed one stays
-        cached). Callers release a request's last pages first, so those are evicted before the pages they follow."""
-        for page in pages:
-            self._refs[page] -= 1
-            if self._refs[page] == 0:
-                if page in self._cached:
-                    self._evictable[page] = None
-                else:
-                    self._free_pages.append(page)
-
-    def _allocate(self) -> int:
-        """A page for one request: an unused one, else the least recently released cached page, evicted."""
-        if self._free_pages:
-            page = self._free_pages.pop()
-        else:
-            page, _ = self._evictable.popitem(last=False)
-            del self._prefix[self._cached.pop(page).key]
-        self._refs[page] = 1
-        return page
-
-    def _shared(self, page) -> bool:
-        """Whether another request or the prefix cache holds the page (a request must not write it)."""
-        return self._refs[page] > 1 or page in self._cached
-
     def _shared_write(self, request_id, num_new_tokens) -> bool:
         """Whether the request's new tokens start inside a page that another request or the prefix cache holds."""
         length = self._lengths[request_id]
         if num_new_tokens == 0 or length % self.page_size == 0:
             return False
-        return self._shared(self._pages[request_id][length // self.page_size])
+        return self.pool.shared(self._pages[request_id][length // self.page_size])
 
     def _copy_page(self, request_id, index):
         """Gives the request its own copy of its page `index` (in its page list), in every layer."""
         pages = self._pages[request_id]
-        page = self._allocate()
+        page = self.pool.allocate()
         for cache in self.stored_caches:
             cache[page] = cache[pages[index]]
-        self._release([pages[index]])
+        self.pool.release([pages[index]])
         pages[index] = page
 
     def step(self, request_ids, num_new_tokens, forward_mode=ForwardMode.EXTEND) -> ForwardBatch:
@@ -375,25 +317,11 @@ class PagedKVCache:
 
         Either every request grows or, when pages or table width run out, none does and the cache is unchanged.
         """
-        if len(request_ids) != len(num_new_tokens):
-            raise HybridInputError(
-                f"num_new_tokens must have one entry per request ({len(request_ids)}), got {len(num_new_tokens)}"
-            )
-        if len(set(request_ids)) != len(request_ids):
-            raise HybridInputError(f"request_ids must be distinct, got {list(request_ids)}")
-        new_lens, pages_needed = [], 0
-        for rid, n in zip(request_ids, num_new_tokens):
-            if not (isinstance(n, int) and n >= 0):
-                raise HybridInputError(f"num_new_tokens must be non-negative ints, got {n!r} for request {rid!r}")
-            length = self._lengths[self._known(rid)] + n
-            num_pages = -(-length // self.page_size)
-            if num_pages > self.max_pages_per_request:
-                raise OutOfPagesError(
-                    f"request {rid!r} needs {num_pages} pages for {length} tokens, more than "
-                    f"max_pages_per_request = {self.max_pages_per_request}"
-                )
-            pages_needed += num_pages - len(self._pages[rid]) + self._shared_write(rid, n)
-            new_lens.append(length)
+        new_lens = self.metadata_builder.new_lengths(request_ids, num_new_tokens, self.seq_len)
+        pages_needed = sum(
+            self.metadata_builder.num_pages(length) - len(self._pages[rid]) + self._shared_write(rid, n)
+            for rid, n, length in zip(request_ids, num_new_tokens, new_lens)
+        )
         if pages_needed > self.num_free_pages:
             raise OutOfPagesError(f"the step needs {pages_needed} new pages, only {self.num_free_pages} are free")
         for rid, n, length in zip(request_ids, num_new_tokens, new_lens):
@@ -401,20 +329,12 @@ class PagedKVCache:
                 self._copy_page(rid, self._lengths[rid] // self.page_size)
             pages = self._pages[rid]
             while len(pages) * self.page_size < length:
-                pages.append(self._allocate())
+                pages.append(self.pool.allocate())
             self._lengths[rid] = length
-        batch = build_metadata(
-            num_new_tokens,
-            new_lens,
-            [self._pages[r] for r in request_ids],
-            max_pages=self.max_pages_per_request,
-            device=self.device,
-            forward_mode=forward_mode,
+        return self.metadata_builder.build(
+            num_new_tokens, new_lens, [self._pages[r] for r in request_ids], forward_mode
         )
-        self.mark_table(batch)
-        return batch
 
     def mark_table(self, batch: ForwardBatch) -> None:
         """Marks the width of `batch`'s block table static for torch.compile (`for_compile`)."""
-        if self.for_compile:
-            torch._dynamo.mark_static(batch.block_table, 1)
+        self.metadata_builder.mark_table(batch)

@@ -138,9 +138,9 @@ def check_pages(cache):
     """Every page is exactly one of: held (its count = the number of block tables listing it), unused, or cached; so
     held + unused + cached pages = num_pages, and num_free_pages counts the last two."""
     held = Counter(page for rid in cache.requests for page in cache.pages(rid))
-    unused, cached = list(cache._free_pages), list(cache._evictable)
+    unused, cached = list(cache.pool.unused), list(cache.prefix.evictable)
     assert sorted([*held, *unused, *cached]) == list(range(cache.num_pages))
-    assert [cache._refs[page] for page in range(cache.num_pages)] == [held[page] for page in range(cache.num_pages)]
+    assert [cache.pool.refs[page] for page in range(cache.num_pages)] == [held[page] for page in range(cache.num_pages)]
     assert cache.num_free_pages == len(unused) + len(cached) == cache.num_pages - len(held)
     assert cache.num_evictable_pages == len(cached)
     return held
@@ -428,7 +428,7 @@ def test_random_requests_share_pages_and_never_write_what_another_reads():
                 for token in new[rid]:
                     position = len(tokens[rid])
                     page = table[position // size]
-                    assert held[page] == 1 and page not in cache._cached
+                    assert held[page] == 1 and page not in cache.prefix
                     tokens[rid].append(token)
                     for layer, (k_cache, v_cache) in enumerate(zip(cache.k_caches, cache.v_caches)):
                         k_cache[page, position % size] = kv_row(tokens[rid]) + layer
