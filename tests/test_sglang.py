@@ -1,5 +1,6 @@
 """HybridAttnBackend routes each per-step call as sglang's does; pinned by a table."""
 
+import dataclasses
 import random
 
 import pytest
@@ -8,6 +9,7 @@ from helpers.reference import assert_close, fp8_case, make_case, random_tree, re
 
 import hybrid_ops
 from hybrid_ops import AttentionLayer, ForwardMode, HybridAttnBackend, PagedKVCache, PhaseBackend, build_metadata
+from hybrid_ops.options import FIELDS
 
 P, D = "prefill", "decode"
 # forward mode -> which backend init_forward_metadata / forward_extend / get_indexer_metadata / capture / replay
@@ -122,6 +124,78 @@ def test_phase_backend_passes_an_fp8_caches_scales(backend):
     out = hybrid.forward_extend(case.q, case.k, case.v, AttentionLayer(0, sliding_window=4), batch)
     assert_close(out, reference(read, sliding_window=4), torch.float32)
     assert torch.equal(cache.k_caches[0].view(torch.uint8), k_expected)
+
+
+# Of the ops' options, those that are not a layer's: the fp8 scales are the cache's, the tree mask the batch's.
+NOT_PER_LAYER = {"k_scale", "v_scale", "tree_mask"}
+
+
+def test_attention_layer_carries_every_per_layer_option():
+    """AttentionLayer's fields but its id are the ops' per-layer options, at the ops' defaults, and its keywords."""
+    options = {f.name: f.default for f in dataclasses.fields(AttentionLayer) if f.name != "layer_id"}
+    assert options == {f.name: f.default for f in FIELDS if f.name not in NOT_PER_LAYER}
+    assert AttentionLayer(3).keywords() == options
+
+
+# (forward mode, q_lens, prefix_lens): requests of several pages of 4, the windows and chunks ending within them.
+STEPS = [(ForwardMode.EXTEND, [6, 9, 3], [10, 0, 13]), (ForwardMode.DECODE, [1, 1, 1], [10, 17, 6])]
+
+
+def serve(case, layers, mode, flat=False):
+    """Each layer's output for `case`'s batch in `mode` (forward_decode in DECODE, forward_extend otherwise) through a
+    HybridAttnBackend of torch PhaseBackends, every layer's cache holding the case's; q, k, v flattened with `flat`."""
+    cache = PagedKVCache(
+        num_pages=case.k_cache.shape[0],
+        page_size=case.k_cache.shape[1],
+        num_kv_heads=case.k.shape[1],
+        head_dim=case.k.shape[2],
+        v_head_dim=case.v.shape[2],
+        num_layers=len(layers),
+    )
+    for k_cache, v_cache in zip(cache.k_caches, cache.v_caches):
+        k_cache.copy_(case.k_cache)
+        v_cache.copy_(case.v_cache)
+    hybrid = HybridAttnBackend(PhaseBackend(cache, "torch"), PhaseBackend(cache, "torch"))
+    batch = build_metadata(case.q_lens, case.seq_lens.tolist(), case.pages, forward_mode=mode)
+    hybrid.init_forward_metadata(batch)
+    forward = hybrid.forward_decode if mode == ForwardMode.DECODE else hybrid.forward_extend
+    q, k, v = (t.flatten(1) if flat else t for t in (case.q, case.k, case.v))
+    return [forward(q, k, v, layer, batch) for layer in layers]
+
+
+def random_sinks(seed, num_q_heads=4):
+    return torch.randn(num_q_heads, generator=torch.Generator().manual_seed(seed)) + 1.0
+
+
+@pytest.mark.parametrize("mode, q_lens, prefix_lens", STEPS)
+def test_gpt_oss_layers(mode, q_lens, prefix_lens):
+    """gpt-oss: sinks on every layer, a sliding window on every other; each layer attends with its own."""
+    case = make_case(q_lens, prefix_lens, seed=11)
+    layers = [AttentionLayer(0, sliding_window=5, sinks=random_sinks(0)), AttentionLayer(1, sinks=random_sinks(1))]
+    windowed, full = serve(case, layers, mode)
+    assert_close(windowed, reference(case, sliding_window=5, sinks=layers[0].sinks), torch.float32)
+    assert_close(full, reference(case, sinks=layers[1].sinks), torch.float32)
+
+
+@pytest.mark.parametrize("mode, q_lens, prefix_lens", STEPS)
+def test_llama4_chunked_layer(mode, q_lens, prefix_lens):
+    """Llama 4: a chunked layer (chunks of two pages) beside a global one; each attends with its own."""
+    case = make_case(q_lens, prefix_lens, seed=12)
+    chunked, full = serve(case, [AttentionLayer(0, attention_chunk=8), AttentionLayer(1)], mode)
+    assert_close(chunked, reference(case, attention_chunk=8), torch.float32)
+    assert_close(full, reference(case), torch.float32)
+
+
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("mode, q_lens, prefix_lens", STEPS)
+def test_value_head_dim(mode, q_lens, prefix_lens, flat):
+    """Values of 24 dims for keys of 16, q, k, v as they are or flattened (as sglang's layers hand them over): the
+    output [T, Hq, 24], or [T, Hq * 24] for a flattened q."""
+    case = make_case(q_lens, prefix_lens, v_head_dim=24, seed=13)
+    (out,) = serve(case, [AttentionLayer(0)], mode, flat)
+    num_tokens = sum(q_lens)
+    assert out.shape == ((num_tokens, 4 * 24) if flat else (num_tokens, 4, 24))
+    assert_close(out.view(num_tokens, 4, 24), reference(case), torch.float32)
 
 
 # (forward mode, speculative_attention_mode, tokens per request) for the CUDA-graph tests: verify has 3 per

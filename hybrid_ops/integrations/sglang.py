@@ -5,7 +5,7 @@ and replay) use this; models that only call `torch.ops.hybrid.attn` need none of
 table (`modes.ROUTING`), so the object and the op never disagree.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -19,12 +19,33 @@ from ..modes import ForwardMode, check_speculative_attention_mode, select_path
 
 @dataclass
 class AttentionLayer:
-    """What an attention layer tells its backend (sglang's `RadixAttention` fields)."""
+    """What an attention layer tells its backend (sglang's `RadixAttention` fields): its id and its options of the ops
+    (`options.Options`), at the ops' defaults unless given.
+
+    scale: the logit scale, None for 1 / sqrt(D); sliding_window: -1 or the window W; logit_cap: 0.0 or the soft-cap;
+    sinks: None or [Hq] float32 on q's device, one logit per query head (gpt-oss); attention_chunk: -1 or the chunk
+    length (Llama 4's chunked layers). The other options are not the layer's: the fp8 scales are the cache's
+    (`PagedKVCache.scales`), the tree mask the batch's. Nor are head counts and dims: the layer's caches and q tell
+    them (`PhaseBackend`).
+    """
 
     layer_id: int
     scale: float | None = None
     sliding_window: int = -1
     logit_cap: float = 0.0
+    sinks: torch.Tensor | None = None
+    attention_chunk: int = -1
+
+    def keywords(self) -> dict:
+        """The layer's options as keywords of the ops: every field but its id."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "layer_id"}
+
+
+def _heads(x, head_dim):
+    """x [T, H, head_dim], or [T, H * head_dim] viewed as that."""
+    # Unflattened by the last dim rather than viewed as [T, -1, head_dim]: an empty step (IDLE) has T = 0, which
+    # leaves -1 undetermined.
+    return x.unflatten(-1, (-1, head_dim)) if x.dim() == 2 else x
 
 
 def _fill_chains(tree_mask):
@@ -38,7 +59,11 @@ def _fill_chains(tree_mask):
 class PhaseBackend:
     """One phase's backend: the name of a registered backend, the step's metadata and its CUDA-graph buffers.
 
-    `forward_extend` calls `torch.ops.hybrid.prefill`, `forward_decode` calls `torch.ops.hybrid.decode`.
+    `forward_extend` calls `torch.ops.hybrid.prefill`, `forward_decode` calls `torch.ops.hybrid.decode`, with the
+    layer's options (`AttentionLayer.keywords`), on q [T, Hq, D], k [T, Hkv, D] and v [T, Hkv, Dv], or each flattened
+    ([T, Hq * D] and the like, as sglang's layers hand them over): float16, bfloat16 or float32, the cache's dtype
+    unless it is fp8; D and Dv are the layer's caches'. They return [T, Hq, Dv] in q's dtype, flattened to
+    [T, Hq * Dv] when q is (what sglang's backends return).
 
     Speculative trees: a batch's `tree_mask` ([T, Q] bool, the ops' option) goes to the ops. sglang carries a tree
     in `forward_batch.spec_info.custom_mask`, EAGLE's full mask: request after request, request i's N rows of
@@ -186,20 +211,20 @@ class PhaseBackend:
 
     def _forward(self, op, q, k, v, layer):
         k_cache, v_cache = self.kv_cache.layer(layer.layer_id)
-        return op(
-            q,
-            k,
-            v,
+        head_dim, v_head_dim = k_cache.shape[-1], v_cache.shape[-1]
+        out = op(
+            _heads(q, head_dim),
+            _heads(k, head_dim),
+            _heads(v, v_head_dim),
             k_cache,
             v_cache,
             *self.forward_batch.metadata,
-            scale=layer.scale,
-            sliding_window=layer.sliding_window,
-            logit_cap=layer.logit_cap,
             tree_mask=self.forward_batch.tree_mask,
             backend=self.backend,
+            **layer.keywords(),
             **self.kv_cache.scales(layer.layer_id),
         )
+        return out.flatten(1) if q.dim() == 2 else out
 
     def forward_extend(self, q, k, v, layer, forward_batch=None):
         return self._forward(torch.ops.hybrid.prefill, q, k, v, layer)
