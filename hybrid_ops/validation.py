@@ -6,6 +6,8 @@ host sync: it runs only with validation switched on (`settings.set_validation`).
 Every check runs before the KV cache is written, so a rejected call leaves the cache untouched.
 """
 
+import re
+
 import torch
 
 from .errors import HybridInputError, check_input
@@ -14,50 +16,105 @@ from .options import check_options
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
+# The tensor checks, declared once and in order: (condition, message). A condition is Python that is also C++ once
+# `and`, `or` and `not` are spelled `&&`, `||` and `!`: sizes through `dim()` and `size(i)`, dtypes and devices through
+# the helpers below, which kernels/cpu/dispatch.cpp defines too. Python runs the rows as `tensors_ok` (all at once:
+# the ops' per-call path) and `check_tensors` (one by one, raising the first that fails); the native kernels run them
+# as `tensors_ok` of checks.h, which `cpp_header` writes when they build. Shapes:
+#
+#   q: [T, Hq, D]; k: [T, Hkv, D]; v: [T, Hkv, Dv]; k_cache: [num_pages, page_size, Hkv, D], v_cache:
+#   [num_pages, page_size, Hkv, Dv], contiguous (v_cache: or the leading Dv values of contiguous rows,
+#   `value_rows_ok`), q's dtype or both one of FP8_DTYPES; cu_seqlens_q: [B + 1] int32; seq_lens: [B] int32;
+#   block_table: [B, max_pages] int32. Dv may differ from D (MLA-style models).
+RANKS = {"q": 3, "k": 3, "v": 3, "k_cache": 4, "v_cache": 4, "cu_seqlens_q": 1, "seq_lens": 1, "block_table": 2}
+TENSOR_CHECKS = (
+    *(
+        row
+        for name, rank in RANKS.items()
+        for row in (
+            (f"{name}.dim() == {rank}", f"{name} must have {rank} dimensions, got shape {{tuple({name}.shape)}}"),
+            (f"same_device({name}, q)", f"{name} must be on q's device {{q.device}}, got {{{name}.device}}"),
+        )[: 1 if name == "q" else 2]
+    ),
+    ("is_float(q)", "q must be float16, bfloat16 or float32, got {q.dtype}"),
+    ("same_dtype(k, q)", "k must have q's dtype {q.dtype}, got {k.dtype}"),
+    ("same_dtype(v, q)", "v must have q's dtype {q.dtype}, got {v.dtype}"),
+    (
+        "same_dtype(k_cache, q) or is_fp8(k_cache)",
+        "k_cache must have q's dtype {q.dtype} or be float8_e4m3fn or float8_e5m2, got {k_cache.dtype}",
+    ),
+    ("same_dtype(v_cache, k_cache)", "v_cache must have k_cache's dtype {k_cache.dtype}, got {v_cache.dtype}"),
+    *(
+        (f"is_int32({name})", f"{name} must be int32, got {{{name}.dtype}}")
+        for name in ("cu_seqlens_q", "seq_lens", "block_table")
+    ),
+    (
+        "v_cache.size(0) == k_cache.size(0) and v_cache.size(1) == k_cache.size(1) "
+        "and v_cache.size(2) == k_cache.size(2)",
+        "v_cache must be [num_pages, page_size, Hkv, Dv] with k_cache's first three sizes "
+        "{tuple(k_cache.shape[:3])}, got {tuple(v_cache.shape)}",
+    ),
+    ("v_cache.size(3) > 0", "v_cache's head dim Dv must be positive, got shape {tuple(v_cache.shape)}"),
+    (
+        "k_cache.is_contiguous()",
+        "k_cache must be a contiguous [num_pages, page_size, Hkv, D] tensor, got strides {k_cache.stride()}",
+    ),
+    (
+        "value_rows_ok(v_cache)",
+        "v_cache must be a contiguous [num_pages, page_size, Hkv, Dv] tensor or the leading Dv values of the rows of "
+        "one (as k_cache[..., :Dv] of a latent cache), got strides {v_cache.stride()}",
+    ),
+    ("k_cache.size(3) == q.size(2)", "k_cache head dim {k_cache.size(3)} must equal q's head dim {q.size(2)}"),
+    *(
+        row
+        for name, cache in (("k", "k_cache"), ("v", "v_cache"))
+        for row in (
+            (f"{name}.size(0) == q.size(0)", f"{name} must have q's {{q.size(0)}} tokens, got {{{name}.size(0)}}"),
+            (
+                f"{name}.size(1) == k_cache.size(2)",
+                f"{name} must have k_cache's {{k_cache.size(2)}} kv heads, got shape {{tuple({name}.shape)}}",
+            ),
+            (
+                f"{name}.size(2) == {cache}.size(3)",
+                f"{name} head dim must equal its cache's {{{cache}.size(3)}}, got {{{name}.size(2)}}",
+            ),
+        )
+    ),
+    (
+        "k_cache.size(2) > 0 and q.size(1) % k_cache.size(2) == 0",
+        "q's {q.size(1)} heads must be a multiple of the caches' {k_cache.size(2)} kv heads (Hq % Hkv == 0)",
+    ),
+    (
+        "cu_seqlens_q.size(0) == seq_lens.size(0) + 1",
+        "cu_seqlens_q must have B + 1 = {seq_lens.size(0) + 1} entries (B = len(seq_lens)), got {cu_seqlens_q.size(0)}",
+    ),
+    (
+        "block_table.size(0) == seq_lens.size(0)",
+        "block_table must have B = {seq_lens.size(0)} rows (B = len(seq_lens)), got {block_table.size(0)}",
+    ),
+)
+# `decode` needs the same query length for every request: T a multiple of B (T = 0 when B = 0).
+DECODE_SHAPE = "(num_requests > 0 and num_tokens % num_requests == 0) or (num_requests == 0 and num_tokens == 0)"
 
-def tensors_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table):
-    """True when `check_tensors` would pass, in about a microsecond: the per-call path of the real ops.
 
-    It compares sizes with `==`, which on symbolic sizes would add guards, so the fake implementations call
-    `check_tensors` instead.
-    """
-    q_shape, k_shape, cache_shape, dtype, device = q.shape, k.shape, k_cache.shape, q.dtype, q.device
-    v_shape, v_cache_shape = v.shape, v_cache.shape
-    return (
-        len(q_shape) == 3
-        and len(k_shape) == 3
-        and len(cache_shape) == 4
-        and len(v_shape) == 3
-        and len(v_cache_shape) == 4
-        and v_shape[:2] == k_shape[:2]
-        and v_cache_shape[:3] == cache_shape[:3]
-        and v_shape[2] == v_cache_shape[3] > 0
-        and k_shape[0] == q_shape[0]
-        and k_shape[1] == cache_shape[2] > 0
-        and k_shape[2] == q_shape[2] == cache_shape[3]
-        and q_shape[1] % cache_shape[2] == 0
-        and dtype in FLOAT_DTYPES
-        and k.dtype == dtype
-        and v.dtype == dtype
-        and (k_cache.dtype == dtype or k_cache.dtype in FP8_DTYPES)
-        and v_cache.dtype == k_cache.dtype
-        and cu_seqlens_q.dtype == torch.int32
-        and seq_lens.dtype == torch.int32
-        and block_table.dtype == torch.int32
-        and cu_seqlens_q.dim() == 1
-        and seq_lens.dim() == 1
-        and block_table.dim() == 2
-        and cu_seqlens_q.shape[0] == seq_lens.shape[0] + 1 == block_table.shape[0] + 1
-        and k.device == device
-        and v.device == device
-        and k_cache.device == device
-        and v_cache.device == device
-        and cu_seqlens_q.device == device
-        and seq_lens.device == device
-        and block_table.device == device
-        and k_cache.is_contiguous()
-        and value_rows_ok(v_cache)
-    )
+def same_device(t, q) -> bool:
+    return t.device == q.device
+
+
+def same_dtype(t, other) -> bool:
+    return t.dtype == other.dtype
+
+
+def is_float(t) -> bool:
+    return t.dtype in FLOAT_DTYPES
+
+
+def is_fp8(t) -> bool:
+    return t.dtype in FP8_DTYPES
+
+
+def is_int32(t) -> bool:
+    return t.dtype == torch.int32
 
 
 def value_rows_ok(v_cache) -> bool:
@@ -71,6 +128,43 @@ def value_rows_ok(v_cache) -> bool:
     return v_cache.stride() == (page_size * num_kv_heads * row, num_kv_heads * row, row, 1) and row > v_head_dim
 
 
+_HELPERS = {f.__name__: f for f in (same_device, same_dtype, is_float, is_fp8, is_int32, value_rows_ok)}
+_ROWS = [(compile(c, c, "eval"), compile(f"f{m!r}", m, "eval")) for c, m in TENSOR_CHECKS]
+# The helpers written out, for the per-call function: a call of a Python function costs as much as the check.
+_INLINE = {
+    "same_device": "{0}.device == {1}.device",
+    "same_dtype": "{0}.dtype == {1}.dtype",
+    "is_float": "{0}.dtype in FLOAT_DTYPES",
+    "is_fp8": "{0}.dtype in FP8_DTYPES",
+    "is_int32": "{0}.dtype == INT32",
+}
+
+
+def _inline(condition: str) -> str:
+    """`condition` with each tensor's sizes read once (`q.size(0)` as `q_shape[0]`) and the helpers written out."""
+    condition = re.sub(r"(\w+)\.dim\(\)", r"len(\1_shape)", re.sub(r"(\w+)\.size\((\d)\)", r"\1_shape[\2]", condition))
+    return re.sub(
+        r"(\w+)\(([\w, ]+)\)",
+        lambda m: f"({_INLINE[m[1]].format(*m[2].split(', '))})" if m[1] in _INLINE else m[0],
+        condition,
+    )
+
+
+def _function(name: str, parameters, conditions) -> str:
+    """A function of `parameters` that returns whether all `conditions` hold, as one expression."""
+    shapes = "".join(f"    {p}_shape = {p}.shape\n" for p in parameters if p in RANKS)
+    body = " and ".join(f"({_inline(c)})" for c in conditions)
+    scope = {**_HELPERS, "FLOAT_DTYPES": FLOAT_DTYPES, "FP8_DTYPES": FP8_DTYPES, "INT32": torch.int32}
+    exec(f"def {name}({', '.join(parameters)}):\n{shapes}    return {body}\n", scope)
+    return scope[name]
+
+
+# True when `check_tensors` would pass, in a few microseconds. It compares sizes with `==`, which on symbolic sizes
+# would add guards, so the fake implementations call `check_tensors` instead.
+tensors_ok = _function("tensors_ok", RANKS, [c for c, _ in TENSOR_CHECKS])
+decode_shape_ok = _function("decode_shape_ok", ("num_tokens", "num_requests"), [DECODE_SHAPE])
+
+
 def check_args(tensors, options) -> None:
     """`check_tensors` of the op's tensors (q through block_table), then `options.check_options`."""
     check_tensors(*tensors)
@@ -78,94 +172,29 @@ def check_args(tensors, options) -> None:
 
 
 def check_tensors(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table):
-    """Shape, dtype and device checks that need no data; raises `HybridInputError` naming the argument. Shapes:
-
-    q: [T, Hq, D]; k: [T, Hkv, D]; v: [T, Hkv, Dv]; k_cache: [num_pages, page_size, Hkv, D], v_cache:
-    [num_pages, page_size, Hkv, Dv], contiguous (v_cache: or the leading Dv values of contiguous rows,
-    `value_rows_ok`), q's dtype or both one of FP8_DTYPES; cu_seqlens_q: [B + 1] int32;
-    seq_lens: [B] int32; block_table: [B, max_pages] int32. Dv may differ from D (MLA-style models).
-    """
-    for name, t, rank in (
-        ("q", q, 3),
-        ("k", k, 3),
-        ("v", v, 3),
-        ("k_cache", k_cache, 4),
-        ("v_cache", v_cache, 4),
-        ("cu_seqlens_q", cu_seqlens_q, 1),
-        ("seq_lens", seq_lens, 1),
-        ("block_table", block_table, 2),
-    ):
-        if t.dim() != rank:
-            raise HybridInputError(f"{name} must have {rank} dimensions, got shape {tuple(t.shape)}")
-        if t.device != q.device:
-            raise HybridInputError(f"{name} must be on q's device {q.device}, got {t.device}")
-    if q.dtype not in FLOAT_DTYPES:
-        raise HybridInputError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise HybridInputError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
-    if k_cache.dtype != q.dtype and k_cache.dtype not in FP8_DTYPES:
-        raise HybridInputError(
-            f"k_cache must have q's dtype {q.dtype} or be float8_e4m3fn or float8_e5m2, got {k_cache.dtype}"
-        )
-    if v_cache.dtype != k_cache.dtype:
-        raise HybridInputError(f"v_cache must have k_cache's dtype {k_cache.dtype}, got {v_cache.dtype}")
-    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens), ("block_table", block_table)):
-        if t.dtype != torch.int32:
-            raise HybridInputError(f"{name} must be int32, got {t.dtype}")
-
-    num_tokens, num_q_heads, head_dim = q.shape
-    _, _, num_kv_heads, cache_head_dim = k_cache.shape
-    v_head_dim = v_cache.shape[3]
-    check_input(
-        v_cache.shape[:3] == k_cache.shape[:3],
-        lambda: (
-            f"v_cache must be [num_pages, page_size, Hkv, Dv] with k_cache's first three sizes "
-            f"{tuple(k_cache.shape[:3])}, got {tuple(v_cache.shape)}"
-        ),
-    )
-    check_input(v_head_dim > 0, lambda: f"v_cache's head dim Dv must be positive, got shape {tuple(v_cache.shape)}")
-    if not k_cache.is_contiguous():
-        raise HybridInputError(
-            f"k_cache must be a contiguous [num_pages, page_size, Hkv, D] tensor, got strides {k_cache.stride()}"
-        )
-    if not value_rows_ok(v_cache):
-        raise HybridInputError(
-            f"v_cache must be a contiguous [num_pages, page_size, Hkv, Dv] tensor or the leading Dv values of the rows "
-            f"of one (as k_cache[..., :Dv] of a latent cache), got strides {v_cache.stride()}"
-        )
-    check_input(
-        cache_head_dim == head_dim, lambda: f"k_cache head dim {cache_head_dim} must equal q's head dim {head_dim}"
-    )
-    for name, t, dim in (("k", k, head_dim), ("v", v, v_head_dim)):
-        check_input(t.shape[0] == num_tokens, lambda: f"{name} must have q's {num_tokens} tokens, got {t.shape[0]}")
-        check_input(
-            t.shape[1] == num_kv_heads,
-            lambda: f"{name} must have k_cache's {num_kv_heads} kv heads, got shape {tuple(t.shape)}",
-        )
-        check_input(t.shape[2] == dim, lambda: f"{name} head dim must equal its cache's {dim}, got {t.shape[2]}")
-    check_input(
-        num_kv_heads > 0 and num_q_heads % num_kv_heads == 0,
-        lambda: f"q's {num_q_heads} heads must be a multiple of the caches' {num_kv_heads} kv heads (Hq % Hkv == 0)",
-    )
-
-    num_requests = seq_lens.shape[0]
-    check_input(
-        cu_seqlens_q.shape[0] == num_requests + 1,
-        lambda: (
-            f"cu_seqlens_q must have B + 1 = {num_requests + 1} entries (B = len(seq_lens)), "
-            f"got {cu_seqlens_q.shape[0]}"
-        ),
-    )
-    check_input(
-        block_table.shape[0] == num_requests,
-        lambda: f"block_table must have B = {num_requests} rows (B = len(seq_lens)), got {block_table.shape[0]}",
-    )
+    """The rows of TENSOR_CHECKS in order, on sizes that may be symbolic; raises `HybridInputError` with the first
+    failing row's message, which names the argument."""
+    scope = dict(zip(RANKS, (q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table)))
+    for condition, message in _ROWS:
+        check_input(eval(condition, _HELPERS, scope), lambda: eval(message, _HELPERS, scope))
 
 
-def decode_shape_ok(num_tokens, num_requests):
-    """`decode` needs the same query length for every request: T must be a multiple of B (T = 0 when B = 0)."""
-    return num_tokens % num_requests == 0 if num_requests > 0 else num_tokens == 0
+def cpp_header() -> str:
+    """kernels/cpu's checks.h: TENSOR_CHECKS as `tensors_ok` and DECODE_SHAPE as `decode_shape_ok`, in C++ (the
+    includer defines the helpers)."""
+
+    def cpp(condition):
+        return re.sub(r"\bnot\b ?", "!", condition.replace(" and ", " && ").replace(" or ", " || "))
+
+    parameters = ", ".join(f"const at::Tensor& {name}" for name in RANKS)
+    rows = " &&\n         ".join(f"({cpp(c)})" for c, _ in TENSOR_CHECKS)
+    return (
+        "// Generated from hybrid_ops/validation.py when the kernels build: its TENSOR_CHECKS and DECODE_SHAPE.\n"
+        "#pragma once\n\n"
+        f"inline bool tensors_ok({parameters}) {{\n  return {rows};\n}}\n\n"
+        "inline bool decode_shape_ok(int64_t num_tokens, int64_t num_requests) {\n"
+        f"  return {cpp(DECODE_SHAPE)};\n}}\n"
+    )
 
 
 def check_decode_shape(q, seq_lens):
@@ -237,8 +266,8 @@ def check_tree_values(tree_mask, cu):
         raise HybridInputError(
             f"tree_mask has Q = {tree_mask.shape[1]} columns, fewer than the longest request's {longest} new tokens"
         )
-    device, rows = tree_mask.device, torch.tensor(q_lens)
-    local = torch.arange(tree_mask.shape[0]) - torch.tensor(cu[:-1]).repeat_interleave(rows)  # [T]: token t is j
+    device, rows = tree_mask.device, torch.tensor(q_lens, dtype=torch.int64)  # int64 for B = 0 too
+    local = torch.arange(tree_mask.shape[0]) - torch.tensor(cu[:-1], dtype=torch.int64).repeat_interleave(rows)
     column = torch.arange(tree_mask.shape[1])
     own = (column == local[:, None]).to(device)
     later = ((column > local[:, None]) & (column < rows.repeat_interleave(rows)[:, None])).to(device)

@@ -1,8 +1,10 @@
-"""The argument and metadata checks exist twice: in Python (validation.py, which names the culprit) and in C++ (the cpu
-backend's entry points and kernel, which decide without Python whether a call may run). Both must accept exactly the
-same inputs: one that C++ accepted and Python would refuse would run unchecked; one C++ refused and Python accepts
-only costs a detour. Random batches (caches in q's dtype or fp8, with scale arguments good and bad, sinks, chunks),
-each with a random set of the bad inputs of helpers/bad_inputs.py and random metadata values, are put to both."""
+"""The tensor checks are declared once (validation.TENSOR_CHECKS: Python runs them, the cpu backend's checks.h is
+generated from them); the option and metadata-value checks exist twice: in Python (options.py and validation.py,
+which name the culprit) and in C++ (the cpu backend's entry points and kernel, which decide without Python whether a
+call may run). Both must accept exactly the same inputs: one that C++ accepted and Python would refuse would run
+unchecked; one C++ refused and Python accepts only costs a detour. Random batches (caches in q's dtype or fp8, with
+scale arguments good and bad, sinks, chunks, trees good and bad), each with a random set of the bad inputs of
+helpers/bad_inputs.py and random metadata values, are put to both."""
 
 import math
 
@@ -116,6 +118,12 @@ def inputs(draw, first=None):
     options["tree_mask"] = None
     if draw(st.booleans()):
         options["tree_mask"] = torch.cat([torch.ones(n, width).tril() for n in [0, *q_lens]]).bool()
+        for _ in range(
+            draw(st.integers(0, 2))
+        ):  # values flipped: a row blind to itself or seeing ahead, or still a tree
+            if options["tree_mask"].numel():
+                row, column = draw(st.integers(0, len(options["tree_mask"]) - 1)), draw(st.integers(0, width - 1))
+                options["tree_mask"][row, column] ^= True
     bad_option = st.sampled_from([(name, value) for name, values in BAD_OPTIONS.items() for value in values])
     for mutation in [first or (lambda *a: a)] + draw(
         st.lists(st.one_of(st.sampled_from(list(MUTATIONS.values())), bad_option), max_size=2)
@@ -153,8 +161,8 @@ def test_cpp_and_python_checks_agree(first, data):
     if decode and not decode_shape_ok(q.shape[0], seq_lens.shape[0]):
         return
     metadata, sizes = args[5:], (q.shape[0], k_cache.shape[0], k_cache.shape[1], decode)
-    accepted = python_accepts(check_metadata_values, *metadata, *sizes)
-    assert native().metadata_values_ok(*metadata, *sizes) == accepted
+    accepted = python_accepts(check_metadata_values, *metadata, *sizes, options["tree_mask"])
+    assert native().metadata_values_ok(*metadata, *sizes, options["tree_mask"]) == accepted
     event(f"metadata values accepted: {accepted}")
 
 

@@ -41,8 +41,9 @@ from torch._appdirs import user_cache_dir
 
 from ..errors import HybridInputError
 from ..modes import ROUTING, SPECULATIVE_ATTENTION_MODES
-from ..options import cpp_header
+from ..options import cpp_header as options_header
 from ..validation import FLOAT_DTYPES, check_metadata_values, check_state_metadata_values
+from ..validation import cpp_header as checks_header
 from .base import STATE_OPS, Backend
 from .registry import registry
 
@@ -114,18 +115,21 @@ def build():
     flags = _CAPABILITY_FLAGS.get(capability, [])
     name = f"hybrid_ops_cpu_{capability.lower()}"
     sources = _files(".cpp")
-    # One directory per source text (the generated options.h included) and place: checkouts that share the build root
+    # One directory per source text (the generated headers included) and place: checkouts that share the build root
     # never load each other's kernels, nor rebuild in turn (ninja's build file names the sources' paths).
     files = sources + _files(".h")
-    header = cpp_header().encode()
-    digest = hashlib.sha1(b"".join(Path(p).read_bytes() + os.fsencode(os.path.abspath(p)) for p in files) + header)
+    headers = {"options.h": options_header().encode(), "checks.h": checks_header().encode()}
+    digest = hashlib.sha1(
+        b"".join(Path(p).read_bytes() + os.fsencode(os.path.abspath(p)) for p in files) + b"".join(headers.values())
+    )
     # cpp_extension's build root (`get_default_build_root`), without importing it.
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.realpath(user_cache_dir("torch_extensions"))
     build_dir = os.path.join(root, f"{name}_torch{torch.__version__.replace('+', '_')}_{digest.hexdigest()[:12]}")
     os.makedirs(os.path.join(build_dir, "generated"), exist_ok=True)
-    generated = Path(build_dir, "generated", "options.h")
-    if not generated.exists() or generated.read_bytes() != header:  # a new mtime would have ninja rebuild its includers
-        generated.write_bytes(header)
+    for file_name, header in headers.items():
+        generated = Path(build_dir, "generated", file_name)
+        if not generated.exists() or generated.read_bytes() != header:  # a new mtime: ninja would rebuild includers
+            generated.write_bytes(header)
     library = os.path.join(build_dir, f"{name}.so")
     # Built (the directory is this source text's, and a build in progress holds cpp_extension's lock file until it
     # has linked): loaded directly, as cpp_extension would, without importing cpp_extension (setuptools), which costs

@@ -74,15 +74,14 @@ std::shared_ptr<const Tables> current_tables() { return std::atomic_load(&tables
 
 bool is_fp8(at::ScalarType dtype) { return dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2; }
 
-// options._kv_scale: float32 of shape [], [1] or [Hkv], on the CPU.
-bool kv_scale_ok(const std::optional<at::Tensor>& kv_scale, int64_t num_kv_heads) {
-  return kv_scale && kv_scale->scalar_type() == at::kFloat && kv_scale->device().is_cpu() &&
-         (kv_scale->dim() == 0 ||
-          (kv_scale->dim() == 1 && (kv_scale->size(0) == 1 || kv_scale->size(0) == num_kv_heads)));
+// The helpers of validation.TENSOR_CHECKS, whose rows checks.h spells in C++.
+bool same_device(const at::Tensor& t, const at::Tensor& q) { return t.device() == q.device(); }
+bool same_dtype(const at::Tensor& t, const at::Tensor& other) { return t.scalar_type() == other.scalar_type(); }
+bool is_float(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16;
 }
-
-// validation.check_args: true when it would pass (validation.tensors_ok, then every option's check).
-// validation.value_rows_ok: v_cache contiguous, or the leading Dv values of each row of a contiguous tensor.
+bool is_fp8(const at::Tensor& t) { return is_fp8(t.scalar_type()); }
+bool is_int32(const at::Tensor& t) { return t.scalar_type() == at::kInt; }
 bool value_rows_ok(const at::Tensor& v_cache) {
   if (v_cache.is_contiguous()) return true;
   const int64_t row = v_cache.stride(2);
@@ -90,20 +89,21 @@ bool value_rows_ok(const at::Tensor& v_cache) {
          v_cache.stride(0) == v_cache.size(1) * v_cache.size(2) * row;
 }
 
-bool args_ok(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
-             const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
-             const at::Tensor& block_table, const Options& o) {
-  if (q.dim() != 3 || k.dim() != 3 || k_cache.dim() != 4 || v.dim() != 3 || v_cache.dim() != 4) return false;
-  const int64_t num_kv_heads = k_cache.size(2);
-  // v [T, Hkv, Dv] and v_cache [pages, page_size, Hkv, Dv]: k's and k_cache's sizes but for the head dim.
-  if (v.size(0) != k.size(0) || v.size(1) != k.size(1) || v.size(2) != v_cache.size(3) || v.size(2) <= 0 ||
-      v_cache.size(0) != k_cache.size(0) || v_cache.size(1) != k_cache.size(1) || v_cache.size(2) != num_kv_heads) {
-    return false;
-  }
-  if (k.size(0) != q.size(0) || k.size(1) != num_kv_heads || num_kv_heads <= 0 || k.size(2) != q.size(2) ||
-      q.size(2) != k_cache.size(3) || q.size(1) % num_kv_heads != 0) {
-    return false;
-  }
+}  // namespace
+
+#include "checks.h"  // generated from hybrid_ops/validation.py when the kernels build: tensors_ok, decode_shape_ok
+
+namespace {
+
+// The option checks of options.py (`option(...)` of each field) for a value in use.
+// options._kv_scale: float32 of shape [], [1] or [Hkv], on the CPU.
+bool kv_scale_ok(const std::optional<at::Tensor>& kv_scale, int64_t num_kv_heads) {
+  return kv_scale && kv_scale->scalar_type() == at::kFloat && kv_scale->device().is_cpu() &&
+         (kv_scale->dim() == 0 ||
+          (kv_scale->dim() == 1 && (kv_scale->size(0) == 1 || kv_scale->size(0) == num_kv_heads)));
+}
+
+bool options_ok(const at::Tensor& q, const at::Tensor& k_cache, const Options& o) {
   if (o.sinks && !(o.sinks->scalar_type() == at::kFloat && o.sinks->dim() == 1 && o.sinks->size(0) == q.size(1) &&
                    o.sinks->device().is_cpu())) {
     return false;
@@ -113,34 +113,21 @@ bool args_ok(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
         o.tree_mask->size(1) > 0 && o.tree_mask->device().is_cpu())) {
     return false;
   }
-  // k, v in q's dtype; both caches in q's dtype or both in one fp8 dtype, the scales only with fp8, both or neither.
-  const auto dtype = q.scalar_type(), cache_dtype = k_cache.scalar_type();
-  if (dtype != at::kFloat && dtype != at::kHalf && dtype != at::kBFloat16) return false;
-  if (k.scalar_type() != dtype || v.scalar_type() != dtype || v_cache.scalar_type() != cache_dtype) return false;
-  if (cache_dtype != dtype && !is_fp8(cache_dtype)) return false;
   if ((o.k_scale || o.v_scale) &&
-      !(is_fp8(cache_dtype) && kv_scale_ok(o.k_scale, num_kv_heads) && kv_scale_ok(o.v_scale, num_kv_heads))) {
+      !(is_fp8(k_cache) && kv_scale_ok(o.k_scale, k_cache.size(2)) && kv_scale_ok(o.v_scale, k_cache.size(2)))) {
     return false;
-  }
-  for (const at::Tensor* t : {&cu_seqlens_q, &seq_lens, &block_table}) {
-    if (t->scalar_type() != at::kInt) return false;
-  }
-  if (cu_seqlens_q.dim() != 1 || seq_lens.dim() != 1 || block_table.dim() != 2 ||
-      cu_seqlens_q.size(0) != seq_lens.size(0) + 1 || block_table.size(0) != seq_lens.size(0)) {
-    return false;
-  }
-  for (const at::Tensor* t : {&q, &k, &v, &k_cache, &v_cache, &cu_seqlens_q, &seq_lens, &block_table}) {
-    if (!t->device().is_cpu()) return false;
   }
   constexpr double inf = std::numeric_limits<double>::infinity();
-  return k_cache.is_contiguous() && value_rows_ok(v_cache) && (!o.scale || (*o.scale > 0 && *o.scale < inf)) &&
-         (o.sliding_window == -1 || o.sliding_window > 0) && o.logit_cap >= 0 && o.logit_cap < inf &&
-         (o.attention_chunk == -1 || o.attention_chunk > 0);
+  return (!o.scale || (*o.scale > 0 && *o.scale < inf)) && (o.sliding_window == -1 || o.sliding_window > 0) &&
+         o.logit_cap >= 0 && o.logit_cap < inf && (o.attention_chunk == -1 || o.attention_chunk > 0);
 }
 
-// validation.decode_shape_ok: the same query length for every request, T = B * (T // B).
-bool decode_shape_ok(int64_t num_tokens, int64_t num_requests) {
-  return num_requests > 0 ? num_tokens % num_requests == 0 : num_tokens == 0;
+// validation.check_args: true when it would pass, for tensors on the CPU (the only ones the native kernels take).
+bool args_ok(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+             const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+             const at::Tensor& block_table, const Options& o) {
+  return q.device().is_cpu() && tensors_ok(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table) &&
+         options_ok(q, k_cache, o);
 }
 
 // The kernel's output, or an undefined tensor (nothing written) when the metadata's values are invalid; options
@@ -250,7 +237,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("args_ok", &args_ok_py, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("cu_seqlens_q"), py::arg("seq_lens"), py::arg("block_table") HYBRID_OPTIONS(OPTION_NAME));
   m.def("decode_shape_ok", &decode_shape_ok);
-  m.def("metadata_values_ok", &hybrid_ops::metadata_values_ok);
+  m.def("metadata_values_ok", &hybrid_ops::metadata_values_ok, py::arg("cu_seqlens_q"), py::arg("seq_lens"),
+        py::arg("block_table"), py::arg("num_tokens"), py::arg("num_pages"), py::arg("page_size"), py::arg("decode"),
+        py::arg("tree_mask") = py::none());
   // The work schedule and the sizes it cuts by, for tests of its properties.
   m.def("schedule", &hybrid_ops::work_schedule,
         "(units, merges, pack_jobs): int64 rows of (request, head, num_heads, t0, num_tokens, lo, hi, partial, "

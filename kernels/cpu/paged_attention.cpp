@@ -41,14 +41,20 @@
 namespace hybrid_ops::cpu {
 namespace {
 
-// Views of contiguous metadata tensors.
-Metadata metadata_of(const at::Tensor& cu, const at::Tensor& lens, const at::Tensor& table) {
-  return {.cu = cu.data_ptr<int32_t>(),
-          .lens = lens.data_ptr<int32_t>(),
-          .table = table.data_ptr<int32_t>(),
-          .table_stride = table.size(1),
-          .width = table.size(1),
-          .num_requests = lens.size(0)};
+// Views of contiguous metadata tensors, and of a contiguous tree mask [T, Q] bool (a byte a value), or undefined.
+Metadata metadata_of(const at::Tensor& cu, const at::Tensor& lens, const at::Tensor& table, const at::Tensor& tree) {
+  Metadata md{.cu = cu.data_ptr<int32_t>(),
+              .lens = lens.data_ptr<int32_t>(),
+              .table = table.data_ptr<int32_t>(),
+              .table_stride = table.size(1),
+              .width = table.size(1),
+              .num_requests = lens.size(0)};
+  if (tree.defined()) {
+    md.tree = tree.data_ptr<bool>();
+    md.tree_stride = tree.size(1);
+    md.tree_width = tree.size(1);
+  }
+  return md;
 }
 
 // A scale argument as [Hkv] values: [], [1] or [Hkv] float32 (any stride), or none (1).
@@ -181,14 +187,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
                            const std::optional<at::Tensor>& tree_mask) {
   const auto cu = cu_seqlens_q.contiguous(), lens = seq_lens.contiguous(), table = block_table.contiguous();
-  cpu::Metadata md = cpu::metadata_of(cu, lens, table);
-  // A tree's rows in place (bool: one byte each), and each new token's depth, computed once for every unit.
   const auto tree = tree_mask ? tree_mask->contiguous() : at::Tensor();
-  if (tree.defined()) {
-    md.tree = tree.data_ptr<bool>();
-    md.tree_stride = tree.size(1);
-    md.tree_width = tree.size(1);
-  }
+  cpu::Metadata md = cpu::metadata_of(cu, lens, table, tree);
+  // Each new token's depth in a tree, computed once for every unit.
   if (!cpu::metadata_ok(md, q.size(0), k_cache.size(0), k_cache.size(1), decode)) return at::Tensor();
   const std::vector<int32_t> depth = tree.defined() ? cpu::tree_depths(md, q.size(0)) : std::vector<int32_t>();
   if (tree.defined()) md.depth = depth.data();
@@ -262,9 +263,11 @@ at::Tensor widen_fp8(const at::Tensor& codes, bool wide) {
 int64_t fp8_wide_vecs() { return cpu::WIDE_VECS; }
 
 bool metadata_values_ok(const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, const at::Tensor& block_table,
-                        int64_t num_tokens, int64_t num_pages, int64_t page_size, bool decode) {
+                        int64_t num_tokens, int64_t num_pages, int64_t page_size, bool decode,
+                        const std::optional<at::Tensor>& tree_mask) {
   const auto cu = cu_seqlens_q.contiguous(), lens = seq_lens.contiguous(), table = block_table.contiguous();
-  return cpu::metadata_ok(cpu::metadata_of(cu, lens, table), num_tokens, num_pages, page_size, decode);
+  const auto tree = tree_mask ? tree_mask->contiguous() : at::Tensor();
+  return cpu::metadata_ok(cpu::metadata_of(cu, lens, table, tree), num_tokens, num_pages, page_size, decode);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> work_schedule(const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,

@@ -35,9 +35,11 @@ int64_t fp8_wide_vecs();
 
 // The values validation.check_metadata_values accepts (cu_seqlens_q from 0 to num_tokens, non-decreasing; each
 // request's length within its table row and at least its new tokens; its pages' ids in [0, num_pages); one query
-// length for every request when `decode`), for metadata whose shapes and dtypes the entry points' checks passed.
+// length for every request when `decode`; a tree's rows, check_tree_values), for metadata whose shapes and dtypes the
+// entry points' checks passed.
 bool metadata_values_ok(const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, const at::Tensor& block_table,
-                        int64_t num_tokens, int64_t num_pages, int64_t page_size, bool decode);
+                        int64_t num_tokens, int64_t num_pages, int64_t page_size, bool decode,
+                        const std::optional<at::Tensor>& tree_mask);
 
 // The kernel's work for requests of cu_seqlens_q [B + 1] and seq_lens [B] int32 (schedule.h), for tests: int64 rows of
 // its units, merges and pack jobs, each row the fields of a Unit, Merge or PackJob in order; gemm_rows as
