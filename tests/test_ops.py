@@ -299,3 +299,30 @@ def test_torch_step_metadata_follows_the_metadata(inference):
         with pytest.raises(hybrid_ops.HybridInputError, match=r"block_table\[1, 0\]"):
             torch.ops.hybrid.decode(*other.args, backend="torch")
         assert torch.equal(other.k_cache, before)
+
+
+def test_captured_steps_pass_over_backends_that_plan_on_the_host():
+    """A step captured whole in a CUDA graph cannot plan: "auto" there is the first backend of the device's order
+    that plans nothing on the host, a named backend stays as named, and a preferred backend counts too."""
+    from hybrid_ops.backends import registry
+    from hybrid_ops.generation.runner import graph_backends
+
+    class Planning(TorchBackend):
+        name = "planning"
+
+        def plan(self, *args, **kwargs):
+            pass
+
+    class Plain(TorchBackend):
+        name = "plain"
+
+    cuda = torch.device("cuda")
+    assert hybrid_ops.get_backend("flashinfer").plans_on_host and not hybrid_ops.get_backend("triton").plans_on_host
+    assert graph_backends(cuda, True, ("auto", "auto")) == ("triton", "triton")
+    assert graph_backends(cuda, True, ("flashinfer", "auto")) == ("flashinfer", "triton")
+    assert graph_backends(cuda, False, ("auto", "auto")) == ("auto", "auto")
+    assert graph_backends(torch.device("cpu"), True, ("auto", "torch")) == ("auto", "torch")
+    with hybrid_ops.register_backend(Planning(), prefer=True):
+        assert registry.for_captured_steps("auto", "cuda") == "triton"
+        with hybrid_ops.register_backend(Plain(), prefer=True):
+            assert registry.for_captured_steps("auto", "cuda") == "plain"

@@ -69,6 +69,12 @@ class Backend:
         """Every request has the same query length, T // B (checked by the ops)."""
         return self.prefill(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, options)
 
+    @property
+    def plans_on_host(self) -> bool:
+        """Whether a step calls its `plan` before the layers (it overrides `plan`): a step captured whole in a CUDA
+        graph cannot, so "auto" passes over it there (`Registry.for_captured_steps`)."""
+        return type(self).plan is not Backend.plan
+
     def plan(self, path, q_dtype, num_q_heads, k_cache, cu_seqlens_q, seq_lens, block_table, options, cuda_graph=False):
         """Host-side planning of a step before its layers run (`torch.ops.hybrid.plan`); path: "prefill" or
         "decode". Backends that need none keep this no-op."""

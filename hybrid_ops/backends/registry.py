@@ -77,6 +77,17 @@ class Registry:
         order = AUTO_ORDER.get(device_type, AUTO_ORDER_OTHER_DEVICES)
         return [*self._preferred, *(n for n in order if n not in self._preferred)]
 
+    def for_captured_steps(self, name: str, device_type: str) -> str:
+        """The backend a step captured whole in a CUDA graph runs for `name`: `name` itself, or for "auto" the first
+        of the device's order that is available and plans nothing on the host (FlashInfer plans every step)."""
+        if name != "auto":
+            return name
+        for candidate in self.auto_order(device_type):
+            backend = self._backends.get(candidate)
+            if backend is not None and backend.is_available() and not backend.plans_on_host:
+                return candidate
+        raise HybridInputError(f"'auto' found no backend on {device_type} that a captured step can run")
+
     def names(self, available: bool = False):
         """The registered backends' names; with `available=True`, only those whose requirement is installed."""
         return sorted(name for name, b in self._backends.items() if not available or b.is_available())

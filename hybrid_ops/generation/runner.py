@@ -16,6 +16,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from ..backends import registry
 from ..buckets import batch_buckets, pad_batch, padding_q_lens, token_buckets
 from ..cache import PagedKVCache
 from ..errors import HybridInputError
@@ -40,10 +41,10 @@ _FORWARD_CODES = weakref.WeakKeyDictionary()  # model -> {shapes: code object}
 
 
 def graph_backends(device, cuda_graphs: bool, backends) -> tuple:
-    """(prefill backend, decode backend) as a step runs them: with CUDA graphs on CUDA, "auto" means "triton"
-    (FlashInfer plans on the host, which a captured step cannot do)."""
+    """(prefill backend, decode backend) as a step runs them: with CUDA graphs on CUDA, "auto" is the first backend
+    that plans nothing on the host (`Registry.for_captured_steps`: Triton), since a captured step cannot plan."""
     if cuda_graphs and device.type == "cuda":
-        return tuple("triton" if b == "auto" else b for b in backends)
+        return tuple(registry.for_captured_steps(b, device.type) for b in backends)
     return tuple(backends)
 
 
