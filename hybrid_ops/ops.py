@@ -47,7 +47,7 @@ import torch
 
 from .backends import Spec, check_backend_name, get_backend
 from .modes import check_speculative_attention_mode, select_path
-from .options import SCHEMA_TEXT, Options, check_options
+from .options import SCHEMA_TEXT, Options, check_options, options_ok
 from .settings import validation_enabled
 from .validation import (
     check_args,
@@ -94,7 +94,8 @@ def _run(path, tensors, backend, arg, options):
     q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table = tensors
     if not tensors_ok(*tensors):
         check_tensors(*tensors)
-    check_options(options, q, k_cache)
+    if not options_ok(options, q, k_cache):
+        check_options(options, q, k_cache)
     if path == "decode" and not decode_shape_ok(q.shape[0], seq_lens.shape[0]):
         check_decode_shape(q, seq_lens)
     options = options.resolve(q.shape[-1], k_cache)

@@ -1,13 +1,15 @@
 """The ops' options, declared once: `Options` is the table.
 
 Each field of `Options` is one keyword option of `prefill`, `decode`, `attn` and `plan`; its annotation gives the
-schema type (`float | None` is `float?`), its default the schema default, and its `option(...)` metadata the check of
-its value and the backend feature a call needs while the option is in use (not at its default). From the table come:
+schema type (`float | None` is `float?`), its default the schema default, and its `option(...)` metadata the checks of
+its value (rows of `check_rows`) and the backend feature a call needs while the option is in use (not at its default).
+From the table come:
 
     SCHEMA_TEXT        the options' part of the op schemas (ops.SCHEMAS)
     Options(**kw)      the value every backend receives, defaults filled in (`resolve`: scale resolved, fp8 scales
                        per kv head); the ops build it from the keywords the dispatcher passes
-    check_options      the checks of every option, run by validation.check_args (eager, fake and compiled alike)
+    check_options      the checks of every option, run by validation.check_args (eager, fake and compiled alike);
+                       `options_ok` the same at once, and the C++ entry points' from the same rows (checks.h)
     Options.features   what a backend must serve (`Backend.features`, "auto")
     cpp_header()       kernels/cpu's options.h, written when the native kernels build: the C++ entry points' option
                        parameters, their struct and the names they pass back to Python come from this table
@@ -23,73 +25,44 @@ import typing
 
 import torch
 
-from .errors import HybridInputError, check_input
+from .check_rows import all_hold, check, compiled
 from .fp8 import FP8_DTYPES, per_head
 
 
-def option(default, check, feature: str | None = None, doc: str = ""):
-    """A field of `Options`. check(name, value, options, q, k_cache) raises `HybridInputError` for a bad value; it
-    runs only for a value in use (not the default). feature: what a backend must serve while it is in use."""
-    return dataclasses.field(default=default, metadata={"check": check, "feature": feature, "doc": doc})
+def option(default, checks=(), feature: str | None = None, doc: str = ""):
+    """A field of `Options`. checks: rows (condition, message) of `check_rows` over `value` (the option's), `name`,
+    q, k_cache and `options`, run in order for a value in use (not the default). feature: what a backend must serve
+    while it is in use."""
+    return dataclasses.field(default=default, metadata={"checks": tuple(checks), "feature": feature, "doc": doc})
 
 
-def _positive_or_none(name, value, options, q, k_cache):
-    if not (math.isfinite(value) and value > 0):
-        raise HybridInputError(f"{name} must be a finite positive float or None, got {value}")
+def _tensor_of(dtype: str, shape: str):
+    """The rows of a tensor option: `dtype` (`check_rows`' is_float32, is_bool), as many dims as `shape` ("[T, Q]")
+    names, on q's device."""
+    return (
+        (
+            f"is_{dtype}(value) and value.dim() == {shape.count(',') + 1} and same_device(value, q)",
+            f"{{name}} must be a {shape} {dtype} tensor on q's device {{q.device}}, got "
+            "{value.dtype} of shape {tuple(value.shape)} on {value.device}",
+        ),
+    )
 
 
-def _window(name, value, options, q, k_cache):
-    if value <= 0:
-        raise HybridInputError(f"{name} must be -1 (no window) or a positive int, got {value}")
-
-
-def _soft_cap(name, value, options, q, k_cache):
-    if not (math.isfinite(value) and value >= 0):
-        raise HybridInputError(f"{name} must be 0.0 (no soft-cap) or a finite positive float, got {value}")
-
-
-def _chunk(name, value, options, q, k_cache):
-    if value <= 0:
-        raise HybridInputError(f"{name} must be -1 (no chunking) or a positive int, got {value}")
-
-
-def _check_tensor(name, value, q, dtype, shape: str):
-    """value must be a tensor of `dtype` with as many dims as `shape` ("[T, Q]") names, on q's device."""
-    if value.dtype != dtype or value.dim() != shape.count(",") + 1 or value.device != q.device:
-        raise HybridInputError(
-            f"{name} must be a {shape} {str(dtype).removeprefix('torch.')} tensor on q's device {q.device}, got "
-            f"{value.dtype} of shape {tuple(value.shape)} on {value.device}"
-        )
-
-
-def _sinks(name, value, options, q, k_cache):
-    _check_tensor(name, value, q, torch.float32, "[Hq]")
-    check_input(value.shape[0] == q.shape[1], lambda: f"{name} must have q's {q.shape[1]} heads, got {value.shape[0]}")
-
-
-def _tree_mask(name, value, options, q, k_cache):
-    _check_tensor(name, value, q, torch.bool, "[T, Q]")
-    check_input(value.shape[0] == q.shape[0], lambda: f"{name} must have q's {q.shape[0]} rows, got {value.shape[0]}")
-    check_input(value.shape[1] > 0, lambda: f"{name} must have Q >= 1 columns, got shape {tuple(value.shape)}")
-
-
-def _kv_scale(name, value, options, q, k_cache):
-    if k_cache.dtype not in FP8_DTYPES:
-        raise HybridInputError(f"{name} applies to float8 caches only; k_cache is {k_cache.dtype}")
-    other = "v_scale" if name == "k_scale" else "k_scale"
-    if getattr(options, other) is None:
-        raise HybridInputError(f"{other} must be given with {name}: an fp8 cache takes both scales or neither")
-    if value.dtype != torch.float32 or value.device != q.device or value.dim() > 1:
-        raise HybridInputError(
-            f"{name} must be a float32 tensor of shape [], [1] or [Hkv] on q's device {q.device}, "
-            f"got {value.dtype} of shape {tuple(value.shape)} on {value.device}"
-        )
-    if value.dim() == 1:
-        num_kv_heads = k_cache.shape[2]
-        check_input(
-            (value.shape[0] == 1) | (value.shape[0] == num_kv_heads),
-            lambda: f"{name} must have 1 or the caches' {num_kv_heads} kv heads, got {value.shape[0]}",
-        )
+def _kv_scale(other: str):
+    """The rows of k_scale (other: "v_scale") and v_scale (other: "k_scale")."""
+    return (
+        ("is_fp8(k_cache)", "{name} applies to float8 caches only; k_cache is {k_cache.dtype}"),
+        (f"given(options.{other})", f"{other} must be given with {{name}}: an fp8 cache takes both scales or neither"),
+        (
+            "is_float32(value) and same_device(value, q) and value.dim() <= 1",
+            "{name} must be a float32 tensor of shape [], [1] or [Hkv] on q's device {q.device}, "
+            "got {value.dtype} of shape {tuple(value.shape)} on {value.device}",
+        ),
+        (
+            "value.dim() == 0 or (value.size(0) == 1) | (value.size(0) == k_cache.size(2))",
+            "{name} must have 1 or the caches' {k_cache.size(2)} kv heads, got {value.size(0)}",
+        ),
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -97,22 +70,53 @@ class Options:
     """The options of one op call. Backends receive them resolved (`resolve`): `scale` a float, `k_scale` and
     `v_scale` [Hkv] float32 views for fp8 caches and None otherwise."""
 
-    scale: float | None = option(None, _positive_or_none, doc="logit scale; None: 1 / sqrt(D)")
-    sliding_window: int = option(-1, _window, doc="a token sees the last W positions up to its own; -1: all")
-    logit_cap: float = option(0.0, _soft_cap, doc="logits soft-capped as cap * tanh(x / cap); 0.0: none")
+    scale: float | None = option(
+        None,
+        [("value > 0 and value < inf", "{name} must be a finite positive float or None, got {value}")],
+        doc="logit scale; None: 1 / sqrt(D)",
+    )
+    sliding_window: int = option(
+        -1,
+        [("value > 0", "{name} must be -1 (no window) or a positive int, got {value}")],
+        doc="a token sees the last W positions up to its own; -1: all",
+    )
+    logit_cap: float = option(
+        0.0,
+        [("value >= 0 and value < inf", "{name} must be 0.0 (no soft-cap) or a finite positive float, got {value}")],
+        doc="logits soft-capped as cap * tanh(x / cap); 0.0: none",
+    )
     sinks: torch.Tensor | None = option(
-        None, _sinks, "sinks", "[Hq] float32 logits, one per query head, that join each row's softmax denominator"
+        None,
+        [
+            *_tensor_of("float32", "[Hq]"),
+            ("value.size(0) == q.size(1)", "{name} must have q's {q.size(1)} heads, got {value.size(0)}"),
+        ],
+        "sinks",
+        "[Hq] float32 logits, one per query head, that join each row's softmax denominator",
     )
     attention_chunk: int = option(
-        -1, _chunk, "attention_chunk", "a query at position p sees keys at positions [p - p % chunk, p]; -1: none"
+        -1,
+        [("value > 0", "{name} must be -1 (no chunking) or a positive int, got {value}")],
+        "attention_chunk",
+        "a query at position p sees keys at positions [p - p % chunk, p]; -1: none",
     )
     k_scale: torch.Tensor | None = option(
-        None, _kv_scale, "fp8_kv", "fp8 caches: [], [1] or [Hkv] float32, the cache holds k / k_scale; None: 1.0"
+        None,
+        _kv_scale("v_scale"),
+        "fp8_kv",
+        "fp8 caches: [], [1] or [Hkv] float32, the cache holds k / k_scale; None: 1.0",
     )
-    v_scale: torch.Tensor | None = option(None, _kv_scale, "fp8_kv", "as k_scale, for v")
+    v_scale: torch.Tensor | None = option(None, _kv_scale("k_scale"), "fp8_kv", "as k_scale, for v")
     # Of fixed size, so that a CUDA graph reads the current tree from a static buffer (ops.py says why this name).
     tree_mask: torch.Tensor | None = option(
-        None, _tree_mask, "tree_mask", "[T, Q] bool: which of its request's new tokens each token sees; None: causal"
+        None,
+        [
+            *_tensor_of("bool", "[T, Q]"),
+            ("value.size(0) == q.size(0)", "{name} must have q's {q.size(0)} rows, got {value.size(0)}"),
+            ("value.size(1) > 0", "{name} must have Q >= 1 columns, got shape {tuple(value.shape)}"),
+        ],
+        "tree_mask",
+        "[T, Q] bool: which of its request's new tokens each token sees; None: causal",
     )
 
     def resolve(self, head_dim: int, k_cache) -> "Options":
@@ -142,11 +146,34 @@ def _in_use(options, field) -> bool:
     return value is not None if field.default is None else value != field.default
 
 
+def in_use_condition(field) -> str:
+    """`_in_use` as a condition of `check_rows` over `options`: given, or not its default."""
+    return f"given(options.{field.name})" if field.default is None else f"options.{field.name} != {field.default!r}"
+
+
+# Per option: its rows all at once (`options_ok`, the per-call path) and compiled for `check_options`.
+_OPTION_CHECKS = [
+    (
+        f,
+        all_hold(f"{f.name}_ok", ("value", "q", "k_cache", "options"), [c for c, _ in f.metadata["checks"]]),
+        compiled(f.metadata["checks"]),
+    )
+    for f in FIELDS
+]
+
+
+def options_ok(options: Options, q, k_cache) -> bool:
+    """True when `check_options` would pass, for real tensors (comparing symbolic sizes with `==` would guard)."""
+    return all(ok(getattr(options, f.name), q, k_cache, options) for f, ok, _ in _OPTION_CHECKS if _in_use(options, f))
+
+
 def check_options(options: Options, q, k_cache) -> None:
-    """Each option in use, checked against q [T, Hq, D] and k_cache [num_pages, page_size, Hkv, D]."""
-    for f in FIELDS:
+    """Each option in use, checked against q [T, Hq, D] and k_cache [num_pages, page_size, Hkv, D], row by row: raises
+    `HybridInputError` with the first failing row's message."""
+    for f, _, rows in _OPTION_CHECKS:
         if _in_use(options, f):
-            f.metadata["check"](f.name, getattr(options, f.name), options, q, k_cache)
+            scope = {"value": getattr(options, f.name), "name": f.name, "q": q, "k_cache": k_cache, "options": options}
+            check(rows, scope)
 
 
 # Schema and C++ types of the annotations.

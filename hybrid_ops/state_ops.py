@@ -44,10 +44,11 @@ import torch
 
 from .backends import Spec, check_backend_name, get_backend
 from .backends.base import STATE_OPS
+from .check_rows import FLOAT_DTYPES
 from .errors import HybridInputError, check_input
 from .modes import ForwardMode, check_speculative_attention_mode, select_path
 from .settings import validation_enabled
-from .validation import FLOAT_DTYPES, check_decode_shape, check_state_metadata_values
+from .validation import check_decode_shape, check_state_metadata_values
 
 ROUTE_DEFAULTS = {"prefill_backend": "auto", "decode_backend": "auto", "speculative_attention_mode": "prefill"}
 _METADATA = "Tensor cu_seqlens_q, Tensor seq_lens, Tensor state_slots, SymInt forward_mode"

@@ -6,25 +6,19 @@ host sync: it runs only with validation switched on (`settings.set_validation`).
 Every check runs before the KV cache is written, so a rejected call leaves the cache untouched.
 """
 
-import re
-
 import torch
 
+from .check_rows import all_hold, check, compiled, cpp
 from .errors import HybridInputError, check_input
-from .fp8 import FP8_DTYPES
-from .options import check_options
+from .options import FIELDS, check_options, in_use_condition
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-# The tensor checks, declared once and in order: (condition, message). A condition is Python that is also C++ once
-# `and`, `or` and `not` are spelled `&&`, `||` and `!`: sizes through `dim()` and `size(i)`, dtypes and devices through
-# the helpers below, which kernels/cpu/dispatch.cpp defines too. Python runs the rows as `tensors_ok` (all at once:
-# the ops' per-call path) and `check_tensors` (one by one, raising the first that fails); the native kernels run them
-# as `tensors_ok` of checks.h, which `cpp_header` writes when they build. Shapes:
+# The tensor checks, declared once and in order: rows (condition, message) of `check_rows`. Python runs them as
+# `tensors_ok` (all at once: the ops' per-call path) and `check_tensors` (one by one, raising the first that fails); the
+# native kernels run them as `tensors_ok` of checks.h, which `cpp_header` writes when they build. Shapes:
 #
 #   q: [T, Hq, D]; k: [T, Hkv, D]; v: [T, Hkv, Dv]; k_cache: [num_pages, page_size, Hkv, D], v_cache:
 #   [num_pages, page_size, Hkv, Dv], contiguous (v_cache: or the leading Dv values of contiguous rows,
-#   `value_rows_ok`), q's dtype or both one of FP8_DTYPES; cu_seqlens_q: [B + 1] int32; seq_lens: [B] int32;
+#   `check_rows.value_rows_ok`), q's dtype or both one of FP8_DTYPES; cu_seqlens_q: [B + 1] int32; seq_lens: [B] int32;
 #   block_table: [B, max_pages] int32. Dv may differ from D (MLA-style models).
 RANKS = {"q": 3, "k": 3, "v": 3, "k_cache": 4, "v_cache": 4, "cu_seqlens_q": 1, "seq_lens": 1, "block_table": 2}
 TENSOR_CHECKS = (
@@ -97,72 +91,10 @@ TENSOR_CHECKS = (
 DECODE_SHAPE = "(num_requests > 0 and num_tokens % num_requests == 0) or (num_requests == 0 and num_tokens == 0)"
 
 
-def same_device(t, q) -> bool:
-    return t.device == q.device
-
-
-def same_dtype(t, other) -> bool:
-    return t.dtype == other.dtype
-
-
-def is_float(t) -> bool:
-    return t.dtype in FLOAT_DTYPES
-
-
-def is_fp8(t) -> bool:
-    return t.dtype in FP8_DTYPES
-
-
-def is_int32(t) -> bool:
-    return t.dtype == torch.int32
-
-
-def value_rows_ok(v_cache) -> bool:
-    """v_cache [num_pages, page_size, Hkv, Dv] is contiguous, or the leading Dv values of each row of a contiguous
-    [num_pages, page_size, Hkv, E] tensor (E > Dv): MLA's latent cache passes `k_cache[..., :Dv]`, whose values are
-    the first Dv of its keys, stored once."""
-    if v_cache.is_contiguous():
-        return True
-    _, page_size, num_kv_heads, v_head_dim = v_cache.shape
-    row = v_cache.stride(2)
-    return v_cache.stride() == (page_size * num_kv_heads * row, num_kv_heads * row, row, 1) and row > v_head_dim
-
-
-_HELPERS = {f.__name__: f for f in (same_device, same_dtype, is_float, is_fp8, is_int32, value_rows_ok)}
-_ROWS = [(compile(c, c, "eval"), compile(f"f{m!r}", m, "eval")) for c, m in TENSOR_CHECKS]
-# The helpers written out, for the per-call function: a call of a Python function costs as much as the check.
-_INLINE = {
-    "same_device": "{0}.device == {1}.device",
-    "same_dtype": "{0}.dtype == {1}.dtype",
-    "is_float": "{0}.dtype in FLOAT_DTYPES",
-    "is_fp8": "{0}.dtype in FP8_DTYPES",
-    "is_int32": "{0}.dtype == INT32",
-}
-
-
-def _inline(condition: str) -> str:
-    """`condition` with each tensor's sizes read once (`q.size(0)` as `q_shape[0]`) and the helpers written out."""
-    condition = re.sub(r"(\w+)\.dim\(\)", r"len(\1_shape)", re.sub(r"(\w+)\.size\((\d)\)", r"\1_shape[\2]", condition))
-    return re.sub(
-        r"(\w+)\(([\w, ]+)\)",
-        lambda m: f"({_INLINE[m[1]].format(*m[2].split(', '))})" if m[1] in _INLINE else m[0],
-        condition,
-    )
-
-
-def _function(name: str, parameters, conditions) -> str:
-    """A function of `parameters` that returns whether all `conditions` hold, as one expression."""
-    shapes = "".join(f"    {p}_shape = {p}.shape\n" for p in parameters if p in RANKS)
-    body = " and ".join(f"({_inline(c)})" for c in conditions)
-    scope = {**_HELPERS, "FLOAT_DTYPES": FLOAT_DTYPES, "FP8_DTYPES": FP8_DTYPES, "INT32": torch.int32}
-    exec(f"def {name}({', '.join(parameters)}):\n{shapes}    return {body}\n", scope)
-    return scope[name]
-
-
-# True when `check_tensors` would pass, in a few microseconds. It compares sizes with `==`, which on symbolic sizes
-# would add guards, so the fake implementations call `check_tensors` instead.
-tensors_ok = _function("tensors_ok", RANKS, [c for c, _ in TENSOR_CHECKS])
-decode_shape_ok = _function("decode_shape_ok", ("num_tokens", "num_requests"), [DECODE_SHAPE])
+_TENSOR_ROWS = compiled(TENSOR_CHECKS)
+# True when `check_tensors` would pass, in a few microseconds; the fake implementations call `check_tensors`.
+tensors_ok = all_hold("tensors_ok", RANKS, [c for c, _ in TENSOR_CHECKS], tensors=RANKS)
+decode_shape_ok = all_hold("decode_shape_ok", ("num_tokens", "num_requests"), [DECODE_SHAPE])
 
 
 def check_args(tensors, options) -> None:
@@ -174,24 +106,28 @@ def check_args(tensors, options) -> None:
 def check_tensors(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table):
     """The rows of TENSOR_CHECKS in order, on sizes that may be symbolic; raises `HybridInputError` with the first
     failing row's message, which names the argument."""
-    scope = dict(zip(RANKS, (q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table)))
-    for condition, message in _ROWS:
-        check_input(eval(condition, _HELPERS, scope), lambda: eval(message, _HELPERS, scope))
+    check(_TENSOR_ROWS, dict(zip(RANKS, (q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table))))
 
 
 def cpp_header() -> str:
-    """kernels/cpu's checks.h: TENSOR_CHECKS as `tensors_ok` and DECODE_SHAPE as `decode_shape_ok`, in C++ (the
-    includer defines the helpers)."""
-
-    def cpp(condition):
-        return re.sub(r"\bnot\b ?", "!", condition.replace(" and ", " && ").replace(" or ", " || "))
-
+    """kernels/cpu's checks.h: TENSOR_CHECKS as `tensors_ok`, each option's rows as `options_ok` (over an `Options` of
+    the includer's, whose fields are the options) and DECODE_SHAPE as `decode_shape_ok`, in C++; the includer defines
+    the helpers of `check_rows`."""
     parameters = ", ".join(f"const at::Tensor& {name}" for name in RANKS)
     rows = " &&\n         ".join(f"({cpp(c)})" for c, _ in TENSOR_CHECKS)
+    options = "".join(
+        f"  if ({cpp(in_use_condition(f))}) {{\n"
+        f"    const auto& value = {'*' if f.default is None else ''}options.{f.name};\n"
+        f"    if (!({' && '.join(f'({cpp(c)})' for c, _ in f.metadata['checks'])})) return false;\n"
+        "  }\n"
+        for f in FIELDS
+    )
     return (
-        "// Generated from hybrid_ops/validation.py when the kernels build: its TENSOR_CHECKS and DECODE_SHAPE.\n"
+        "// Generated from hybrid_ops/validation.py and options.py when the kernels build: their rows of checks.\n"
         "#pragma once\n\n"
         f"inline bool tensors_ok({parameters}) {{\n  return {rows};\n}}\n\n"
+        "inline bool options_ok(const at::Tensor& q, const at::Tensor& k_cache, const Options& options) {\n"
+        f"{options}  return true;\n}}\n\n"
         "inline bool decode_shape_ok(int64_t num_tokens, int64_t num_requests) {\n"
         f"  return {cpp(DECODE_SHAPE)};\n}}\n"
     )

@@ -1,10 +1,11 @@
-"""The tensor checks are declared once (validation.TENSOR_CHECKS: Python runs them, the cpu backend's checks.h is
-generated from them); the option and metadata-value checks exist twice: in Python (options.py and validation.py,
-which name the culprit) and in C++ (the cpu backend's entry points and kernel, which decide without Python whether a
-call may run). Both must accept exactly the same inputs: one that C++ accepted and Python would refuse would run
-unchecked; one C++ refused and Python accepts only costs a detour. Random batches (caches in q's dtype or fp8, with
-scale arguments good and bad, sinks, chunks, trees good and bad), each with a random set of the bad inputs of
-helpers/bad_inputs.py and random metadata values, are put to both."""
+"""The argument checks are declared once, as rows (check_rows.py: validation.TENSOR_CHECKS and each option's), which
+Python runs two ways (all at once on the per-call path, row by row for the message) and the cpu backend's checks.h
+spells in C++; the metadata-value checks exist twice, in Python (validation.py, which names the culprit) and in C++
+(the cpu backend's kernel, which decides without Python whether a call may run). All must accept exactly the same
+inputs: one that C++ accepted and Python would refuse would run unchecked; one C++ refused and Python accepts only
+costs a detour. Random batches (caches in q's dtype or fp8, with scale arguments good and bad, sinks, chunks, trees
+good and bad), each with a random set of the bad inputs of helpers/bad_inputs.py and random metadata values, are put
+to each."""
 
 import math
 
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 
 import hybrid_ops
 from hybrid_ops import HybridInputError
-from hybrid_ops.options import FIELDS, Options
+from hybrid_ops.options import FIELDS, Options, options_ok
 from hybrid_ops.validation import check_args, check_metadata_values, check_tensors, decode_shape_ok, tensors_ok
 
 OPTION_NAMES = {f.name for f in FIELDS}
@@ -152,6 +153,8 @@ def test_cpp_and_python_checks_agree(first, data):
     args, options, decode = data.draw(inputs(MUTATIONS.get(first)))
     accepted = python_accepts(check_args, args, Options(**options))
     assert tensors_ok(*args) == python_accepts(check_tensors, *args)
+    if tensors_ok(*args):
+        assert options_ok(Options(**options), args[0], args[3]) == accepted
     assert native().args_ok(*args, **Options(**options).keywords()) == accepted
     event(f"arguments accepted: {accepted}")
     if not accepted:

@@ -39,10 +39,11 @@ from pathlib import Path
 import torch
 from torch._appdirs import user_cache_dir
 
+from ..check_rows import FLOAT_DTYPES
 from ..errors import HybridInputError
 from ..modes import ROUTING, SPECULATIVE_ATTENTION_MODES
 from ..options import cpp_header as options_header
-from ..validation import FLOAT_DTYPES, check_metadata_values, check_state_metadata_values
+from ..validation import check_metadata_values, check_state_metadata_values
 from ..validation import cpp_header as checks_header
 from .base import STATE_OPS, Backend
 from .registry import registry

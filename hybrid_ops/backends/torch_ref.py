@@ -17,10 +17,11 @@ Two ways through a batch, both over `attend`:
 import torch
 import torch.nn.functional as F
 
+from ..check_rows import FLOAT_DTYPES
 from ..fp8 import quantize, raw
 from ..metadata import new_token_slots
 from ..settings import deterministic_enabled
-from ..validation import FLOAT_DTYPES, check_metadata_values
+from ..validation import check_metadata_values
 from . import torch_state
 from .base import STATE_OPS, Backend
 

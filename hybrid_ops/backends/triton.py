@@ -17,8 +17,8 @@ import os
 
 import torch
 
+from ..check_rows import FLOAT_DTYPES
 from ..settings import deterministic_enabled
-from ..validation import FLOAT_DTYPES
 from .base import STATE_OPS, Backend
 from .deps import importable
 

@@ -74,14 +74,21 @@ std::shared_ptr<const Tables> current_tables() { return std::atomic_load(&tables
 
 bool is_fp8(at::ScalarType dtype) { return dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2; }
 
-// The helpers of validation.TENSOR_CHECKS, whose rows checks.h spells in C++.
+// The helpers of hybrid_ops/check_rows.py, the rows of checks.h call them.
+constexpr double inf = std::numeric_limits<double>::infinity();
 bool same_device(const at::Tensor& t, const at::Tensor& q) { return t.device() == q.device(); }
 bool same_dtype(const at::Tensor& t, const at::Tensor& other) { return t.scalar_type() == other.scalar_type(); }
 bool is_float(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16;
 }
+bool is_float32(const at::Tensor& t) { return t.scalar_type() == at::kFloat; }
+bool is_bool(const at::Tensor& t) { return t.scalar_type() == at::kBool; }
 bool is_fp8(const at::Tensor& t) { return is_fp8(t.scalar_type()); }
 bool is_int32(const at::Tensor& t) { return t.scalar_type() == at::kInt; }
+template <typename T>
+bool given(const std::optional<T>& option) {
+  return option.has_value();
+}
 bool value_rows_ok(const at::Tensor& v_cache) {
   if (v_cache.is_contiguous()) return true;
   const int64_t row = v_cache.stride(2);
@@ -91,36 +98,11 @@ bool value_rows_ok(const at::Tensor& v_cache) {
 
 }  // namespace
 
-#include "checks.h"  // generated from hybrid_ops/validation.py when the kernels build: tensors_ok, decode_shape_ok
+// Generated from hybrid_ops/validation.py and options.py when the kernels build: tensors_ok, options_ok,
+// decode_shape_ok.
+#include "checks.h"
 
 namespace {
-
-// The option checks of options.py (`option(...)` of each field) for a value in use.
-// options._kv_scale: float32 of shape [], [1] or [Hkv], on the CPU.
-bool kv_scale_ok(const std::optional<at::Tensor>& kv_scale, int64_t num_kv_heads) {
-  return kv_scale && kv_scale->scalar_type() == at::kFloat && kv_scale->device().is_cpu() &&
-         (kv_scale->dim() == 0 ||
-          (kv_scale->dim() == 1 && (kv_scale->size(0) == 1 || kv_scale->size(0) == num_kv_heads)));
-}
-
-bool options_ok(const at::Tensor& q, const at::Tensor& k_cache, const Options& o) {
-  if (o.sinks && !(o.sinks->scalar_type() == at::kFloat && o.sinks->dim() == 1 && o.sinks->size(0) == q.size(1) &&
-                   o.sinks->device().is_cpu())) {
-    return false;
-  }
-  if (o.tree_mask &&
-      !(o.tree_mask->scalar_type() == at::kBool && o.tree_mask->dim() == 2 && o.tree_mask->size(0) == q.size(0) &&
-        o.tree_mask->size(1) > 0 && o.tree_mask->device().is_cpu())) {
-    return false;
-  }
-  if ((o.k_scale || o.v_scale) &&
-      !(is_fp8(k_cache) && kv_scale_ok(o.k_scale, k_cache.size(2)) && kv_scale_ok(o.v_scale, k_cache.size(2)))) {
-    return false;
-  }
-  constexpr double inf = std::numeric_limits<double>::infinity();
-  return (!o.scale || (*o.scale > 0 && *o.scale < inf)) && (o.sliding_window == -1 || o.sliding_window > 0) &&
-         o.logit_cap >= 0 && o.logit_cap < inf && (o.attention_chunk == -1 || o.attention_chunk > 0);
-}
 
 // validation.check_args: true when it would pass, for tensors on the CPU (the only ones the native kernels take).
 bool args_ok(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
