@@ -333,3 +333,21 @@ def tree_parent(TreeMask, row, j, num_columns, stride_tt, stride_tq, BLOCK_Q: tl
     c = tl.arange(0, BLOCK_Q)
     seen = tl.load(TreeMask + row * stride_tt + c * stride_tq, mask=(c < j) & (c < num_columns), other=0)
     return tl.max(tl.where(seen != 0, c, -1), 0)
+
+
+@triton.jit
+def tree_state(s, TreeMask, row, j, num_columns, stride_tt, stride_tq, slot_state, kept, stride_kj, has_state,
+               tile_ok, BLOCK_Q: tl.constexpr):  # fmt: skip
+    """The state that new token j (x row `row`) of a tree continues: s, the one in registers, where its parent
+    (`tree_parent`) is token j - 1; else its parent's as kept after it (kept + parent * stride_kj), or the slot's
+    (slot_state; zeros without has_state) for the prefix. tile_ok masks the state's tile."""
+    parent = tree_parent(TreeMask, row, j, num_columns, stride_tt, stride_tq, BLOCK_Q)
+    if parent != j - 1:
+        tl.debug_barrier()  # the parent's state was stored by this program's other threads
+        from_prefix = parent < 0
+        s = tl.load(
+            tl.where(from_prefix, slot_state, kept + parent * stride_kj),
+            mask=tl.where(has_state | ~from_prefix, tile_ok, False),
+            other=0.0,
+        )
+    return s

@@ -12,7 +12,7 @@ strides; out [T, Hv, Dv] in v's dtype. Per token, in float32:
 S starts from the slot's state [num_slots, Hv, Dk, Dv] float32 (`common.request_slot`: zeros without a prefix)
 and ends there, except in TARGET_VERIFY (VERIFY), where the state after each token j goes to
 intermediate_states[slot, j] instead. With a tree (HAS_TREE), token j continues its parent's state
-(`common.tree_parent`): the one in registers when the parent is token j - 1, else the parent's as kept after it
+(`common.tree_state`): the one in registers when the parent is token j - 1, else the parent's as kept after it
 (intermediate_states, or outside TARGET_VERIFY the scratch of `common.token_states`), or the slot's for the prefix.
 A padding request (slot outside [0, num_slots)) writes zeros to its outputs and nothing else.
 """
@@ -20,7 +20,7 @@ A padding request (slot outside [0, num_slots)) writes zeros to its outputs and 
 import triton
 import triton.language as tl
 
-from .common import kernel_tree_mask, request_slot, request_tokens, token_states, tree_parent
+from .common import kernel_tree_mask, request_slot, request_tokens, token_states, tree_state
 from .config import Target, delta_tiles
 
 
@@ -60,15 +60,10 @@ def _gated_delta_rule_kernel(
     for j in range(0, tl.where(held, n, 0)):
         t = (start + j).to(tl.int64)
         if HAS_TREE:
-            parent = tree_parent(TreeMask, t, j, num_columns, stride_tt, stride_tq, BLOCK_Q)
-            if parent != j - 1:
-                tl.debug_barrier()  # the parent's state was stored by this program's other threads
-                from_prefix = parent < 0
-                s = tl.load(
-                    tl.where(from_prefix, slot_state, kept + parent * stride_xj),
-                    mask=tl.where(has_state | ~from_prefix, tile_ok, False),
-                    other=0.0,
-                )
+            s = tree_state(
+                s, TreeMask, t, j, num_columns, stride_tt, stride_tq, slot_state, kept, stride_xj, has_state, tile_ok,
+                BLOCK_Q,
+            )  # fmt: skip
         q = tl.load(Q + t * stride_qt + k_head * stride_qh + dk * stride_qd, mask=k_ok, other=0.0).to(tl.float32)
         k = tl.load(K + t * stride_kt + k_head * stride_kh + dk * stride_kd, mask=k_ok, other=0.0).to(tl.float32)
         v = tl.load(V + t * stride_vt + head * stride_vh + dv * stride_vd, mask=v_ok, other=0.0).to(tl.float32)

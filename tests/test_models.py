@@ -10,11 +10,11 @@ import torch
 from helpers.models import (
     NEW_TOKENS,
     PROMPTS,
-    SIZES,
     hybrid_tokens,
     make_model,
     preempting_pages,
     reference_tokens,
+    sized_generator,
     tiny_config,
 )
 
@@ -253,7 +253,7 @@ def test_compiled_features_never_recompile(model_type):
     torch._dynamo.reset()
     config = tiny_config(model_type, num_hidden_layers=2)  # still a sliding and a full layer; a dense and a MoE one
     expected = reference_tokens(make_model(config))
-    generator = HybridGenerator(make_model(config), **SIZES)
+    generator = sized_generator(make_model(config))
     stats = hybrid_ops.GenerationStats()
     assert generator.generate(PROMPTS[::-1], NEW_TOKENS, stats=stats) == expected[::-1]
     assert set(stats.steps) == {"EXTEND", "MIXED", "DECODE"}

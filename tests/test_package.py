@@ -17,6 +17,7 @@ from helpers.models import (
     hybrid_tokens,
     make_model,
     preempting_pages,
+    sized_generator,
     small_model,
     tiny_config,
 )
@@ -51,7 +52,7 @@ def test_served_from_the_package_as_from_the_model(llama, llama_package, options
     step (prefill chunks, mixed, decode), steps padded to buckets (scratch page), a budget that preempts, sizes below
     the package's."""
     sampled = dict(do_sample=True, temperature=1.3, top_k=20, seed=5)
-    eager = HybridGenerator(llama, **{**SIZES, **options}, compile=False)
+    eager = sized_generator(llama, **options, compile=False)
     served = HybridGenerator.from_package(llama_package, **options)
     stats = GenerationStats()
     assert served.generate(PROMPTS, NEW_TOKENS, stats=stats) == eager.generate(PROMPTS, NEW_TOKENS)
@@ -76,7 +77,7 @@ MODE_STEPS = {
 def test_every_mode_gives_the_eager_steps_logits_and_cache(llama, llama_package, mode):
     """One program serves every forward mode (a 0-d tensor input): a step of each, over K/V written by a first
     step, gives the eager forward's logits for every token and writes the same K/V."""
-    eager = HybridGenerator(llama, **SIZES, compile=False)
+    eager = sized_generator(llama, compile=False)
     served = HybridGenerator.from_package(llama_package)
     prefix, new = MODE_STEPS[mode]
     tokens = [random_prompts(1, (n + m + 1, n + m + 2))[0] for n, m in zip(prefix, new)]
@@ -105,7 +106,7 @@ def test_prefix_caching_through_the_package(llama, llama_package):
     pages and gets the tokens of the eager generator without prefix caching."""
     common = random_prompts(1, (11, 12))[0]
     prompts = [common + tail for tail in random_prompts(3, (1, 9))] + [common[:6]]
-    want = HybridGenerator(llama, **SIZES, compile=False).generate(prompts, NEW_TOKENS)
+    want = sized_generator(llama, compile=False).generate(prompts, NEW_TOKENS)
     served = HybridGenerator.from_package(llama_package, prefix_caching=True)
     stats = GenerationStats()
     assert served.generate(prompts, NEW_TOKENS, stats=stats) == want
@@ -140,7 +141,7 @@ def test_fp8_cache_through_the_package(tmp_path):
     assert want != hybrid_tokens(model)  # e4m3 changes these tokens: the test sees which cache ran
     assert served.generate(PROMPTS, NEW_TOKENS) == want
     # The scales are the serving cache's tensors, read at every step: a scale that saturates e4m3 changes the tokens.
-    eager = HybridGenerator(model, **SIZES, compile=False, kv_cache_dtype=torch.float8_e4m3fn)
+    eager = sized_generator(model, compile=False, kv_cache_dtype=torch.float8_e4m3fn)
     for scale in eager.cache.k_scales + eager.cache.v_scales + served.cache.k_scales + served.cache.v_scales:
         scale.fill_(1 / 1024)
     scaled = eager.generate(PROMPTS, NEW_TOKENS)

@@ -22,13 +22,11 @@ from helpers.state_cases import (
     valid_call,
 )
 from helpers.state_reference import (
-    POISON,
+    StateCall,
+    assert_near,
     conv_reference,
-    expected_intermediates,
-    expected_states,
     gated_delta_reference,
     make_batch,
-    poisoned_states,
     selective_scan_reference,
 )
 from torch.library import opcheck
@@ -37,33 +35,19 @@ from hybrid_ops import ForwardMode, HybridInputError
 
 BASIC = ["prefill", "decode"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# Max abs error over the output's magnitude: the recurrences in float32, inputs rounded to the dtype.
-TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
-
-
-def assert_near(got, want, dtype, what):
-    scale = max(1.0, want.abs().max().item()) if want.numel() else 1.0
-    err = (got.double() - want).abs().max().item() if got.numel() else 0.0
-    assert err <= TOLERANCE[dtype] * scale, f"{what}: max abs error {err:.3g} > {TOLERANCE[dtype]:.1g} x {scale:.3g}"
 
 
 def routed(backend, mode):
     return dict(prefill_backend=backend, decode_backend=backend, speculative_attention_mode=mode)
 
 
-class Call:
-    """A batch and its op's state tensors (poisoned where the batch holds no slot), called once and checked."""
+class Call(StateCall):
+    """The batch of BATCHES[name] and its op's state tensors, called on a backend."""
 
     def __init__(self, name, state_shape, state_dtype, seed, speculative_attention_mode="prefill"):
         self.mode, arguments = BATCHES[name]
-        self.batch = make_batch(**arguments, rng=random.Random(seed))
-        self.verify = self.mode == ForwardMode.TARGET_VERIFY
-        self.state = poisoned_states(self.batch, state_shape, state_dtype)
-        self.before = self.state.clone()
-        self.intermediate = None
-        if self.verify:
-            q = max(self.batch.q_lens) + 1
-            self.intermediate = torch.full((self.batch.num_slots, q, *state_shape), POISON, dtype=state_dtype)
+        batch = make_batch(**arguments, rng=random.Random(seed))
+        super().__init__(batch, state_shape, state_dtype, verify=self.mode == ForwardMode.TARGET_VERIFY)
         self.spec_mode = speculative_attention_mode
 
     def keywords(self, backend):
@@ -74,34 +58,6 @@ class Call:
     @property
     def metadata(self):
         return (*self.batch.metadata, int(self.mode))
-
-    def check(self, out, reference, dtype, state_dtype):
-        ref, finals, every = reference
-        assert out.shape == ref.shape and out.dtype == dtype
-        assert_near(out, ref, dtype, "output")
-        if self.verify:
-            assert torch.equal(self.state, self.before), "TARGET_VERIFY wrote a slot's state"
-            before = torch.full_like(self.intermediate, POISON)
-            want = expected_intermediates(self.batch, before, every)
-            written = torch.zeros(self.intermediate.shape[:2], dtype=torch.bool)
-            for slot, states in zip(self.batch.slots, every):
-                if slot >= 0:  # not padding
-                    written[slot, : len(states)] = True
-            assert_states(self.intermediate, before, want, written, state_dtype, "intermediate states")
-        else:
-            want = expected_states(self.batch, self.before, finals)
-            written = torch.zeros(self.state.shape[0], dtype=torch.bool)
-            for slot, final in zip(self.batch.slots, finals):
-                if final is not None:  # a real request with new tokens
-                    written[slot] = True
-            assert_states(self.state, self.before, want, written, state_dtype, "states")
-
-
-def assert_states(got, before, want, written, dtype, what):
-    """The entries `written` ([num_slots] or [num_slots, Q] bool) near `want`, within the tolerance of `dtype`
-    scaled by their own magnitude; every other entry exactly as `before` (poison stays poison)."""
-    assert torch.equal(got[~written], before[~written]), f"{what}: an entry the call must not write changed"
-    assert_near(got[written], want[written], dtype, what)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

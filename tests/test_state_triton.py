@@ -4,22 +4,19 @@ heads and channels per program, tokens per window step), slots outside [0, num_s
 the strided views a compiled graph passes, and the head dims `supports` bounds. Against the float64 recurrences of
 tests/helpers/state_reference.py; every slot the batch does not hold is poisoned and must come back bit for bit."""
 
-import contextlib
 import random
 from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.cases import launch_target
 from helpers.reference import slow_except
 from helpers.state_reference import (
-    POISON,
+    StateCall,
     conv_reference,
-    expected_intermediates,
-    expected_states,
     gated_delta_reference,
     make_batch,
-    poisoned_states,
     selective_scan_reference,
 )
 
@@ -29,8 +26,6 @@ from hybrid_ops.backends import Spec
 from hybrid_ops.kernels.config import INTERPRETER, Target, conv_tiles, delta_tiles, scan_tiles
 
 GPU_TILES = Target(num_sms=132, interpret=True)  # an H200's tiles
-# Max abs error over the expected tensor's magnitude, as tests/test_state_ops.py holds the backends to.
-TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
 @dataclass
@@ -114,27 +109,6 @@ BATCHES = {
 }
 
 
-@contextlib.contextmanager
-def launch_target(target):
-    backend = hybrid_ops.get_backend("triton")
-    saved, backend.target = backend.target, target
-    try:
-        yield
-    finally:
-        backend.target = saved
-
-
-def assert_near(got, want, dtype, what):
-    """Entries where want holds POISON (a slot the batch does not hold) bit for bit; the others within TOLERANCE of
-    dtype, over the magnitude of the rest (POISON would loosen it 10,000 times)."""
-    poisoned = want == torch.tensor(POISON, dtype=got.dtype).double()
-    assert torch.equal(got.double()[poisoned], want[poisoned]), f"{what}: a slot the batch does not hold changed"
-    got, want = got.double()[~poisoned], want[~poisoned]
-    scale = max(1.0, want.abs().max().item()) if want.numel() else 1.0
-    err = (got - want).abs().max().item() if want.numel() else 0.0
-    assert err <= TOLERANCE[dtype] * scale, f"{what}: max abs error {err:.3g} > {TOLERANCE[dtype]:.1g} x {scale:.3g}"
-
-
 def check(layer, batch_name, dtype=torch.float32, target=INTERPRETER, strided=None, out_of_range=False):
     """The op of `layer` on a batch (Triton with target's tiles) against the reference. strided(tensors) -> the same
     values as the views to call with; out_of_range: requests 0 and 1 called with slots num_slots and -5, which the
@@ -148,39 +122,23 @@ def check(layer, batch_name, dtype=torch.float32, target=INTERPRETER, strided=No
         state_slots[0], state_slots[1] = batch.num_slots, -5
     tensors, keywords = layer.make(batch.num_tokens, dtype)
     state_dtype = layer.state_dtype or dtype
-    state = poisoned_states(batch, layer.state_shape, state_dtype)
-    before = state.clone()
-    verify = mode == ForwardMode.TARGET_VERIFY
-    intermediate = None
-    if verify:
-        intermediate = torch.full(
-            (batch.num_slots, max(batch.q_lens) + 1, *layer.state_shape), POISON, dtype=state_dtype
-        )
+    call = StateCall(batch, layer.state_shape, state_dtype, verify=mode == ForwardMode.TARGET_VERIFY)
     with launch_target(target):
         out = getattr(torch.ops.hybrid, layer.op)(
             *(strided(tensors) if strided else tensors),
-            state,
+            call.state,
             cu_seqlens_q,
             seq_lens,
             state_slots,
             int(mode),
             **keywords,
             tree_mask=batch.tree_mask,
-            intermediate_states=intermediate,
+            intermediate_states=call.intermediate,
             prefill_backend="triton",
             decode_backend="triton",
             speculative_attention_mode=spec_mode,
         )
-    ref, finals, every = layer.reference(batch, tensors, keywords, before)
-    assert out.dtype == dtype
-    assert_near(out, ref, dtype, "output")
-    state_tolerance = torch.float32 if state_dtype == torch.float32 else dtype
-    if verify:
-        assert torch.equal(state, before), "TARGET_VERIFY wrote a slot's state"
-        want = expected_intermediates(batch, torch.full_like(intermediate, POISON), every)
-        assert_near(intermediate, want, state_tolerance, "intermediate states")
-    else:
-        assert_near(state, expected_states(batch, before, finals), state_tolerance, "states")
+    call.check(out, layer.reference(batch, tensors, keywords, call.before), dtype, state_dtype)
 
 
 def test_gpu_tiles_split_every_axis():

@@ -6,14 +6,13 @@ splits into several non-empty parts, with and without a sliding window and soft-
 that a 1% softmax-scale error fails, checked on the same case.
 """
 
-import contextlib
 import math
 
 import pytest
 import torch
+from helpers.cases import launch_target
 from helpers.reference import expected_cache, latent_case, make_case, reference, slow_except
 
-import hybrid_ops
 from hybrid_ops.kernels import kv_store
 from hybrid_ops.kernels.common import values_in_keys
 from hybrid_ops.kernels.config import Target, decode_tiles, head_blocks, prefill_tiles, reduce_columns
@@ -29,16 +28,6 @@ MANY_SMS = Target(num_sms=132, interpret=True)  # an H200: GPU tiles, stages and
 # Logits of standard deviation 2 (scale 2 / sqrt(D)), so that the scale matters.
 OPTIONS = {"plain": dict(scale=0.25), "window_softcap": dict(scale=0.25, sliding_window=150, logit_cap=10.0)}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-@contextlib.contextmanager
-def launch_target(target):
-    backend = hybrid_ops.get_backend("triton")
-    saved, backend.target = backend.target, target
-    try:
-        yield
-    finally:
-        backend.target = saved
 
 
 def excess(out, ref):

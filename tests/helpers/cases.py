@@ -1,5 +1,7 @@
-"""Batches and checks that several test modules run: a batch for each forward mode and path, and the fp8 conformance
-cases with their check against the float64 reference."""
+"""Batches and checks that several test modules run: a batch for each forward mode and path, the fp8 conformance
+cases with their check against the float64 reference, and the Triton kernels launched with another target's tiles."""
+
+import contextlib
 
 import torch
 
@@ -78,3 +80,14 @@ def check_fp8_call(op, case, cache_dtype, kind, options, **kwargs):
     assert_close(out, reference(read, **options), case.q.dtype)
     assert torch.equal(fp8.k_cache.view(torch.uint8), k_expected), "k_cache differs from the quantized values"
     assert torch.equal(fp8.v_cache.view(torch.uint8), v_expected), "v_cache differs from the quantized values"
+
+
+@contextlib.contextmanager
+def launch_target(target):
+    """The Triton backend launches its kernels with the tiles of `target` (a `kernels.config.Target`) inside."""
+    backend = hybrid_ops.get_backend("triton")
+    saved, backend.target = backend.target, target
+    try:
+        yield
+    finally:
+        backend.target = saved

@@ -303,6 +303,11 @@ def reference_tokens(model, prompts=PROMPTS, new_tokens=NEW_TOKENS):
     return out
 
 
+def sized_generator(model, **kwargs):
+    """A `HybridGenerator` of `model` at SIZES unless `kwargs` say otherwise."""
+    return hybrid_ops.HybridGenerator(model, **{**SIZES, **kwargs})
+
+
 def hybrid_tokens(model, prompts=PROMPTS, new_tokens=NEW_TOKENS, **kwargs):
     """`hybrid_ops.generate` over all prompts at once, eager, at SIZES unless `kwargs` say otherwise."""
     return hybrid_ops.generate(model, prompts, new_tokens, **{"compile": False, **SIZES, **kwargs})
@@ -310,7 +315,7 @@ def hybrid_tokens(model, prompts=PROMPTS, new_tokens=NEW_TOKENS, **kwargs):
 
 def state_pages(model) -> int:
     """The pages that a request's state slot counts for in `hybrid_tokens`' budget; 0 for a model without state."""
-    return hybrid_ops.HybridGenerator(model, **{**SIZES, "max_seq_len": 8}, compile=False).state_pages
+    return sized_generator(model, max_seq_len=8, compile=False).state_pages
 
 
 def preempting_pages(model, prompts=PROMPTS, new_tokens=NEW_TOKENS) -> int:

@@ -1,5 +1,5 @@
 """Test helpers for the state ops: random packed batches over state slots and the float64 recurrences, one request
-and one token at a time, written without the library's code."""
+and one token at a time, written without the library's code; a call's states and outputs checked against them."""
 
 import math
 import random
@@ -97,22 +97,80 @@ def expected_intermediates(batch, before, every):
     return after
 
 
-def run_requests(batch, initial_state, step, outputs_shape):
-    """The float64 loop: for each request, its tokens along their parents from its initial state (`initial_state(i)`
-    or zeros without a prefix), `step(state, t) -> (state, out)` with t the token's row. Returns (outputs [T, ...]
-    float64, per request its final state or None, per request the state after each of its tokens)."""
+# Max abs error over the expected tensor's magnitude: the recurrences in float32, inputs rounded to the dtype.
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def assert_near(got, want, dtype, what):
+    scale = max(1.0, want.abs().max().item()) if want.numel() else 1.0
+    err = (got.double() - want).abs().max().item() if got.numel() else 0.0
+    assert err <= TOLERANCE[dtype] * scale, f"{what}: max abs error {err:.3g} > {TOLERANCE[dtype]:.1g} x {scale:.3g}"
+
+
+def assert_states(got, before, want, written, dtype, what):
+    """The entries `written` ([num_slots] or [num_slots, Q] bool) near `want`, within the tolerance of `dtype`
+    scaled by their own magnitude; every other entry exactly as `before` (poison stays poison)."""
+    assert torch.equal(got[~written], before[~written]), f"{what}: an entry the call must not write changed"
+    assert_near(got[written], want[written], dtype, what)
+
+
+class StateCall:
+    """A batch and its op's state tensors (poisoned where the batch holds no slot; in TARGET_VERIFY, `verify`, also
+    intermediate_states, all poison), called once and checked."""
+
+    def __init__(self, batch, state_shape, state_dtype, verify):
+        self.batch = batch
+        self.verify = verify
+        self.state = poisoned_states(batch, state_shape, state_dtype)
+        self.before = self.state.clone()
+        self.intermediate = None
+        if verify:
+            q = max(batch.q_lens) + 1
+            self.intermediate = torch.full((batch.num_slots, q, *state_shape), POISON, dtype=state_dtype)
+
+    def check(self, out, reference, dtype, state_dtype):
+        """out against reference, the (out, finals, every) of the op's recurrence: out within the tolerance of dtype,
+        the states written within that of state_dtype, every other entry untouched."""
+        ref, finals, every = reference
+        assert out.shape == ref.shape and out.dtype == dtype
+        assert_near(out, ref, dtype, "output")
+        if self.verify:
+            assert torch.equal(self.state, self.before), "TARGET_VERIFY wrote a slot's state"
+            before = torch.full_like(self.intermediate, POISON)
+            want = expected_intermediates(self.batch, before, every)
+            written = torch.zeros(self.intermediate.shape[:2], dtype=torch.bool)
+            for slot, states in zip(self.batch.slots, every):
+                if slot >= 0:  # not padding
+                    written[slot, : len(states)] = True
+            assert_states(self.intermediate, before, want, written, state_dtype, "intermediate states")
+        else:
+            want = expected_states(self.batch, self.before, finals)
+            written = torch.zeros(self.state.shape[0], dtype=torch.bool)
+            for slot, final in zip(self.batch.slots, finals):
+                if final is not None:  # a real request with new tokens
+                    written[slot] = True
+            assert_states(self.state, self.before, want, written, state_dtype, "states")
+
+
+def run_requests(batch, before, step, outputs_shape):
+    """The float64 loop: for each request, its tokens along their parents from its slot's state in `before` (the
+    slots' states before the call; zeros without a prefix), `step(state, t) -> (state, out)` with t the token's row.
+    Returns (outputs [T, ...] float64, per request its final state or None, per request the state after each of its
+    tokens)."""
     out = torch.zeros((batch.num_tokens, *outputs_shape), dtype=torch.float64)
     finals, every, start = [], [], 0
     for i, n in enumerate(batch.q_lens):
-        state0 = initial_state(i)
+        slot = batch.slots[i]
+        has_state = slot >= 0 and batch.prefixes[i] > 0
+        state0 = before[slot].double() if has_state else torch.zeros(before.shape[1:], dtype=torch.float64)
         states = []
         for j, parent in enumerate(batch.parents(i)):
             state = state0 if parent < 0 else states[parent]
             state, out[start + j] = step(state.clone(), start + j)
             states.append(state)
-        finals.append(states[-1] if n and batch.slots[i] >= 0 else None)
+        finals.append(states[-1] if n and slot >= 0 else None)
         every.append(states)
-        if batch.slots[i] < 0:
+        if slot < 0:
             out[start : start + n] = 0
         start += n
     return out, finals, every
@@ -124,12 +182,6 @@ def conv_reference(batch, x, weight, bias, conv_state, activation):
     width, channels = weight.shape[1], x.shape[1]
     w, b = weight.double(), None if bias is None else bias.double()
 
-    def initial(i):
-        slot = batch.slots[i]
-        if slot >= 0 and batch.prefixes[i] > 0:
-            return conv_state[slot].double()
-        return torch.zeros(width - 1, channels, dtype=torch.float64)
-
     def step(window, t):
         full = torch.cat([window, x[t].double()[None]])  # [K, C], oldest first
         y = sum(w[:, k] * full[k] for k in range(width))
@@ -139,19 +191,13 @@ def conv_reference(batch, x, weight, bias, conv_state, activation):
             y = y / (1 + torch.exp(-y))
         return full[1:], y
 
-    return run_requests(batch, initial, step, (channels,))
+    return run_requests(batch, conv_state, step, (channels,))
 
 
 def gated_delta_reference(batch, q, k, v, g, beta, state, scale):
     """gated_delta_rule in float64, one value head at a time."""
     num_k_heads, num_v_heads = q.shape[1], v.shape[1]
     group = num_v_heads // num_k_heads
-
-    def initial(i):
-        slot = batch.slots[i]
-        if slot >= 0 and batch.prefixes[i] > 0:
-            return state[slot].double()
-        return torch.zeros(state.shape[1:], dtype=torch.float64)
 
     def step(s, t):
         out = torch.zeros(num_v_heads, v.shape[2], dtype=torch.float64)
@@ -163,19 +209,13 @@ def gated_delta_reference(batch, q, k, v, g, beta, state, scale):
             out[h] = scale * (s[h].t() @ qt)
         return s, out
 
-    return run_requests(batch, initial, step, (num_v_heads, v.shape[2]))
+    return run_requests(batch, state, step, (num_v_heads, v.shape[2]))
 
 
 def selective_scan_reference(batch, x, dt, A, B, C, state, D, z, dt_bias, dt_softplus, dt_min, dt_max):
     """selective_scan in float64, one head at a time."""
     num_heads, head_dim = x.shape[1], x.shape[2]
     group = num_heads // B.shape[1]
-
-    def initial(i):
-        slot = batch.slots[i]
-        if slot >= 0 and batch.prefixes[i] > 0:
-            return state[slot].double()
-        return torch.zeros(state.shape[1:], dtype=torch.float64)
 
     def step(s, t):
         y = torch.zeros(num_heads, head_dim, dtype=torch.float64)
@@ -195,4 +235,4 @@ def selective_scan_reference(batch, x, dt, A, B, C, state, D, z, dt_bias, dt_sof
                 y[h] = y[h] * gate / (1 + torch.exp(-gate))
         return s, y
 
-    return run_requests(batch, initial, step, (num_heads, head_dim))
+    return run_requests(batch, state, step, (num_heads, head_dim))
