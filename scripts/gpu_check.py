@@ -72,6 +72,9 @@ from hybrid_ops import ForwardMode  # noqa: E402
 from hybrid_ops.backends import registry  # noqa: E402
 from hybrid_ops.backends.deps import importable  # noqa: E402
 
+# A model's attention shape (8 query heads over 2 kv heads of 128, pages of 16) for the checks' cases.
+MODEL_SHAPE = dict(num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16)
+
 
 def timed(fn, device):
     """Median milliseconds of fn()."""
@@ -274,16 +277,7 @@ def check_triton_fp8(device, smoke, report):
         assert all(torch.equal(c.cpu().view(torch.uint8), e) for c, e in zip(args[3:5], expected)), "store bytes"
         for dtype in (torch.bfloat16,) if smoke else (torch.bfloat16, torch.float16, torch.float32):
             for path, q_lens in (("decode", [1, 1]), ("decode", [4, 4]), ("prefill", [37, 5])):
-                case = make_case(
-                    q_lens,
-                    [300, 41],
-                    num_q_heads=8,
-                    num_kv_heads=2,
-                    head_dim=128,
-                    page_size=16,
-                    dtype=dtype,
-                    seed=len(q_lens),
-                )
+                case = make_case(q_lens, [300, 41], **MODEL_SHAPE, dtype=dtype, seed=len(q_lens))
                 fp8, read, expected = fp8_case(case, cache_dtype, k_scale, v_scale)
                 args = [a.to(device) for a in fp8.args]
                 out = getattr(torch.ops.hybrid, path)(*args, backend="triton", **scales, **options)
@@ -348,15 +342,7 @@ def check_cuda_graphs(report):
         for round_ in range(4):
             for mode, q_lens in shapes.items():
                 case = make_case(
-                    q_lens,
-                    [40, 7],
-                    num_q_heads=8,
-                    num_kv_heads=2,
-                    head_dim=128,
-                    page_size=16,
-                    dtype=torch.bfloat16,
-                    device="cuda",
-                    seed=round_ * 10 + int(mode),
+                    q_lens, [40, 7], **MODEL_SHAPE, dtype=torch.bfloat16, device="cuda", seed=round_ * 10 + int(mode)
                 )
                 used = case.k_cache.shape[0]
                 k_cache[:used].copy_(case.k_cache)

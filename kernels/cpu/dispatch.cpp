@@ -241,22 +241,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("FP8_WIDE_VECS") = hybrid_ops::fp8_wide_vecs();
   m.def("multiplies_in_cache_dtype", &hybrid_ops::multiplies_in_cache_dtype,
         "Whether many query rows over a 16-bit cache multiply in 16 bits (AMX) rather than fp32");
-  m.def("causal_conv1d", &hybrid_ops::causal_conv1d,
-        "The depthwise causal convolution; None when the metadata's values are invalid", py::arg("x"),
-        py::arg("weight"), py::arg("bias"), py::arg("conv_state"), py::arg("cu_seqlens_q"), py::arg("seq_lens"),
-        py::arg("state_slots"), py::arg("decode"), py::arg("verify"), py::arg("tree_mask"),
-        py::arg("intermediate_states"), py::arg("activation"));
-  m.def("gated_delta_rule", &hybrid_ops::gated_delta_rule,
-        "The gated delta rule; None when the metadata's values are invalid", py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("g"), py::arg("beta"), py::arg("state"), py::arg("cu_seqlens_q"), py::arg("seq_lens"),
-        py::arg("state_slots"), py::arg("decode"), py::arg("verify"), py::arg("tree_mask"),
-        py::arg("intermediate_states"), py::arg("scale"));
-  m.def("selective_scan", &hybrid_ops::selective_scan,
-        "The selective state-space scan; None when the metadata's values are invalid", py::arg("x"), py::arg("dt"),
-        py::arg("A"), py::arg("B"), py::arg("C"), py::arg("state"), py::arg("cu_seqlens_q"), py::arg("seq_lens"),
-        py::arg("state_slots"), py::arg("decode"), py::arg("verify"), py::arg("tree_mask"),
-        py::arg("intermediate_states"), py::arg("D"), py::arg("z"), py::arg("dt_bias"), py::arg("dt_softplus"),
-        py::arg("dt_min"), py::arg("dt_max"));
+  hybrid_ops::define_state_ops(m);
   m.def("configure", &configure,
         "The routing table as (forward_mode, speculative_attention_mode, decode path?), the backend names that "
         "mean the native kernel, and every valid backend name");

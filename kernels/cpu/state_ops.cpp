@@ -1,10 +1,12 @@
-// The state ops' entry points (state_ops.h): the shapes the kernels index by checked (TORCH_CHECK: the op's own checks
-// make these hold, and a direct call must not read out of bounds either), then the metadata's values (a failure:
-// std::nullopt, nothing written), then the tensors turned into the kernels' pointers (state_kernel.h).
+// The state ops' entry points (state_ops.h), defined in the Python module: the shapes the kernels index by checked
+// (TORCH_CHECK: the op's own checks make these hold, and a direct call must not read out of bounds either), then the
+// metadata's values (a failure: std::nullopt, nothing written), then the tensors turned into the kernels' pointers
+// (state_kernel.h).
 
 #include "state_ops.h"
 
 #include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <vector>
@@ -137,8 +139,8 @@ float* intermediate_data(const std::optional<at::Tensor>& intermediate, bool ver
   return verify ? intermediate->data_ptr<float>() : nullptr;
 }
 
-}  // namespace
-
+// x [T, C]; weight [C, K]; bias [C] or none; conv_state [num_slots, K - 1, C] in x's dtype; activation "none" or
+// "silu". -> [T, C].
 std::optional<at::Tensor> causal_conv1d(const at::Tensor& x, const at::Tensor& weight,
                                         const std::optional<at::Tensor>& bias, const at::Tensor& conv_state,
                                         const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
@@ -173,6 +175,8 @@ std::optional<at::Tensor> causal_conv1d(const at::Tensor& x, const at::Tensor& w
   return out;
 }
 
+// q, k [T, Hk, Dk]; v [T, Hv, Dv] (Hv % Hk == 0); g [T, Hv] or [T, Hv, Dk] float32; beta [T, Hv]; state
+// [num_slots, Hv, Dk, Dv] float32. -> [T, Hv, Dv].
 std::optional<at::Tensor> gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                            const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
                                            const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
@@ -214,6 +218,8 @@ std::optional<at::Tensor> gated_delta_rule(const at::Tensor& q, const at::Tensor
   return out;
 }
 
+// x [T, H, P]; dt [T, H]; A [H] or [H, N] float32; B, C [T, G, N] (H % G == 0); state [num_slots, H, P, N] float32;
+// D, dt_bias [H] or none; z [T, H, P] or none; dt_max a float (inf: no limit). -> [T, H, P].
 std::optional<at::Tensor> selective_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A,
                                          const at::Tensor& B, const at::Tensor& C, const at::Tensor& state,
                                          const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
@@ -266,6 +272,26 @@ std::optional<at::Tensor> selective_scan(const at::Tensor& x, const at::Tensor& 
                                      .head_dim = head_dim,
                                      .state_size = state_size});
   return out;
+}
+
+}  // namespace
+
+void define_state_ops(py::module_& m) {
+  m.def("causal_conv1d", &causal_conv1d,
+        "The depthwise causal convolution; None when the metadata's values are invalid", py::arg("x"),
+        py::arg("weight"), py::arg("bias"), py::arg("conv_state"), py::arg("cu_seqlens_q"), py::arg("seq_lens"),
+        py::arg("state_slots"), py::arg("decode"), py::arg("verify"), py::arg("tree_mask"),
+        py::arg("intermediate_states"), py::arg("activation"));
+  m.def("gated_delta_rule", &gated_delta_rule, "The gated delta rule; None when the metadata's values are invalid",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("state"),
+        py::arg("cu_seqlens_q"), py::arg("seq_lens"), py::arg("state_slots"), py::arg("decode"), py::arg("verify"),
+        py::arg("tree_mask"), py::arg("intermediate_states"), py::arg("scale"));
+  m.def("selective_scan", &selective_scan,
+        "The selective state-space scan; None when the metadata's values are invalid", py::arg("x"), py::arg("dt"),
+        py::arg("A"), py::arg("B"), py::arg("C"), py::arg("state"), py::arg("cu_seqlens_q"), py::arg("seq_lens"),
+        py::arg("state_slots"), py::arg("decode"), py::arg("verify"), py::arg("tree_mask"),
+        py::arg("intermediate_states"), py::arg("D"), py::arg("z"), py::arg("dt_bias"), py::arg("dt_softplus"),
+        py::arg("dt_min"), py::arg("dt_max"));
 }
 
 }  // namespace hybrid_ops
