@@ -313,7 +313,8 @@ class PagedKVCache:
 
     def step(self, request_ids, num_new_tokens, forward_mode=ForwardMode.EXTEND) -> ForwardBatch:
         """Grow each request by its new tokens (allocating pages, copying shared ones written into) and return the
-        step's `ForwardBatch`.
+        step's `ForwardBatch`, which carries `forward_mode` to what runs the step (the runner's buckets and the ops'
+        routing read it there).
 
         Either every request grows or, when pages or table width run out, none does and the cache is unchanged.
         """
