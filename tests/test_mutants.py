@@ -2,6 +2,7 @@
 tests that exist, and a mutant counts as caught only when a test fails on an assertion or an error the code raises."""
 
 import importlib.util
+import re
 import shlex
 
 import pytest
@@ -21,6 +22,7 @@ def test_every_anchor_occurs_once_and_every_selection_names_test_files():
         files = [a.split("::")[0] for a in shlex.split(m.tests) if a.startswith("tests/")]
         assert files and all((ROOT / f).exists() for f in files), f"{m.name}: {m.tests}"
         assert m.needs in (None, *mutants.cpu_has()), f"{m.name}: needs {m.needs!r}"
+        assert m.caught_on is None or re.compile(m.caught_on), m.name
 
 
 def test_mutants_of_every_layer_of_the_library():
@@ -55,3 +57,9 @@ def pytest_output(*errors):
 )
 def test_a_crash_collection_error_or_timeout_is_not_caught(returncode, errors, expected):
     assert mutants.verdict(returncode, pytest_output(*errors)) == expected
+
+
+def test_a_row_names_the_other_failure_that_catches_it():
+    output = pytest_output("IndexError: index out of range in self")
+    assert mutants.verdict(1, output, r"IndexError: index out of range") == "caught"
+    assert mutants.verdict(1, output, r"ValueError: q implies") == "ERROR (failed on IndexError)"
