@@ -8,8 +8,8 @@ Every check runs before the KV cache is written, so a rejected call leaves the c
 
 import torch
 
-from .check_rows import all_hold, check, compiled, cpp
-from .errors import HybridInputError, check_input
+from .check_rows import all_hold, check, check_values, compiled, compiled_values, cpp, cpp_values
+from .errors import check_input
 from .options import FIELDS, check_options, in_use_condition
 
 # The tensor checks, declared once and in order: rows (condition, message) of `check_rows`. Python runs them as
@@ -90,11 +90,88 @@ TENSOR_CHECKS = (
 # `decode` needs the same query length for every request: T a multiple of B (T = 0 when B = 0).
 DECODE_SHAPE = "(num_requests > 0 and num_tokens % num_requests == 0) or (num_requests == 0 and num_tokens == 0)"
 
+# The metadata's values, declared once and in order: rows (indices, condition, message) of `check_rows`, over the
+# names of VALUE_FIELDS (cu: cu_seqlens_q, lens: seq_lens, table: block_table, tree: tree_mask, slots: state_slots).
+# Python runs them as `check_metadata_values` and `check_state_metadata_values` (raising the first failing row's
+# message); the native kernels as value_checks.h's functions, which `values_header` writes when they build. Each row
+# reads only what the rows before it have bounded.
+VALUE_FIELDS = {
+    **dict.fromkeys(("cu", "lens", "table", "slots"), "Values<int32_t>"),
+    "tree": "Values<bool>",
+    **dict.fromkeys(("num_requests", "num_tokens", "width", "page_size", "num_pages", "tree_width"), "int64_t"),
+    **dict.fromkeys(("num_slots", "verify_len"), "int64_t"),
+    **dict.fromkeys(("decode", "verify"), "bool"),
+}
+REQUESTS = (("i", "num_requests"),)
+NEW_TOKENS = (*REQUESTS, ("j", "cu[i + 1] - cu[i]"))
+LENGTH_VALUES = (
+    ((), "cu[0] == 0", "cu_seqlens_q must start at 0, got {cu[0]}"),
+    (REQUESTS, "cu[i + 1] >= cu[i]", "cu_seqlens_q must be non-decreasing, got {cu}"),
+    (
+        (),
+        "cu[num_requests] == num_tokens",
+        "cu_seqlens_q must end at the number of tokens T = {num_tokens}, got {cu[-1]}",
+    ),
+    (
+        REQUESTS,
+        "lens[i] >= cu[i + 1] - cu[i]",
+        "seq_lens[{i}] = {lens[i]} is shorter than request {i}'s {cu[i + 1] - cu[i]} new tokens",
+    ),
+    (
+        REQUESTS,
+        "not decode or cu[i + 1] - cu[i] == cu[1] - cu[0]",
+        "decode needs the same query length for every request, got {q_lens(cu)}",
+    ),
+)
+PAGE_VALUES = (
+    (
+        REQUESTS,
+        "lens[i] <= width * page_size",
+        "seq_lens[{i}] = {lens[i]} exceeds block_table's capacity of {width} pages x {page_size} = "
+        "{width * page_size} tokens",
+    ),
+    (
+        (*REQUESTS, ("p", "(lens[i] + page_size - 1) // page_size")),
+        "table[i, p] >= 0 and table[i, p] < num_pages",
+        "block_table[{i}, {p}] = {table[i][p]} is not a page of the cache (0 <= id < {num_pages})",
+    ),
+)
+# A tree_mask [T, Q]: each request's block of new tokens within Q, each row seeing itself and no later token (a tree
+# laid out parents first).
+TREE_VALUES = (
+    (
+        REQUESTS,
+        "cu[i + 1] - cu[i] <= tree_width",
+        "tree_mask has Q = {tree_width} columns, fewer than the longest request's {max(q_lens(cu))} new tokens",
+    ),
+    (NEW_TOKENS, "tree[cu[i] + j, j]", "tree_mask[{cu[i] + j}, {j}] is False: a token always sees itself"),
+    (
+        (*NEW_TOKENS, ("c", "cu[i + 1] - cu[i]")),
+        "c <= j or not tree[cu[i] + j, c]",
+        "tree_mask[{cu[i] + j}, {c}] is True: a token sees only earlier new tokens (lay the tree out parents first)",
+    ),
+)
+_SLOTS_MESSAGE = "state_slots must be distinct slots in [0, {num_slots}) or -1 (a padding request), got {slots}"
+# A state op's slots; in TARGET_VERIFY, intermediate_states [num_slots, Q, ...] with room for each request's tokens.
+SLOT_VALUES = (
+    (REQUESTS, "slots[i] == -1 or (slots[i] >= 0 and slots[i] < num_slots)", _SLOTS_MESSAGE),
+    ((*REQUESTS, ("j", "i")), "slots[i] == -1 or slots[i] != slots[j]", _SLOTS_MESSAGE),
+    (
+        REQUESTS,
+        "not verify or cu[i + 1] - cu[i] <= verify_len",
+        "intermediate_states holds Q = {verify_len} tokens per slot, fewer than the longest request's "
+        "{max(q_lens(cu))}",
+    ),
+)
+
 
 _TENSOR_ROWS = compiled(TENSOR_CHECKS)
 # True when `check_tensors` would pass, in a few microseconds; the fake implementations call `check_tensors`.
 tensors_ok = all_hold("tensors_ok", RANKS, [c for c, _ in TENSOR_CHECKS], tensors=RANKS)
 decode_shape_ok = all_hold("decode_shape_ok", ("num_tokens", "num_requests"), [DECODE_SHAPE])
+_LENGTH_ROWS, _PAGE_ROWS, _TREE_ROWS, _SLOT_ROWS = map(
+    compiled_values, (LENGTH_VALUES, PAGE_VALUES, TREE_VALUES, SLOT_VALUES)
+)
 
 
 def check_args(tensors, options) -> None:
@@ -148,95 +225,62 @@ def check_decode_shape(q, seq_lens):
 def check_metadata_values(
     cu_seqlens_q, seq_lens, block_table, num_tokens, num_pages, page_size, decode, tree_mask=None
 ):
-    """Value checks of the metadata (and of a tree mask). Reads the values to the host (a sync on CUDA).
-
-    Returns `(cu_seqlens_q, seq_lens)` as Python lists, for callers that loop over requests.
-    """
-    cu, lens = check_lengths(cu_seqlens_q, seq_lens, num_tokens, decode)
-    capacity = block_table.shape[1] * page_size
-    for i, length in enumerate(lens):
-        if length > capacity:
-            raise HybridInputError(
-                f"seq_lens[{i}] = {length} exceeds block_table's capacity of {block_table.shape[1]} pages "
-                f"x {page_size} = {capacity} tokens"
-            )
-    pages_used = (seq_lens.to(torch.int64) + page_size - 1) // page_size
-    in_use = torch.arange(block_table.shape[1], device=block_table.device) < pages_used[:, None]
-    bad = in_use & ((block_table < 0) | (block_table >= num_pages))
-    if bool(bad.any()):
-        i, j = (int(x) for x in bad.nonzero()[0])
-        raise HybridInputError(
-            f"block_table[{i}, {j}] = {int(block_table[i, j])} is not a page of the cache (0 <= id < {num_pages})"
-        )
-    if tree_mask is not None:
-        check_tree_values(tree_mask, cu)
-    return cu, lens
-
-
-def check_lengths(cu_seqlens_q, seq_lens, num_tokens, decode):
-    """Value checks of cu_seqlens_q against T = `num_tokens` and of seq_lens against each request's new tokens (and,
-    on the decode path, one q_len for all). Returns both as Python lists."""
-    cu = cu_seqlens_q.tolist()
-    lens = seq_lens.tolist()
-    if cu[0] != 0:
-        raise HybridInputError(f"cu_seqlens_q must start at 0, got {cu[0]}")
-    q_lens = [b - a for a, b in zip(cu, cu[1:])]
-    if any(n < 0 for n in q_lens):
-        raise HybridInputError(f"cu_seqlens_q must be non-decreasing, got {cu}")
-    if cu[-1] != num_tokens:
-        raise HybridInputError(f"cu_seqlens_q must end at the number of tokens T = {num_tokens}, got {cu[-1]}")
-    for i, (n, length) in enumerate(zip(q_lens, lens)):
-        if length < n:
-            raise HybridInputError(f"seq_lens[{i}] = {length} is shorter than request {i}'s {n} new tokens")
-    if decode and len(set(q_lens)) > 1:
-        raise HybridInputError(f"decode needs the same query length for every request, got {q_lens}")
-    return cu, lens
-
-
-def check_tree_values(tree_mask, cu):
-    """tree_mask: [T, Q] bool; cu: cu_seqlens_q as a host list. Each request's block of new tokens must fit in Q, and
-    each row see itself and no later token (the rows of a tree laid out parents first)."""
-    q_lens = [b - a for a, b in zip(cu, cu[1:])]
-    longest = max(q_lens, default=0)
-    if longest > tree_mask.shape[1]:
-        raise HybridInputError(
-            f"tree_mask has Q = {tree_mask.shape[1]} columns, fewer than the longest request's {longest} new tokens"
-        )
-    device, rows = tree_mask.device, torch.tensor(q_lens, dtype=torch.int64)  # int64 for B = 0 too
-    local = torch.arange(tree_mask.shape[0]) - torch.tensor(cu[:-1], dtype=torch.int64).repeat_interleave(rows)
-    column = torch.arange(tree_mask.shape[1])
-    own = (column == local[:, None]).to(device)
-    later = ((column > local[:, None]) & (column < rows.repeat_interleave(rows)[:, None])).to(device)
-    blind = (~tree_mask & own).any(1)
-    if bool(blind.any()):
-        t = int(blind.nonzero()[0])
-        raise HybridInputError(f"tree_mask[{t}, {int(local[t])}] is False: a token always sees itself")
-    ahead = tree_mask & later
-    if bool(ahead.any()):
-        t, c = (int(x) for x in ahead.nonzero()[0])
-        raise HybridInputError(
-            f"tree_mask[{t}, {c}] is True: a token sees only earlier new tokens (lay the tree out parents first)"
-        )
+    """Value checks of the metadata (and of a tree mask): LENGTH_VALUES, PAGE_VALUES and TREE_VALUES. Reads the values
+    to the host (a sync on CUDA). Returns `(cu_seqlens_q, seq_lens)` as Python lists, for callers that loop over
+    requests."""
+    values = _values(cu_seqlens_q, seq_lens, num_tokens, decode, tree_mask)
+    values.update(table=block_table.to("cpu", torch.int64), width=block_table.shape[1], num_pages=num_pages)
+    values.update(page_size=page_size)
+    check_values(_LENGTH_ROWS + _PAGE_ROWS + (_TREE_ROWS if tree_mask is not None else []), values)
+    return values["cu"].tolist(), values["lens"].tolist()
 
 
 def check_state_metadata_values(
     cu_seqlens_q, seq_lens, state_slots, num_tokens, num_slots, decode, tree_mask, verify_len
 ):
-    """Value checks of a state op's metadata (`state_ops`; and of a tree mask); reads it to the host (a sync on
-    CUDA). verify_len: Q of intermediate_states in TARGET_VERIFY, else None. Returns (cu_seqlens_q, seq_lens,
-    state_slots) as lists."""
-    cu, lens = check_lengths(cu_seqlens_q, seq_lens, num_tokens, decode)
-    slots = state_slots.tolist()
-    held = [s for s in slots if s != -1]
-    if len(set(held)) != len(held) or not all(0 <= s < num_slots for s in held):
-        raise HybridInputError(
-            f"state_slots must be distinct slots in [0, {num_slots}) or -1 (a padding request), got {slots}"
-        )
+    """Value checks of a state op's metadata (`state_ops`; and of a tree mask): LENGTH_VALUES, SLOT_VALUES and
+    TREE_VALUES. Reads it to the host (a sync on CUDA). verify_len: Q of intermediate_states in TARGET_VERIFY, else
+    None. Returns (cu_seqlens_q, seq_lens, state_slots) as lists."""
+    values = _values(cu_seqlens_q, seq_lens, num_tokens, decode, tree_mask)
+    values.update(slots=state_slots.to("cpu", torch.int64), num_slots=num_slots)
+    values.update(verify=verify_len is not None, verify_len=verify_len or 0)
+    check_values(_LENGTH_ROWS + _SLOT_ROWS + (_TREE_ROWS if tree_mask is not None else []), values)
+    return values["cu"].tolist(), values["lens"].tolist(), values["slots"].tolist()
+
+
+def _values(cu_seqlens_q, seq_lens, num_tokens, decode, tree_mask) -> dict:
+    """The names of VALUE_FIELDS that the metadata and the tree give, for `check_values`."""
+    values = dict(cu=cu_seqlens_q.to("cpu", torch.int64), lens=seq_lens.to("cpu", torch.int64), q_lens=q_lens)
+    values.update(num_requests=seq_lens.shape[0], num_tokens=num_tokens, decode=decode)
     if tree_mask is not None:
-        check_tree_values(tree_mask, cu)
-    longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
-    if verify_len is not None and longest > verify_len:
-        raise HybridInputError(
-            f"intermediate_states holds Q = {verify_len} tokens per slot, fewer than the longest request's {longest}"
+        values.update(tree=tree_mask.cpu(), tree_width=tree_mask.shape[1])
+    return values
+
+
+def q_lens(cu: list) -> list:
+    """Each request's number of new tokens, from cu_seqlens_q as a list (for messages)."""
+    return [b - a for a, b in zip(cu, cu[1:])]
+
+
+def values_header() -> str:
+    """kernels/cpu's value_checks.h: the struct MetadataValues of VALUE_FIELDS and the rows of each kind of value
+    (`length_values_ok`, `page_values_ok`, `tree_values_ok`, `slot_values_ok`) as C++ functions of it."""
+    fields = "".join(f"  {kind} {name};\n" for name, kind in VALUE_FIELDS.items())
+    functions = "\n".join(
+        cpp_values(f"{kind}_values_ok", rows, "MetadataValues", VALUE_FIELDS)
+        for kind, rows in (
+            ("length", LENGTH_VALUES),
+            ("page", PAGE_VALUES),
+            ("tree", TREE_VALUES),
+            ("slot", SLOT_VALUES),
         )
-    return cu, lens, slots
+    )
+    return (
+        "// Generated from hybrid_ops/validation.py when the kernels build: its rows of the metadata's values.\n"
+        "#pragma once\n\n#include <cstdint>\n\nnamespace hybrid_ops::cpu {\n\n"
+        "// A contiguous int32 or bool tensor's values, rows `stride` apart.\n"
+        "template <typename T>\nstruct Values {\n  const T* data = nullptr;\n  int64_t stride = 0;\n"
+        "  int64_t operator()(int64_t i) const { return data[i]; }\n"
+        "  int64_t operator()(int64_t i, int64_t j) const { return data[i * stride + j]; }\n};\n\n"
+        f"struct MetadataValues {{\n{fields}}};\n\n{functions}\n}}  // namespace hybrid_ops::cpu\n"
+    )

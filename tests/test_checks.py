@@ -1,11 +1,11 @@
 """The argument checks are declared once, as rows (check_rows.py: validation.TENSOR_CHECKS and each option's), which
 Python runs two ways (all at once on the per-call path, row by row for the message) and the cpu backend's checks.h
-spells in C++; the metadata-value checks exist twice, in Python (validation.py, which names the culprit) and in C++
-(the cpu backend's kernel, which decides without Python whether a call may run). All must accept exactly the same
-inputs: one that C++ accepted and Python would refuse would run unchecked; one C++ refused and Python accepts only
-costs a detour. Random batches (caches in q's dtype or fp8, with scale arguments good and bad, sinks, chunks, trees
-good and bad), each with a random set of the bad inputs of helpers/bad_inputs.py and random metadata values, are put
-to each."""
+spells in C++; the metadata-value checks too (validation.LENGTH_VALUES and the rest), which Python evaluates over
+tensors at once (naming the culprit) and value_checks.h loops over in C++ (the cpu backend's kernel, which decides
+without Python whether a call may run). All must accept exactly the same inputs: one that C++ accepted and Python
+would refuse would run unchecked; one C++ refused and Python accepts only costs a detour. Random batches (caches in
+q's dtype or fp8, with scale arguments good and bad, sinks, chunks, trees good and bad), each with a random set of
+the bad inputs of helpers/bad_inputs.py and random metadata values, are put to each."""
 
 import math
 

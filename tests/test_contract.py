@@ -1,5 +1,6 @@
-"""The text a user reads as the contract: the op schemas and the whole error messages of bad input. A change to
-either shows here as a diff (`EXPECTTEST_ACCEPT=1 pytest tests/test_contract.py` rewrites the expected text)."""
+"""The text a user reads as the contract: the op schemas, the whole error messages of bad input and the C++ that a
+row of value checks becomes. A change to either shows here as a diff (`EXPECTTEST_ACCEPT=1 pytest
+tests/test_contract.py` rewrites the expected text)."""
 
 import expecttest
 import torch
@@ -7,6 +8,8 @@ from helpers.bad_inputs import BAD_INPUTS, VALUE_INPUTS, call, valid_case
 from helpers.state_cases import STATE_BAD_INPUTS, STATE_VALUE_INPUTS, state_message
 
 import hybrid_ops
+from hybrid_ops.check_rows import cpp_values
+from hybrid_ops.validation import TREE_VALUES, VALUE_FIELDS
 
 
 def message(op, mutation) -> str:
@@ -145,4 +148,34 @@ slots_repeated: state_slots must be distinct slots in [0, 7) or -1 (a padding re
 slot_too_high: state_slots must be distinct slots in [0, 7) or -1 (a padding request), got [106, 103, 105, 100, 99, 99]
 cu_seqlens_not_T: cu_seqlens_q must end at the number of tokens T = 23, got 22
 seq_lens_short: seq_lens[0] = 0 is shorter than request 0's 7 new tokens""",
+        )
+
+    def test_value_rows_in_cpp(self):
+        """The tree's rows as the cpu kernels run them: one loop per index, each bound over the indices before it."""
+        self.assertExpectedInline(
+            cpp_values("tree_values_ok", TREE_VALUES, "MetadataValues", VALUE_FIELDS),
+            """\
+inline bool tree_values_ok(const MetadataValues& m) {
+  const auto& cu = m.cu;
+  const auto& tree = m.tree;
+  const auto& num_requests = m.num_requests;
+  const auto& tree_width = m.tree_width;
+  for (int64_t i = 0; i < num_requests; ++i) {
+    if (!((cu(i + 1) - cu(i)) <= tree_width)) return false;
+  }
+  for (int64_t i = 0; i < num_requests; ++i) {
+    for (int64_t j = 0; j < cu(i + 1) - cu(i); ++j) {
+      if (!(tree(cu(i) + j, j))) return false;
+    }
+  }
+  for (int64_t i = 0; i < num_requests; ++i) {
+    for (int64_t j = 0; j < cu(i + 1) - cu(i); ++j) {
+      for (int64_t c = 0; c < cu(i + 1) - cu(i); ++c) {
+        if (!((c <= j) || !tree(cu(i) + j, c))) return false;
+      }
+    }
+  }
+  return true;
+}
+""",
         )

@@ -43,7 +43,7 @@ from ..check_rows import FLOAT_DTYPES
 from ..errors import HybridInputError
 from ..modes import ROUTING, SPECULATIVE_ATTENTION_MODES
 from ..options import cpp_header as options_header
-from ..validation import check_metadata_values, check_state_metadata_values
+from ..validation import check_metadata_values, check_state_metadata_values, values_header
 from ..validation import cpp_header as checks_header
 from .base import STATE_OPS, Backend
 from .registry import registry
@@ -119,7 +119,11 @@ def build():
     # One directory per source text (the generated headers included) and place: checkouts that share the build root
     # never load each other's kernels, nor rebuild in turn (ninja's build file names the sources' paths).
     files = sources + _files(".h")
-    headers = {"options.h": options_header().encode(), "checks.h": checks_header().encode()}
+    headers = {
+        "options.h": options_header().encode(),
+        "checks.h": checks_header().encode(),
+        "value_checks.h": values_header().encode(),
+    }
     digest = hashlib.sha1(
         b"".join(Path(p).read_bytes() + os.fsencode(os.path.abspath(p)) for p in files) + b"".join(headers.values())
     )

@@ -33,10 +33,8 @@ at::Tensor widen_fp8(const at::Tensor& codes, bool wide);
 // Vectors that the wide load of fp8 codes fills: 4 where the build widens by byte look-ups (AVX512-VBMI), else 1.
 int64_t fp8_wide_vecs();
 
-// The values validation.check_metadata_values accepts (cu_seqlens_q from 0 to num_tokens, non-decreasing; each
-// request's length within its table row and at least its new tokens; its pages' ids in [0, num_pages); one query
-// length for every request when `decode`; a tree's rows, check_tree_values), for metadata whose shapes and dtypes the
-// entry points' checks passed.
+// cpu::metadata_ok (the rows of validation.check_metadata_values) over tensors, for metadata whose shapes and dtypes
+// the entry points' checks passed; for tests.
 bool metadata_values_ok(const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, const at::Tensor& block_table,
                         int64_t num_tokens, int64_t num_pages, int64_t page_size, bool decode,
                         const std::optional<at::Tensor>& tree_mask);

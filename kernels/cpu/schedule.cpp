@@ -1,42 +1,26 @@
 #include "schedule.h"
 
+#include "value_checks.h"  // generated from hybrid_ops/validation.py's rows when the kernels build
+
 namespace hybrid_ops::cpu {
-namespace {
 
-// A request's q_len rows of the tree from token `first`: within its width, each row naming itself and no later token.
-bool tree_rows_ok(const Metadata& md, int64_t first, int64_t q_len) {
-  if (q_len > md.tree_width) return false;
-  for (int64_t j = 0; j < q_len; ++j) {
-    const bool* row = md.tree + (first + j) * md.tree_stride;
-    if (!row[j] || std::find(row + j + 1, row + q_len, true) != row + q_len) return false;
-  }
-  return true;
-}
-
-}  // namespace
-
-bool lengths_ok(const Metadata& md, int64_t num_tokens, bool decode) {
-  if (md.cu[0] != 0 || md.cu[md.num_requests] != num_tokens) return false;
-  for (int64_t i = 0; i < md.num_requests; ++i) {
-    const int64_t q_len = md.cu[i + 1] - md.cu[i];
-    if (q_len < 0 || md.cu[i + 1] > num_tokens || md.lens[i] < q_len) return false;
-    if (decode && q_len != md.cu[1] - md.cu[0]) return false;
-    if (md.tree && !tree_rows_ok(md, md.cu[i], q_len)) return false;
-  }
-  return true;
+MetadataValues values_of(const Metadata& md, int64_t num_tokens, bool decode) {
+  return {.cu = {md.cu},
+          .lens = {md.lens},
+          .table = {md.table, md.table_stride},
+          .tree = {md.tree, md.tree_stride},
+          .num_requests = md.num_requests,
+          .num_tokens = num_tokens,
+          .width = md.width,
+          .tree_width = md.tree_width,
+          .decode = decode};
 }
 
 bool metadata_ok(const Metadata& md, int64_t num_tokens, int64_t num_pages, int64_t page_size, bool decode) {
-  if (!lengths_ok(md, num_tokens, decode)) return false;
-  for (int64_t i = 0; i < md.num_requests; ++i) {
-    const int64_t len = md.lens[i];
-    if (len > md.width * page_size) return false;
-    const int32_t* pages = md.table + i * md.table_stride;
-    for (int64_t p = 0; p < (len + page_size - 1) / page_size; ++p) {
-      if (pages[p] < 0 || pages[p] >= num_pages) return false;
-    }
-  }
-  return true;
+  MetadataValues values = values_of(md, num_tokens, decode);
+  values.num_pages = num_pages;
+  values.page_size = page_size;
+  return length_values_ok(values) && page_values_ok(values) && (!md.tree || tree_values_ok(values));
 }
 
 std::vector<int32_t> tree_depths(const Metadata& md, int64_t num_tokens) {

@@ -39,13 +39,14 @@ struct Metadata {
   int64_t depth_of(int64_t t, int64_t j) const { return depth ? depth[t] : j; }
 };
 
-// The values check_lengths (validation.py) enforces, a tree's included (check_tree_values): cu_seqlens_q from 0 to
-// num_tokens, non-decreasing; each request's length at least its new tokens; one query length for every request when
-// `decode`. The block table is not read (the state ops have none).
-bool lengths_ok(const Metadata& md, int64_t num_tokens, bool decode);
+struct MetadataValues;  // value_checks.h
 
-// The values check_metadata_values (validation.py) enforces: lengths_ok's, each length within its table row and the
-// ids of its pages in [0, num_pages). Nothing is read or written out of bounds after it.
+// The metadata's values as validation.py's rows read them (MetadataValues: the fields of md, num_tokens and decode).
+MetadataValues values_of(const Metadata& md, int64_t num_tokens, bool decode);
+
+// validation.py's LENGTH_VALUES, PAGE_VALUES and, where md has a tree, TREE_VALUES: cu_seqlens_q from 0 to num_tokens,
+// non-decreasing; each request's length at least its new tokens and within its table row, the ids of its pages in
+// [0, num_pages); one query length for every request when `decode`. Nothing is read or written out of bounds after it.
 bool metadata_ok(const Metadata& md, int64_t num_tokens, int64_t num_pages, int64_t page_size, bool decode);
 
 // Each new token's depth in a tree that metadata_ok accepted: the number of earlier new tokens its row names.

@@ -13,6 +13,7 @@
 
 #include "schedule.h"
 #include "state_kernel.h"
+#include "value_checks.h"  // generated from hybrid_ops/validation.py's rows when the kernels build
 
 namespace hybrid_ops {
 namespace {
@@ -92,23 +93,20 @@ class Step {
       md.tree = tree_.const_data_ptr<bool>();
       md.tree_stride = md.tree_width = tree_.size(1);
     }
-    if (!cpu::lengths_ok(md, num_tokens, decode)) return false;
-    const int32_t* slots = slots_.const_data_ptr<int32_t>();
-    std::vector<int32_t> held;
-    for (int64_t i = 0; i < num_requests; ++i) {
-      if (slots[i] == -1) continue;
-      if (slots[i] < 0 || slots[i] >= num_slots) return false;
-      held.push_back(slots[i]);
-    }
-    std::sort(held.begin(), held.end());
-    if (std::adjacent_find(held.begin(), held.end()) != held.end()) return false;
     const int64_t verify_len = verify ? intermediate->size(1) : 0;
+    cpu::MetadataValues values = cpu::values_of(md, num_tokens, decode);
+    values.slots = {slots_.const_data_ptr<int32_t>()};
+    values.num_slots = num_slots;
+    values.verify = verify;
+    values.verify_len = verify_len;
+    if (!cpu::length_values_ok(values) || !cpu::slot_values_ok(values) || (md.tree && !cpu::tree_values_ok(values)))
+      return false;
+    const int32_t* slots = slots_.const_data_ptr<int32_t>();
     parents_.resize(num_tokens);
     for (int64_t i = 0; i < num_requests; ++i) {
       const int64_t t0 = md.cu[i], q_len = md.cu[i + 1] - t0;
-      if (verify && q_len > verify_len) return false;
       for (int64_t j = 0; j < q_len; ++j) {
-        // A tree's parent: the last earlier token the row sees (lengths_ok checked that it sees no later one).
+        // A tree's parent: the last earlier token the row sees (tree_values_ok checked that it sees no later one).
         int64_t parent = j - 1;
         if (md.tree) {
           const bool* row = md.tree + (t0 + j) * md.tree_stride;
