@@ -15,6 +15,10 @@ Levers: one generator per set of Inductor options (`HybridGenerator(compile_opti
 alternated round by round; each row its median tokens/s, decode-step and prefill-step times, and tokens/s over the
 default's. "guards skipped" is the default's generator run under `torch.compiler.set_stance(skip_guard_eval_unsafe=
 True)` (measured, not used: it trusts that no guard fails). Every variant's tokens are compared with the default's.
+
+One prompt alone (fp32): the profile of its decode steps beside the 8 prompts', and the step's linear products at 1
+and 8 rows as aten's mm, MKL's packed sgemm and oneDNN's packed product (`products`): Dynamo gives a step of one token
+a graph of its own, of a static batch, whose products Inductor's freezing packs for MKL; a dynamic batch's, for oneDNN.
 """
 
 import statistics
@@ -22,6 +26,7 @@ import time
 from contextlib import nullcontext
 
 import torch
+import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function
 
 CATEGORIES = [
@@ -156,6 +161,46 @@ def compare_levers(model, prompts, new_tokens, rounds):
     return rows
 
 
+def products(model, rows=(1, 8), rounds=15):
+    """[{rows, product, ms, gb_per_s}]: one decode step's linear products of an fp32 model (q/k/v and gate/up each
+    one product, as the default compile makes them; the LM head included), weights cycled layer by layer as a step
+    reads them (more than the L3), as aten's mm, MKL's packed sgemm (what Inductor's freezing packs a graph of a static
+    batch with, such as Dynamo's own graph for one token) and oneDNN's packed product (a dynamic batch's)."""
+    weights = []
+    for layer in model.model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        weights.append(torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight]))
+        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        weights += [attention.o_proj.weight, gate_up, mlp.down_proj.weight]
+    weights = [w.detach().contiguous() for w in [*weights, model.lm_head.weight]]
+    size = sum(w.numel() * w.element_size() for w in weights)
+    out = []
+    for m in rows:
+        inputs = {k: torch.randn(m, k) for k in {w.shape[1] for w in weights}}
+        mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, m) for w in weights]
+        onednn = [torch.ops.mkldnn._reorder_linear_weight(w, m) for w in weights]
+        calls = {
+            "aten mm (unpacked)": lambda: [F.linear(inputs[w.shape[1]], w) for w in weights],
+            "MKL packed (a static batch's graph)": lambda: [
+                torch.ops.mkl._mkl_linear(inputs[w.shape[1]], p, w, None, m) for w, p in zip(weights, mkl)
+            ],
+            "oneDNN packed (a dynamic batch's graph)": lambda: [
+                torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
+                for w, p in zip(weights, onednn)
+            ],
+        }
+        seconds = {name: [] for name in calls}
+        for _ in range(rounds):  # alternated, so that each sees the same moments of a shared machine
+            for name, call in calls.items():
+                start = time.perf_counter()
+                call()
+                seconds[name].append(time.perf_counter() - start)
+        for name, times in seconds.items():
+            t = statistics.median(times[2:])
+            out.append(dict(rows=m, product=name, ms=t * 1e3, gb_per_s=size / t / 1e9, weights_mb=size / 1e6))
+    return out
+
+
 def step_section(quick):
     """{dtype: {"profile": ..., "levers": [...]}} for fp32 (and bf16 unless quick)."""
     from examples.generate import PROMPT_LENGTHS, demo_model, demo_prompts
@@ -170,6 +215,11 @@ def step_section(quick):
         name = str(dtype).removeprefix("torch.")
         out[name] = dict(profile=profile_steps(model, prompts, new_tokens))
         print(f"  step {name}: profile {out[name]['profile']}", flush=True)
+        if dtype == torch.float32:  # one prompt alone: a step of one token, and the products' rate at 1 and 8 rows
+            out[name]["one_prompt"] = profile_steps(model, prompts[-1:], new_tokens)
+            out[name]["products"] = products(model)
+            for row in out[name]["products"]:
+                print(f"  step {name}: {row}", flush=True)
         out[name]["levers"] = compare_levers(model, prompts, new_tokens, 2 if quick else 5)
         for row in out[name]["levers"]:
             print(f"  step {name}: {row}", flush=True)
@@ -193,6 +243,27 @@ def markdown(results):
             d_share, p_share = 100 * d / decode_total, 100 * p / prefill_total
             lines.append(f"| {category} | {d * 1e3:.2f} | {d_share:.0f}% | {p * 1e3:.1f} | {p_share:.0f}% |")
         lines += [f"| step | {decode_total * 1e3:.2f} | | {prefill_total * 1e3:.1f} | |", ""]
+        if "one_prompt" in result:
+            one = result["one_prompt"]["decode"]
+            lines += [
+                f"One prompt alone ({dtype}; mean decode step of 1 request against 8's above):",
+                "",
+                "| part | 1 request ms | 8 requests ms |",
+                "|---|---:|---:|",
+                *(f"| {c} | {one[c] * 1e3:.2f} | {profile_rows['decode'][c] * 1e3:.2f} |" for c in one),
+                f"| step | {sum(one.values()) * 1e3:.2f} | {decode_total * 1e3:.2f} |",
+                "",
+                f"A decode step's products ({dtype}, {result['products'][0]['weights_mb']:.0f} MB of weights; medians "
+                "of alternated rounds):",
+                "",
+                "| rows | product | ms | GB/s of weights |",
+                "|---:|---|---:|---:|",
+                *(
+                    f"| {r['rows']} | {r['product']} | {r['ms']:.1f} | {r['gb_per_s']:.1f} |"
+                    for r in result["products"]
+                ),
+                "",
+            ]
         lines += [
             f"Compile levers ({dtype}; medians of alternated rounds):",
             "",
