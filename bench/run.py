@@ -362,8 +362,9 @@ def bare_op():
     return torch.ops.hybrid_bench.attn
 
 
-def dispatch_section():
-    """Per-call cost: the op against the kernel it runs and against the floor op, eager and inside a compiled graph."""
+def dispatch_section(quick):
+    """Per-call cost: the op against the kernel it runs and against the floor op, eager and inside a compiled graph;
+    rounds of 20,000 calls (quick: 1,000)."""
     bare = bare_op()
     q = torch.randn(1, 1, 8)
     cache = torch.zeros(2, 1, 1, 8)
@@ -373,7 +374,7 @@ def dispatch_section():
     idle = (none, none, none, cache, cache.clone(), one[:1], one[:0], one[:0].view(0, 1))
     kernel = hybrid_ops.get_backend("cpu")._module.forward
     options = Options(scale=0.3).keywords()
-    n = 20000
+    n = 1000 if quick else 20000
 
     def per_call(fns):
         """Microseconds per call of each function, timed side by side in rounds of n calls each."""
@@ -850,7 +851,7 @@ def main(argv=None):
         with Ipex(args.ipex_python) as ipex:
             results["op"] = op_section(args.quick, bandwidth, ipex, args.reps)
     if "dispatch" in args.sections:
-        results["dispatch"] = dispatch_section()
+        results["dispatch"] = dispatch_section(args.quick)
     if "e2e" in args.sections:
         with LlamaCpp(args.llama_cpp_python, args.llama_cpp_converter) as llama_cpp:
             results["e2e"] = e2e_section(args.quick, llama_cpp)

@@ -2,11 +2,11 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/tp_worker.py SPEC.json OUT_DIR
 
-SPEC: {"models": {name: checkpoint dir}, "prompts": [[ids]], "new_tokens": n}. Each rank loads every model with
-DistributedConfig(tp_plan="auto"), generates greedily (eager, then compiled) and by sampling seeded with its own
-rank, and writes OUT_DIR/rank{rank}.json: {"name/eager" | "name/compiled" | "name/sampled": tokens,
-"name/kv_heads": the cache's heads, "name/different_prompts": the error of ranks given different prompts}, or
-{"name/error": message} when HybridGenerator refuses the model.
+SPEC: {"models": {name: checkpoint dir}, "compiled": [names], "prompts": [[ids]], "new_tokens": n}. Each rank loads
+every model with DistributedConfig(tp_plan="auto"), generates greedily (eager, then compiled for the models named in
+"compiled") and by sampling seeded with its own rank, and writes OUT_DIR/rank{rank}.json: {"name/eager" |
+"name/compiled" | "name/sampled": tokens, "name/kv_heads": the cache's heads, "name/different_prompts": the error of
+ranks given different prompts}, or {"name/error": message} when HybridGenerator refuses the model.
 """
 
 import json
@@ -20,9 +20,9 @@ from transformers import AutoModelForCausalLM, DistributedConfig
 from hybrid_ops import HybridGenerator, HybridInputError
 
 
-def run(model, prompts, new_tokens, rank):
+def run(model, prompts, new_tokens, rank, compiled):
     results = {}
-    for mode in ("eager", "compiled"):
+    for mode in ("eager", "compiled") if compiled else ("eager",):
         torch._dynamo.reset()
         generator = HybridGenerator(model, **SIZES, compile=mode == "compiled")
         results[mode] = generator.generate(prompts, new_tokens)
@@ -45,7 +45,7 @@ def main(spec_path, out_dir):
     for name, path in spec["models"].items():
         model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_plan="auto"))
         try:
-            outs = run(model, spec["prompts"], spec["new_tokens"], rank)
+            outs = run(model, spec["prompts"], spec["new_tokens"], rank, name in spec["compiled"])
         except HybridInputError as e:
             outs = {"error": str(e)}
         results.update({f"{name}/{key}": value for key, value in outs.items()})
