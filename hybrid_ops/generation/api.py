@@ -161,9 +161,12 @@ class HybridGenerator:
             mixers, layer_shapes, max_batch_size, page_size, kv_cache_dtype, param.device, snapshots
         )
         pages_per_request = -(-max_seq_len // page_size)
+        # The scratch page of padding requests: cuda_graphs', and a compiled CPU step's of one token (ModelRunner's
+        # pad_one_token), which hybrid::mixer's layers cannot take.
+        scratch = cuda_graphs or (compile and param.device.type == "cpu" and not per_request)
         cache = paged_cache(
             layer_shapes, max_batch_size, pages_per_request, page_size,
-            num_pages or max_batch_size * (pages_per_request + state_pages), kv_cache_dtype, param.device, cuda_graphs,
+            num_pages or max_batch_size * (pages_per_request + state_pages), kv_cache_dtype, param.device, scratch,
         )  # fmt: skip
         runner = ModelRunner(
             model,

@@ -21,11 +21,11 @@ from ..state import StatePool
 
 
 def paged_cache(
-    layer_shapes, max_batch_size, pages_per_request, page_size, num_pages, dtype, device, cuda_graphs, for_compile=True
+    layer_shapes, max_batch_size, pages_per_request, page_size, num_pages, dtype, device, scratch, for_compile=True
 ):
     """The generator's `PagedKVCache`: per layer (Hkv, D, Dv) of `layer_shapes`, `num_pages` pages (None: the worst
     case, `max_batch_size` requests of `pages_per_request` pages), block-table rows of `pages_per_request`, with
-    `cuda_graphs` the scratch page that padding requests write, and the marks torch.compile reads if `for_compile`."""
+    `scratch` the scratch page that padding requests write, and the marks torch.compile reads if `for_compile`."""
     return PagedKVCache(
         num_pages or max_batch_size * pages_per_request,
         page_size,
@@ -34,7 +34,7 @@ def paged_cache(
         max_pages_per_request=pages_per_request,
         dtype=dtype,
         device=device,
-        reserve_scratch=cuda_graphs,
+        reserve_scratch=scratch,
         for_compile=for_compile,
     )
 

@@ -5,7 +5,7 @@ tree_mask]) -> logits` is the whole step as one function of its inputs (the mode
 tensors and the backends are its state). A `StepRunner` runs any callable of that signature (a loaded package's,
 `packaged.py`), padding steps to buckets (`cuda_graphs`) and holding the tensor-parallel group's agreement helpers; a
 `ModelRunner` is one whose forward is a transformers model's, compiled once for every step, with the warm-up and the
-compile cache file.
+compile cache file; compiled on the CPU, it pads steps of one token to two (`pad_one_token`).
 """
 
 import hashlib
@@ -116,23 +116,24 @@ class StepRunner:
         self.token_counts, self.batch_sizes = step_buckets(cache, max_batch_size, prefill_chunk)
         self.warmed_up = True
         self.group = group
+        self.pad_one_token = False  # see ModelRunner
 
     def run(self, batch: ForwardBatch, num_new_tokens, token_ids, positions, logits_rows, state_slots=None):
         """One step -> logits [len(logits_rows), vocab]. batch: the step's metadata (its pages allocated);
         num_new_tokens: per request; token_ids, positions: host lists of the step's T tokens; logits_rows: the token
         rows whose logits to return; state_slots: the requests' state slots (a hybrid model's). A batch with a
-        `tree_mask` (a speculative tree's step, positions prefix + depth) is not padded to buckets."""
+        `tree_mask` (a speculative tree's step, positions prefix + depth) is not padded."""
         num_rows = len(logits_rows)
         # At least one row even when no request samples (a long prompt mid-chunk): Dynamo gives size 0 a graph
         # of its own, which a later run could meet for the first time.
         rows = logits_rows or [len(token_ids) - 1]
-        if self.cuda_graphs:
-            if batch.tree_mask is not None:
-                raise HybridInputError("a step with a tree_mask cannot be padded to buckets (cuda_graphs=True)")
+        pad = self._padding(batch, num_new_tokens, len(token_ids))
+        if pad is not None:
             real = batch.batch_size
-            batch, token_ids, positions, rows = self._pad(batch, num_new_tokens, token_ids, positions, rows)
+            batch, token_ids, positions, rows = self._pad(batch, pad, token_ids, positions, rows)
             if state_slots is not None:  # padding requests hold no slot: they read and write no state
                 state_slots = torch.cat([state_slots, state_slots.new_full((batch.batch_size - real,), -1)])
+        if self.cuda_graphs:
             self.begin_padded_step()
         # The optional inputs only when in use: a packaged step takes the seven others.
         extra = () if state_slots is None and batch.tree_mask is None else (state_slots, batch.tree_mask)
@@ -149,12 +150,20 @@ class StepRunner:
     def begin_padded_step(self) -> None:
         """Before each padded step's forward: nothing for a packaged step (its graphs are `graphs.py`'s)."""
 
-    def _pad(self, batch, num_new_tokens, token_ids, positions, rows):
-        """The step padded to buckets: padding requests over the scratch page (`buckets.pad_batch`), their tokens
-        id 0 at position 0, and the logits rows repeated up to the padded batch size (only the first len(rows) are
-        returned)."""
-        capacity = self.cache.max_pages_per_request * self.cache.page_size
-        pad = padding_q_lens(num_new_tokens, batch.forward_mode, self.batch_sizes, self.token_counts, capacity)
+    def _padding(self, batch, num_new_tokens, num_tokens) -> list | None:
+        """The query lengths of the step's padding requests: those that bring it to buckets with `cuda_graphs` (maybe
+        none, the logits rows still padded), one token beside a step of one token with `pad_one_token`; else None."""
+        if self.cuda_graphs:
+            if batch.tree_mask is not None:
+                raise HybridInputError("a step with a tree_mask cannot be padded to buckets (cuda_graphs=True)")
+            capacity = self.cache.max_pages_per_request * self.cache.page_size
+            return padding_q_lens(num_new_tokens, batch.forward_mode, self.batch_sizes, self.token_counts, capacity)
+        return [1] if self.pad_one_token and num_tokens == 1 and batch.tree_mask is None else None
+
+    def _pad(self, batch, pad, token_ids, positions, rows):
+        """The step followed by padding requests of query lengths `pad` over the scratch page (`buckets.pad_batch`),
+        their tokens id 0 at position 0, and the logits rows repeated up to the padded batch size (only the first
+        len(rows) are returned)."""
         batch = pad_batch(batch, pad, self.cache.scratch_page, self.cache.page_size)
         self.cache.mark_table(batch)
         extra = [0] * sum(pad)
@@ -185,6 +194,11 @@ class StepRunner:
 
 class ModelRunner(StepRunner):
     """A `StepRunner` of `model` (attention through `torch.ops.hybrid.attn`).
+
+    pad_one_token: compiled on the CPU with Inductor's freezing, over a cache with a scratch page, without
+    `cuda_graphs`, a step of one token runs with a padding request of one token on the scratch page. Dynamo gives a
+    step of one token a graph of its own, of static sizes, whose fp32 linears freezing packs for MKL's sgemm, which
+    reads the weights at 0.7x the rate of the oneDNN products of the graph of dynamic sizes (`python -m bench step`).
 
     compile=True: `forward` is `torch.compile(fullgraph=True, dynamic=True)` of `_forward` (on CUDA with
     `cuda_graphs`, `mode="reduce-overhead"`), called under `compile_options`; `warm_up` then compiles the graphs Dynamo
@@ -240,6 +254,13 @@ class ModelRunner(StepRunner):
         super().__init__(forward, cache, max_batch_size, max_seq_len, prefill_chunk, cuda_graphs, group)
         self.warmed_up = not compile
         self.compile_cache = compile_cache
+        self.pad_one_token = (
+            compile
+            and cache.device.type == "cpu"
+            and bool(self.compile_options.get("freezing"))
+            and cache.scratch_page is not None
+            and not cuda_graphs
+        )
         if compile and compile_cache and os.path.exists(compile_cache):
             with open(compile_cache, "rb") as f:
                 torch.compiler.load_cache_artifacts(f.read())
