@@ -19,6 +19,7 @@ True)` (measured, not used: it trusts that no guard fails). Every variant's toke
 One prompt alone (fp32): the profile of its decode steps beside the 8 prompts', and the step's linear products at 1
 and 8 rows as aten's mm, MKL's packed sgemm and oneDNN's packed product (`products`): Dynamo gives a step of one token
 a graph of its own, of a static batch, whose products Inductor's freezing packs for MKL; a dynamic batch's, for oneDNN.
+So the runner pads such steps to two tokens, against a generator that does not (`one_token_padding`).
 """
 
 import statistics
@@ -161,6 +162,38 @@ def compare_levers(model, prompts, new_tokens, rounds):
     return rows
 
 
+def one_token_padding(model, prompt, new_tokens, rounds):
+    """[{variant, tokens_per_s, decode_ms, same_tokens}] of one prompt: the default generator, whose steps of one
+    token run padded to two (`ModelRunner.pad_one_token`), against one whose runner does not pad them, their calls
+    alternated; same_tokens: equal to the eager generator's."""
+    import hybrid_ops
+
+    eager = hybrid_ops.HybridGenerator(
+        model, max_batch_size=1, max_seq_len=len(prompt[0]) + new_tokens, compile=False
+    ).generate(prompt, new_tokens)
+    generators = {}
+    for name, pad in (("padded to two tokens (default)", True), ("a graph of its own (static sizes)", False)):
+        generators[name] = generator_for(model, prompt, new_tokens)
+        generators[name].runner.pad_one_token = pad
+        generators[name].generate(prompt, new_tokens)  # compiles
+    clocks = {name: StepClock(g) for name, g in generators.items()}
+    runs, tokens = {name: [] for name in generators}, {}
+    for _ in range(rounds):
+        for name, generator in generators.items():
+            stats = hybrid_ops.GenerationStats()
+            tokens[name] = generator.generate(prompt, new_tokens, stats=stats)
+            runs[name].append((stats.tokens_per_second, clocks[name].split(2)[0]))  # padded: 2 tokens a step
+    return [
+        dict(
+            variant=name,
+            tokens_per_s=statistics.median(r for r, _ in measured),
+            decode_ms=statistics.median(d for _, d in measured) * 1e3,
+            same_tokens=tokens[name] == eager,
+        )
+        for name, measured in runs.items()
+    ]
+
+
 def products(model, rows=(1, 8), rounds=15):
     """[{rows, product, ms, gb_per_s}]: one decode step's linear products of an fp32 model (q/k/v and gate/up each
     one product, as the default compile makes them; the LM head included), weights cycled layer by layer as a step
@@ -217,6 +250,9 @@ def step_section(quick):
         print(f"  step {name}: profile {out[name]['profile']}", flush=True)
         if dtype == torch.float32:  # one prompt alone: a step of one token, and the products' rate at 1 and 8 rows
             out[name]["one_prompt"] = profile_steps(model, prompts[-1:], new_tokens)
+            out[name]["one_token_padding"] = one_token_padding(model, prompts[-1:], new_tokens, 3 if quick else 5)
+            for row in out[name]["one_token_padding"]:
+                print(f"  step {name}: {row}", flush=True)
             out[name]["products"] = products(model)
             for row in out[name]["products"]:
                 print(f"  step {name}: {row}", flush=True)
@@ -261,6 +297,16 @@ def markdown(results):
                 *(
                     f"| {r['rows']} | {r['product']} | {r['ms']:.1f} | {r['gb_per_s']:.1f} |"
                     for r in result["products"]
+                ),
+                "",
+                f"One prompt's steps of one token ({dtype}; medians of alternated rounds):",
+                "",
+                "| step of one token | tokens/s | decode step ms | tokens as eager's |",
+                "|---|---:|---:|---|",
+                *(
+                    f"| {r['variant']} | {r['tokens_per_s']:.1f} | {r['decode_ms']:.2f} | "
+                    f"{'same' if r['same_tokens'] else 'differ'} |"
+                    for r in result["one_token_padding"]
                 ),
                 "",
             ]
