@@ -1,6 +1,6 @@
 // Few query rows per kv head (decode, short verify): dot products over tiles of BLOCK_N keys read in place, a unit
-// taking every kv head and reading each 4 KiB page of memory in order (a position's Hkv * D elements lie together; see
-// attend_tile). fp8 rows are read in place one byte per element and widened in registers (fp8.h); the query rows hold
+// taking every kv head and reading runs of positions in order (a position's Hkv * D elements lie together; see
+// STREAMS). fp8 rows are read in place one byte per element and widened in registers (fp8.h); the query rows hold
 // the scale and the kv head's k_scale, and unit.cpp applies v_scale to the output.
 
 #include "kernel.h"
@@ -8,12 +8,12 @@
 namespace hybrid_ops::cpu {
 namespace {
 
-// The hardware prefetcher follows streams that rise within a 4 KiB page of memory: units of every kv head read each
-// such page in order, PAGES_PER_PASS of them side by side (attend_tile), and prefetch in software one group of pages
-// ahead of their reads (the hardware alone keeps too few loads in flight on a Zen 4); units of one kv head, whose rows
-// lie Hkv * D apart, prefetch the whole next tile.
-constexpr int64_t PAGE_BYTES = 4096;
-constexpr int64_t PAGES_PER_PASS = 8;  // with 4 (fewer streams in flight), bf16 decode from L3 ran 20% slower
+// A unit of every kv head reads a whole tile as STREAMS runs of BLOCK_N / STREAMS consecutive positions side by side
+// (attend_tile): where a cache page holds a run, each run is one stream of rising addresses, which the hardware
+// prefetcher follows ahead of the arithmetic. Keys read 4 KiB at a time instead (a position of 8 fp32 heads; the
+// prefetcher stops at a 4 KiB page of memory), fp32 decode from memory took 1.3x as long on a Zen 4, software prefetch
+// or not; and reading runs of positions without software prefetch, as long as that.
+constexpr int64_t STREAMS = 8;
 
 // scores[r, j] = q[r] . k_j for RB rows (few rows: decode, verify), KB keys j + c * ks at a time: one load of each K
 // chunk serves the RB rows, and RB x KB independent accumulators keep the FMA units busy. Key j's row is at k[j] +
@@ -35,6 +35,30 @@ template <int RB, int KB, typename R>
       for (int c = 0; c < KB; ++c) acc[r][c] = at::vec::fmadd(qv, kv[c], acc[r][c]);
     }
   }
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (RB == 4 && KB == 4) {
+    // The 16 sums in one transposing reduction (halves, quarters, then within 128-bit blocks across rows) and 16
+    // scalar stores: 45 shuffles and adds instead of 16 x 7. The scatter of one vector stalled the loads after it.
+    __m512 t[4][2];
+    for (int r = 0; r < 4; ++r)
+      for (int h = 0; h < 2; ++h) {
+        const __m512 a = acc[r][2 * h], b = acc[r][2 * h + 1];
+        t[r][h] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+      }
+    __m512 u[4];
+    for (int r = 0; r < 4; ++r)
+      u[r] = _mm512_add_ps(_mm512_shuffle_f32x4(t[r][0], t[r][1], 0x88), _mm512_shuffle_f32x4(t[r][0], t[r][1], 0xDD));
+    const __m512 v01 = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
+    const __m512 v23 = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
+    const __m512 w = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(v01), _mm512_castps_pd(v23))),
+                                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(v01), _mm512_castps_pd(v23))));
+    alignas(64) float sums[16];  // sums[4 c + r]: row r's score of key j + c * ks
+    _mm512_store_ps(sums, w);
+    for (int r = 0; r < 4; ++r)
+      for (int c = 0; c < 4; ++c) scores[r * BLOCK_N + j + c * ks] = sums[4 * c + r];
+    return;
+  }
+#endif
   for (int r = 0; r < RB; ++r)
     for (int c = 0; c < KB; ++c) scores[r * BLOCK_N + j + c * ks] = hsum(acc[r][c]);
 }
@@ -116,78 +140,53 @@ struct NextTile {
 // values (cache rows in place, or packed fp32 rows) of the unit's first kv head; head h's rows are h * k_head_stride
 // and h * v_head_stride further (a unit of packed rows has one head). Scratch rows are head-major: [num_heads][rows].
 //
-// A unit of several heads reads each memory page (PAGE_BYTES) front to back, as the hardware prefetcher follows: it
-// takes keys in groups of `pages` memory pages of per_page positions each, and each group in per_page passes of one
-// key from each page (s, s + per_page, ...), every kv head in turn. So pass s reads position s of each page, head by
-// head: within the page, in order. Beside each (pass, head) slice of a group, it prefetches the same slice of the
-// next group: K's next group, after K's last V's first, after V's last the next tile's K.
+// A unit of several heads takes a whole tile in per_run passes of one key from each of its STREAMS runs (s, s +
+// per_run, ...), every kv head in turn, so that each run's positions are read in order (see STREAMS); other tiles in
+// key order. Beside each (pass, head) slice it prefetches the slice that comes next to the same pass and head: beside
+// K's, V's; beside V's, the next tile's K.
 template <typename T, typename C, typename R>
 void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, const R* const* k, const R* const* v,
                  NextTile<R> next, int64_t rows, Scratch<T, C>& s) {
   const int64_t dim = pb.padded_dim, heads = u.num_heads;
-  const int64_t position_bytes = heads * pb.k_head_stride * static_cast<int64_t>(sizeof(R));
-  // Positions per memory page, when passes are worth taking: a page of BLOCK_N or more positions (16-bit rows of
-  // D 8, read in place where a vector is 8 floats) holds the whole tile, which key order reads front to back.
-  const int64_t fit = PAGE_BYTES / position_bytes;
-  const int64_t per_page = heads > 1 && fit > 1 && fit < BLOCK_N ? fit : 1;
-  const int64_t pages = std::min(PAGES_PER_PASS, BLOCK_N / per_page);
-  const int64_t group = heads > 1 ? pages * per_page : BLOCK_N;
+  const int64_t per_run = heads > 1 && n == BLOCK_N ? BLOCK_N / STREAMS : 1;
   const float* q = s.q.data();
-  // Calls fn(a, b, ks) for the passes over keys [j, jb): whole groups in per_page passes, a partial one in order.
+  // Calls fn(a, b, ks) for the passes over keys [j, jb): keys a, a + ks, ... below b.
   const auto passes = [&](int64_t j, int64_t jb, auto&& fn) {
-    if (jb - j < group) return fn(j, jb, int64_t{1});
-    for (int64_t p = 0; p < per_page; ++p) fn(j + p, jb, per_page);
+    for (int64_t p = 0; p < per_run; ++p) fn(j + p, jb, per_run);
   };
   const int64_t k_bytes = pb.head_dim * static_cast<int64_t>(sizeof(R));
   const int64_t v_bytes = pb.v_head_dim * static_cast<int64_t>(sizeof(R));
-  // Pass a of the group from key j: its slice of the group from key `first` of `ahead` (keys below `end`).
-  const auto prefetch_ahead = [&](const R* const* ahead, int64_t first, int64_t end, int64_t j, int64_t a, int64_t ks,
-                                  int64_t offset, int64_t bytes) {
-    if (heads > 1) prefetch_rows(ahead, first + a - j, std::min(first + group, end), ks, offset, bytes);
-  };
-  for (int64_t j = 0; j < n; j += group) {
-    passes(j, std::min(j + group, n), [&](int64_t a, int64_t b, int64_t ks) {
-      for (int64_t h = 0; h < heads; ++h) {
-        if (j + group < n) {
-          prefetch_ahead(k, j + group, n, j, a, ks, h * pb.k_head_stride, k_bytes);
-        } else {
-          prefetch_ahead(v, 0, n, j, a, ks, h * pb.v_head_stride, v_bytes);
-        }
-        for_row_blocks(rows, [&](auto rb, int64_t r) {
-          scores_dot<decltype(rb)::value>(q + (h * rows + r) * dim, dim, k, a, b, ks, h * pb.k_head_stride,
-                                          s.scores.data() + (h * rows + r) * BLOCK_N);
-        });
-      }
-    });
-  }
+  passes(0, n, [&](int64_t a, int64_t b, int64_t ks) {
+    for (int64_t h = 0; h < heads; ++h) {
+      if (heads > 1) prefetch_rows(v, a, b, ks, h * pb.v_head_stride, v_bytes);
+      for_row_blocks(rows, [&](auto rb, int64_t r) {
+        scores_dot<decltype(rb)::value>(q + (h * rows + r) * dim, dim, k, a, b, ks, h * pb.k_head_stride,
+                                        s.scores.data() + (h * rows + r) * BLOCK_N);
+      });
+    }
+  });
   // The query rows hold the scale (and the kv head's k_scale): the scores and probabilities take the rest of raw_unit.
   const auto [a_min, b_max] =
       softmax_tile(pb, j0, n, BLOCK_N, raw_unit<C>() / lifted<C>(), lifted<C>(), 0, heads * rows, s);
-  for (int64_t j = a_min; j < b_max; j += group) {
-    passes(j, std::min(j + group, b_max), [&](int64_t a, int64_t b, int64_t ks) {
-      for (int64_t h = 0; h < heads; ++h) {
-        if (j + group < b_max) {
-          prefetch_ahead(v, j + group, b_max, j, a, ks, h * pb.v_head_stride, v_bytes);
-        } else {
-          prefetch_ahead(next.k, 0, next.n, j, a, ks, h * pb.k_head_stride, k_bytes);
+  passes(a_min, b_max, [&](int64_t a, int64_t b, int64_t ks) {
+    for (int64_t h = 0; h < heads; ++h) {
+      if (heads > 1) prefetch_rows(next.k, a - a_min, next.n, ks, h * pb.k_head_stride, k_bytes);
+      for_row_blocks(rows, [&](auto rb, int64_t r) {
+        constexpr int RB = decltype(rb)::value;
+        const int64_t v_dim = pb.v_padded_dim, offset = h * pb.v_head_stride;
+        const float* p = s.scores.data() + (h * rows + r) * BLOCK_N;
+        float* acc = s.acc.data() + (h * rows + r) * v_dim;
+        int64_t d = 0;
+        // Where a load widens W > 1 vectors (fp8 with AVX512-VBMI), W at a time: a broadcast of p per W vectors.
+        constexpr int W = row_vecs<R>;
+        if constexpr (W > 1) {
+          for (; d + W * VEC <= v_dim; d += W * VEC) accumulate_pv<RB, W>(p, v, a, b, ks, offset, d, v_dim, acc);
         }
-        for_row_blocks(rows, [&](auto rb, int64_t r) {
-          constexpr int RB = decltype(rb)::value;
-          const int64_t v_dim = pb.v_padded_dim, offset = h * pb.v_head_stride;
-          const float* p = s.scores.data() + (h * rows + r) * BLOCK_N;
-          float* acc = s.acc.data() + (h * rows + r) * v_dim;
-          int64_t d = 0;
-          // Where a load widens W > 1 vectors (fp8 with AVX512-VBMI), W at a time: a broadcast of p per W vectors.
-          constexpr int W = row_vecs<R>;
-          if constexpr (W > 1) {
-            for (; d + W * VEC <= v_dim; d += W * VEC) accumulate_pv<RB, W>(p, v, a, b, ks, offset, d, v_dim, acc);
-          }
-          for (; d + 2 * VEC <= v_dim; d += 2 * VEC) accumulate_pv<RB, 2>(p, v, a, b, ks, offset, d, v_dim, acc);
-          if (d < v_dim) accumulate_pv<RB, 1>(p, v, a, b, ks, offset, d, v_dim, acc);
-        });
-      }
-    });
-  }
+        for (; d + 2 * VEC <= v_dim; d += 2 * VEC) accumulate_pv<RB, 2>(p, v, a, b, ks, offset, d, v_dim, acc);
+        if (d < v_dim) accumulate_pv<RB, 1>(p, v, a, b, ks, offset, d, v_dim, acc);
+      });
+    }
+  });
 }
 
 }  // namespace
@@ -215,7 +214,8 @@ void attend_inplace(const Problem<T, C>& pb, const Unit& u, Scratch<T, C>& s) {
     const int64_t n = std::min(BLOCK_N, u.hi - j0), next = j0 + BLOCK_N;
     const C** k_rows = k_tiles[t];
     const C** v_rows = v_tiles[t];
-    // A unit of one kv head prefetches the whole next tile (see PAGE_BYTES), one of several as attend_tile reads.
+    // A unit of one kv head, whose rows lie Hkv * D apart, prefetches the whole next tile; one of several as
+    // attend_tile reads.
     const int64_t n_next = next < u.hi ? std::min(BLOCK_N, u.hi - next) : 0;
     if (n_next > 0) {
       tile_rows(pb, u.request, u.head, next, n_next, k_tiles[t ^ 1], v_tiles[t ^ 1]);

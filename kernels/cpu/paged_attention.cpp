@@ -12,7 +12,7 @@
 // its kv heads' groups (tokens x GQA group) and streams its keys in tiles: each K/V row is loaded once per tile and
 // serves every query row of its group (online softmax, fp32 accumulation; unit.cpp). Few rows per kv head (decode,
 // short verify) take dot products over tiles of BLOCK_N keys read in place, a unit taking every kv head and reading
-// each 4 KiB page of memory in order (attend_inplace.cpp). Many rows (prefill) take ATen's brgemm (oneDNN) per kv head
+// runs of positions in order (attend_inplace.cpp). Many rows (prefill) take ATen's brgemm (oneDNN) per kv head
 // over tiles of GEMM_BLOCK_N keys packed in fp32, or in the cache's 16-bit type on AMX: by the unit, or once for all
 // the query blocks of a request (attend_brgemm.cpp). fp8 rows are read in place one byte per element and widened in
 // registers; their scales apply to the query rows or scores (k) and to the output (v) (fp8.h). A request with one
