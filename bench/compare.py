@@ -54,7 +54,7 @@ def build(checkout: Path, label: str):
     binding.write_text(_BINDING)
     if header:
         (build_dir / "value_checks.h").write_bytes(header)
-    flags = cpu._CAPABILITY_FLAGS.get(cpu.kernel_capability(), [])
+    flags = cpu.capability_flags(cpu.kernel_capability())
     return cpp_extension.load(
         f"hybrid_ops_compare_{label}",
         [str(p) for p in [*sources, binding]],

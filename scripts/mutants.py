@@ -55,7 +55,7 @@ def load_mutants(path: Path = TABLE) -> list:
 
 def cpu_has() -> dict:
     """The CPU features a mutant may need -> whether this machine has them (the tests of its code skip otherwise)."""
-    return {"amx": torch.cpu._is_amx_tile_supported(), "avx512_vbmi": kernel_capability() == "AVX512_VBMI"}
+    return {"amx": torch.cpu._is_amx_tile_supported(), "avx512_vbmi": "VBMI" in kernel_capability().split("_")}
 
 
 def package_dirs(root: Path) -> dict:

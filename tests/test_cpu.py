@@ -19,7 +19,7 @@ from helpers.reference import expected_cache, fp8_case, fp8_store_case, make_cas
 
 import hybrid_ops
 from hybrid_ops import ForwardMode, select_path
-from hybrid_ops.backends.cpu import _CAPABILITY_FLAGS, _files, kernel_capability
+from hybrid_ops.backends.cpu import _files, capability_flags, kernel_capability
 from hybrid_ops.backends.torch_ref import TorchBackend
 from hybrid_ops.fp8 import per_head
 from hybrid_ops.options import Options
@@ -196,11 +196,11 @@ def test_fp8_backend_object_takes_per_head_views():
     assert torch.equal(fp8.v_cache.view(torch.uint8), v_expected)
 
 
-# fp8 widened 64 values at a time by byte look-ups (kernels/cpu/fp8.h: load_raw_wide), in the AVX512_VBMI build that
-# CPUs with AVX512-VBMI load (hybrid_ops/backends/cpu.py).
+# fp8 widened 64 values at a time by byte look-ups (kernels/cpu/fp8.h: load_raw_wide), in the AVX512 builds with VBMI
+# that CPUs with AVX512-VBMI load (hybrid_ops/backends/cpu.py).
 needs_vbmi = pytest.mark.skipif(
-    kernel_capability() != "AVX512_VBMI",
-    reason=f"the look-up build is AVX512_VBMI (ATen's AVX512 level on a CPU with AVX512-VBMI); here it is "
+    "VBMI" not in kernel_capability().split("_"),
+    reason=f"the look-up builds are AVX512 with VBMI (ATen's AVX512 level on a CPU with AVX512-VBMI); here it is "
     f"{kernel_capability()}",
 )
 WIDE_LOAD = """#include "fp8.h"
@@ -221,7 +221,7 @@ def test_fp8_wide_load_compiles_to_byte_permutes(tmp_path):
     source, obj = tmp_path / "wide.cpp", tmp_path / "wide.o"
     source.write_text(WIDE_LOAD)
     includes = [f"-I{p}" for p in [*include_paths(), str(Path(_files(".h")[0]).parent)]]
-    flags = ["-std=c++17", "-O3", "-c", *_CAPABILITY_FLAGS["AVX512_VBMI"]]
+    flags = ["-std=c++17", "-O3", "-c", *capability_flags("AVX512_VBMI")]
     subprocess.run([compiler, *flags, *includes, str(source), "-o", str(obj)], check=True)
     code = subprocess.run([objdump, "-d", str(obj)], check=True, capture_output=True, text=True).stdout
     for function in ("widen_e4m3", "widen_e5m2"):
@@ -247,7 +247,7 @@ def test_fp8_wide_load_is_load_raw_bit_for_bit():
 @needs_vbmi
 def test_vbmi_cpus_load_the_look_up_build():
     kernels = hybrid_ops.get_backend("cpu")._module
-    assert kernels.__name__ == "hybrid_ops_cpu_avx512_vbmi" and kernels.FP8_WIDE_VECS == 4
+    assert kernels.__name__ == f"hybrid_ops_cpu_{kernel_capability().lower()}" and kernels.FP8_WIDE_VECS == 4
 
 
 @needs_vbmi

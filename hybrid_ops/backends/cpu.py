@@ -76,8 +76,16 @@ _CAPABILITY_FLAGS = {
         "-DCPU_CAPABILITY_AVX512",
     ],
 }
-# at::vec's AVX512 code, and fp8 widened by byte look-ups (kernels/cpu/fp8.h).
-_CAPABILITY_FLAGS["AVX512_VBMI"] = [*_CAPABILITY_FLAGS["AVX512"], "-mavx512vbmi"]
+# The AVX512 build's extensions, each taken where the CPU reports its /proc/cpuinfo flag, in the build's name in this
+# order: fp8 widened by byte look-ups (VBMI, kernels/cpu/fp8.h), and decode's bf16 scores as products of bf16 pairs
+# (BF16, kernels/cpu/attend_inplace.cpp).
+_AVX512_EXTENSIONS = {"VBMI": ("avx512vbmi", "-mavx512vbmi"), "BF16": ("avx512_bf16", "-mavx512bf16")}
+
+
+def capability_flags(capability: str) -> list[str]:
+    """The compile flags of a build (`kernel_capability()`): ATen's for its level, and its extensions'."""
+    level, *extensions = capability.split("_")
+    return [*_CAPABILITY_FLAGS[level], *(_AVX512_EXTENSIONS[e][1] for e in extensions)]
 
 
 # modes.ROUTING for the C++ entry points: (forward_mode, speculative_attention_mode, routed to decode?).
@@ -104,16 +112,19 @@ def _cpu_flags() -> set[str]:
 
 
 def kernel_capability() -> str:
-    """The build the kernels take here: ATen's CPU capability, or AVX512_VBMI where it is AVX512 and the CPU has
-    AVX512-VBMI."""
+    """The build the kernels take here: ATen's CPU capability, and where it is AVX512, the extensions of
+    `_AVX512_EXTENSIONS` that the CPU has (AVX512, AVX512_VBMI, AVX512_BF16 or AVX512_VBMI_BF16)."""
     aten = torch.backends.cpu.get_cpu_capability()
-    return "AVX512_VBMI" if aten == "AVX512" and "avx512vbmi" in _cpu_flags() else aten
+    if aten != "AVX512":
+        return aten
+    flags = _cpu_flags()
+    return "_".join([aten, *(name for name, (flag, _) in _AVX512_EXTENSIONS.items() if flag in flags)])
 
 
 def build():
     """Compile (or load the cached) extension module; prints a line while a build runs."""
     capability = kernel_capability()
-    flags = _CAPABILITY_FLAGS.get(capability, [])
+    flags = capability_flags(capability)
     name = f"hybrid_ops_cpu_{capability.lower()}"
     sources = _files(".cpp")
     # One directory per source text (the generated headers included) and place: checkouts that share the build root

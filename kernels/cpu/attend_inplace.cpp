@@ -15,26 +15,9 @@ namespace {
 // or not; and reading runs of positions without software prefetch, as long as that.
 constexpr int64_t STREAMS = 8;
 
-// scores[r, j] = q[r] . k_j for RB rows (few rows: decode, verify), KB keys j + c * ks at a time: one load of each K
-// chunk serves the RB rows, and RB x KB independent accumulators keep the FMA units busy. Key j's row is at k[j] +
-// offset (offset: a kv head's place in the rows of every head). Always inlined, as accumulate_pv: decode ran 4% slower
-// where the compiler did not inline them. fp8 rows are widened a vector at a time here even where a load widens 4
-// (row_vecs): a key's 4 vectors in turn take 4 times the query loads, 2 keys at a time halve the key block, and either
-// ran fp8 decode 8-15% slower on a Zen 5.
-template <int RB, int KB, typename R>
-[[gnu::always_inline]] inline void scores_dot_keys(const float* q, int64_t dim, const R* const* k, int64_t j,
-                                                   int64_t ks, int64_t offset, float* scores) {
-  Vec acc[RB][KB];
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < KB; ++c) acc[r][c] = Vec(0.f);
-  for (int64_t d = 0; d < dim; d += VEC) {
-    Vec kv[KB];
-    for (int c = 0; c < KB; ++c) kv[c] = load_row(k[j + c * ks] + offset + d);
-    for (int r = 0; r < RB; ++r) {
-      const Vec qv = Vec::loadu(q + r * dim + d);
-      for (int c = 0; c < KB; ++c) acc[r][c] = at::vec::fmadd(qv, kv[c], acc[r][c]);
-    }
-  }
+// The RB x KB sums acc[r][c] into scores[r * BLOCK_N + j + c * ks]: row r's score of key j + c * ks.
+template <int RB, int KB>
+[[gnu::always_inline]] inline void store_scores(const Vec (&acc)[RB][KB], int64_t j, int64_t ks, float* scores) {
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (RB == 4 && KB == 4) {
     // The 16 sums in one transposing reduction (halves, quarters, then within 128-bit blocks across rows) and 16
@@ -63,11 +46,113 @@ template <int RB, int KB, typename R>
     for (int c = 0; c < KB; ++c) scores[r * BLOCK_N + j + c * ks] = hsum(acc[r][c]);
 }
 
+// scores[r, j] = q[r] . k_j for RB rows (few rows: decode, verify), KB keys j + c * ks at a time: one load of each K
+// chunk serves the RB rows, and RB x KB independent accumulators keep the FMA units busy. Key j's row is at k[j] +
+// offset (offset: a kv head's place in the rows of every head). Always inlined, as accumulate_pv: decode ran 4% slower
+// where the compiler did not inline them. fp8 rows are widened a vector at a time here even where a load widens 4
+// (row_vecs): a key's 4 vectors in turn take 4 times the query loads, 2 keys at a time halve the key block, and either
+// ran fp8 decode 8-15% slower on a Zen 5.
+template <int RB, int KB, typename R>
+[[gnu::always_inline]] inline void scores_dot_keys(const float* q, int64_t dim, const R* const* k, int64_t j,
+                                                   int64_t ks, int64_t offset, float* scores) {
+  Vec acc[RB][KB];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < KB; ++c) acc[r][c] = Vec(0.f);
+  for (int64_t d = 0; d < dim; d += VEC) {
+    Vec kv[KB];
+    for (int c = 0; c < KB; ++c) kv[c] = load_row(k[j + c * ks] + offset + d);
+    for (int r = 0; r < RB; ++r) {
+      const Vec qv = Vec::loadu(q + r * dim + d);
+      for (int c = 0; c < KB; ++c) acc[r][c] = at::vec::fmadd(qv, kv[c], acc[r][c]);
+    }
+  }
+  store_scores(acc, j, ks, scores);
+}
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+// bf16 rows of q (unscaled) times bf16 keys, 32 products at a time in pairs (vdpbf16ps: each product exact in fp32,
+// the pair summed into the accumulator, to nearest even): a key's chunk is one load and no widening, and one
+// instruction takes the products of two FMAs. A head dim that is an odd number of 16s ends with half a chunk.
+template <int RB, int KB>
+[[gnu::always_inline]] inline void scores_dot_keys(const at::BFloat16* q, int64_t dim, const at::BFloat16* const* k,
+                                                   int64_t j, int64_t ks, int64_t offset, float* scores) {
+  Vec acc[RB][KB];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < KB; ++c) acc[r][c] = Vec(0.f);
+  const auto chunk = [&](int64_t d, __mmask32 lanes) {
+    __m512bh kv[KB];
+    for (int c = 0; c < KB; ++c) kv[c] = (__m512bh)_mm512_maskz_loadu_epi16(lanes, k[j + c * ks] + offset + d);
+    for (int r = 0; r < RB; ++r) {
+      const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(lanes, q + r * dim + d);
+      for (int c = 0; c < KB; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], qv, kv[c]);
+    }
+  };
+  int64_t d = 0;
+  for (; d + 32 <= dim; d += 32) chunk(d, ~__mmask32(0));
+  if (d < dim) chunk(d, 0xFFFF);
+  store_scores(acc, j, ks, scores);
+}
+
+// The probabilities of a row's pairs of keys (j, j + ks), j in [a, b): p[j] in the low 16 bits and p[j + ks] (0 from
+// b on) in the high, each rounded to bf16 (to nearest even), as flash attention rounds them for P V.
+inline void pair_probs(const float* p, int64_t a, int64_t b, int64_t ks, uint32_t* pairs) {
+  for (int64_t j = a & ~int64_t(15); j < b; j += 16) {
+    const __mmask16 second = _cvtu32_mask16(b - j - ks >= 16 ? 0xFFFF : b - j - ks > 0 ? (1u << (b - j - ks)) - 1 : 0);
+    const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + j));
+    const __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(second, p + j + ks));
+    _mm512_storeu_si512(pairs + j,
+                        _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16)));
+  }
+}
+
+// acc[r] += sum_j p[r, j] v_j over 32 values of the head dim from d0, for pairs of keys (j, j + ks), j = a, a + 2 ks,
+// ... below b (a last key alone pairs with itself at probability 0): the two keys' chunks interleaved, 16-bit value by
+// value within each 128-bit lane (vpunpck*wd), and one vdpbf16ps per row and 16 values takes both keys. The
+// accumulators hold the chunk's values in that order: values 0-3, 8-11, 16-19, 24-27 from d0, then the rest
+// (pair_order_to_values puts them back).
+template <int RB>
+[[gnu::always_inline]] inline void accumulate_pv_pairs(const uint32_t* pairs, const at::BFloat16* const* v, int64_t a,
+                                                       int64_t b, int64_t ks, int64_t offset, int64_t d0, int64_t dim,
+                                                       float* acc) {
+  __m512 lo[RB], hi[RB];
+  for (int r = 0; r < RB; ++r) {
+    lo[r] = _mm512_loadu_ps(acc + r * dim + d0);
+    hi[r] = _mm512_loadu_ps(acc + r * dim + d0 + 16);
+  }
+  for (int64_t j = a; j < b; j += 2 * ks) {
+    const __m512i first = _mm512_loadu_si512(v[j] + offset + d0);
+    const __m512i second = j + ks < b ? _mm512_loadu_si512(v[j + ks] + offset + d0) : first;
+    const __m512bh v_lo = (__m512bh)_mm512_unpacklo_epi16(first, second);
+    const __m512bh v_hi = (__m512bh)_mm512_unpackhi_epi16(first, second);
+    for (int r = 0; r < RB; ++r) {
+      const __m512bh pr = (__m512bh)_mm512_set1_epi32(pairs[r * BLOCK_N + j]);
+      lo[r] = _mm512_dpbf16_ps(lo[r], pr, v_lo);
+      hi[r] = _mm512_dpbf16_ps(hi[r], pr, v_hi);
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    _mm512_storeu_ps(acc + r * dim + d0, lo[r]);
+    _mm512_storeu_ps(acc + r * dim + d0 + 16, hi[r]);
+  }
+}
+
+// A row's accumulators of whole chunks of 32 values from accumulate_pv_pairs' order back to the values'.
+inline void pair_order_to_values(float* acc, int64_t dim) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t d = 0; d + 32 <= dim; d += 32) {
+    const __m512 lo = _mm512_loadu_ps(acc + d), hi = _mm512_loadu_ps(acc + d + 16);
+    _mm512_storeu_ps(acc + d, _mm512_permutex2var_ps(lo, first, hi));
+    _mm512_storeu_ps(acc + d + 16, _mm512_permutex2var_ps(lo, second, hi));
+  }
+}
+#endif
+
 // Keys a, a + ks, ... below b, KEY_BLOCK at a time: with 4 rows, the accumulators, key chunks and query chunk then fit
 // the vector registers (16 with AVX2, 32 with AVX512) instead of spilling to the stack.
 constexpr int KEY_BLOCK = VEC >= 16 ? 4 : 2;
-template <int RB, typename R>
-void scores_dot(const float* q, int64_t dim, const R* const* k, int64_t a, int64_t b, int64_t ks, int64_t offset,
+template <int RB, typename Q, typename R>
+void scores_dot(const Q* q, int64_t dim, const R* const* k, int64_t a, int64_t b, int64_t ks, int64_t offset,
                 float* scores) {
   int64_t j = a;
   for (; j + (KEY_BLOCK - 1) * ks < b; j += KEY_BLOCK * ks) {
@@ -149,7 +234,8 @@ void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, 
                  NextTile<R> next, int64_t rows, Scratch<T, C>& s) {
   const int64_t dim = pb.padded_dim, heads = u.num_heads;
   const int64_t per_run = heads > 1 && n == BLOCK_N ? BLOCK_N / STREAMS : 1;
-  const float* q = s.q.data();
+  using Q = std::conditional_t<bf16_pairs<R>, at::BFloat16, float>;
+  const Q* q = reinterpret_cast<const Q*>(s.q.data());
   // Calls fn(a, b, ks) for the passes over keys [j, jb): keys a, a + ks, ... below b.
   const auto passes = [&](int64_t j, int64_t jb, auto&& fn) {
     for (int64_t p = 0; p < per_run; ++p) fn(j + p, jb, per_run);
@@ -165,9 +251,16 @@ void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, 
       });
     }
   });
-  // The query rows hold the scale (and the kv head's k_scale): the scores and probabilities take the rest of raw_unit.
-  const auto [a_min, b_max] =
-      softmax_tile(pb, j0, n, BLOCK_N, raw_unit<C>() / lifted<C>(), lifted<C>(), 0, heads * rows, s);
+  // fp32 query rows hold the scale (and the kv head's k_scale): the scores and probabilities take the rest of
+  // raw_unit. bf16 ones do not (a bf16 cache has no k_scale).
+  const float score_scale = bf16_pairs<R> ? pb.scale : raw_unit<C>() / lifted<C>();
+  const auto [a_min, b_max] = softmax_tile(pb, j0, n, BLOCK_N, score_scale, lifted<C>(), 0, heads * rows, s);
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+  if constexpr (bf16_pairs<R>) {
+    for (int64_t r = 0; r < heads * rows; ++r)
+      pair_probs(s.scores.data() + r * BLOCK_N, a_min, b_max, per_run, s.p_pairs.data() + r * BLOCK_N);
+  }
+#endif
   passes(a_min, b_max, [&](int64_t a, int64_t b, int64_t ks) {
     for (int64_t h = 0; h < heads; ++h) {
       if (heads > 1) prefetch_rows(next.k, a - a_min, next.n, ks, h * pb.k_head_stride, k_bytes);
@@ -179,6 +272,12 @@ void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, 
         int64_t d = 0;
         // Where a load widens W > 1 vectors (fp8 with AVX512-VBMI), W at a time: a broadcast of p per W vectors.
         constexpr int W = row_vecs<R>;
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+        if constexpr (bf16_pairs<R>) {
+          const uint32_t* pairs = s.p_pairs.data() + (h * rows + r) * BLOCK_N;
+          for (; d + 32 <= v_dim; d += 32) accumulate_pv_pairs<RB>(pairs, v, a, b, ks, offset, d, v_dim, acc);
+        }
+#endif
         if constexpr (W > 1) {
           for (; d + W * VEC <= v_dim; d += W * VEC) accumulate_pv<RB, W>(p, v, a, b, ks, offset, d, v_dim, acc);
         }
@@ -191,18 +290,35 @@ void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, 
 
 }  // namespace
 
-// The unit's query rows in fp32, scaled; its tiles (attend_tile) with K/V rows in place when the head dim is whole
-// vectors (always for a unit of several heads, see schedule.cpp), else copied (fp32 raw values, zero-padded) into the
-// scratch tile.
+// The unit's query rows in fp32, scaled (bf16 as they are, for bf16 rows in place: bf16_pairs); its tiles (attend_tile)
+// with K/V rows in place when the head dim is whole vectors (always for a unit of several heads, see schedule.cpp),
+// else copied (fp32 raw values, zero-padded) into the scratch tile.
 template <typename T, typename C>
 void attend_inplace(const Problem<T, C>& pb, const Unit& u, Scratch<T, C>& s) {
   const QueryRows q_rows = pb.rows_of(u);
   const int64_t dim = pb.padded_dim, v_dim = pb.v_padded_dim, rows = q_rows.per_head;
+  const bool in_place = pb.head_dim == dim && pb.v_head_dim == v_dim;
+  const int64_t step = pb.q_strides[2];  // 1 but for an unusual q: then element by element
   for (int64_t r = 0; r < q_rows.count; ++r) {
     const T* src = pb.q_row(q_rows, r);
+    if constexpr (bf16_pairs<C>) {
+      if (in_place) {
+        T* dst = reinterpret_cast<T*>(s.q.data()) + r * dim;
+        if (step == 1) {
+          std::copy_n(src, dim, dst);
+        } else {
+          for (int64_t d = 0; d < dim; ++d) dst[d] = src[d * step];
+        }
+        continue;
+      }
+    }
     float* dst = s.q.data() + r * dim;
     const float q_scale = pb.scale * pb.k_scale[q_rows.kv_head(r)] * lifted<C>();  // see attend_tile
-    for (int64_t d = 0; d < pb.head_dim; ++d) dst[d] = static_cast<float>(src[d * pb.q_strides[2]]) * q_scale;
+    int64_t d = 0;
+    if (step == 1) {
+      for (; d + VEC <= pb.head_dim; d += VEC) (load_row(src + d) * Vec(q_scale)).store(dst + d);
+    }
+    for (; d < pb.head_dim; ++d) dst[d] = static_cast<float>(src[d * step]) * q_scale;
     std::fill(dst + pb.head_dim, dst + dim, 0.f);
   }
   const C* k_tiles[2][BLOCK_N];
@@ -224,7 +340,7 @@ void attend_inplace(const Problem<T, C>& pb, const Unit& u, Scratch<T, C>& s) {
         prefetch_rows(v_tiles[t ^ 1], 0, n_next, 1, 0, pb.v_head_dim * static_cast<int64_t>(sizeof(C)));
       }
     }
-    if (pb.head_dim == dim && pb.v_head_dim == v_dim) {
+    if (in_place) {
       attend_tile(pb, u, j0, n, k_rows, v_rows, NextTile<C>{k_tiles[t ^ 1], v_tiles[t ^ 1], n_next}, rows, s);
       continue;
     }
@@ -238,6 +354,13 @@ void attend_inplace(const Problem<T, C>& pb, const Unit& u, Scratch<T, C>& s) {
     }
     attend_tile(pb, u, j0, n, k_packed, v_packed, NextTile<float>{nullptr, nullptr, 0}, rows, s);
   }
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+  if constexpr (bf16_pairs<C>) {
+    if (in_place) {
+      for (int64_t r = 0; r < q_rows.count; ++r) pair_order_to_values(s.acc.data() + r * v_dim, v_dim);
+    }
+  }
+#endif
 }
 
 #define INSTANTIATE(T, C) template void attend_inplace(const Problem<T, C>&, const Unit&, Scratch<T, C>&);

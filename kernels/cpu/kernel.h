@@ -43,6 +43,16 @@ inline Vec load_row(const T* p) {
   }
 }
 
+// Whether few rows over bf16 rows in place multiply pairs of bf16 values (vdpbf16ps, attend_inplace.cpp): in the
+// AVX512 builds with BF16 (hybrid_ops/backends/cpu.py).
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+constexpr bool BF16_PAIRS = true;
+#else
+constexpr bool BF16_PAIRS = false;
+#endif
+template <typename R>
+constexpr bool bf16_pairs = BF16_PAIRS && std::is_same_v<R, at::BFloat16>;
+
 // Vectors of a row that load_rows widens from one load: WIDE_VECS for fp8 (4 with AVX512-VBMI), else 1.
 template <typename R>
 constexpr int row_vecs = is_fp8<R> ? WIDE_VECS : 1;
@@ -141,6 +151,7 @@ template <typename T, typename C>
 struct Scratch {
   const bool amx;
   std::vector<float> q, acc, scores, m, l, tile_max, alpha, packed_k, packed_v;
+  std::vector<uint32_t> p_pairs;  // bf16_pairs: the probabilities of pairs of keys, [rows][BLOCK_N] (attend_inplace)
   std::vector<int64_t> key_begin, key_end;  // the request's keys [key_begin[r], key_end[r]) that row r sees
   // With a tree (unit.cpp): row r's mask row, and its token's index among the request's new tokens; the unit's
   // request's prefix length and its new tokens' depths.
@@ -162,6 +173,7 @@ struct Scratch {
         alpha(rows),
         packed_k(BLOCK_N * padded_dim, 0.f),
         packed_v(BLOCK_N * v_padded_dim, 0.f),
+        p_pairs(bf16_pairs<C> ? rows * BLOCK_N : 0),
         key_begin(rows),
         key_end(rows),
         tree_row(rows),

@@ -25,6 +25,8 @@ void store_rows(const KvRows<T, C>& kv, const Metadata& md, const std::vector<in
         if constexpr (is_fp8<C>) {
           for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<float>(x[d * sd]);
           quantize_row(row.data(), kv.kv_scale[h], dst + h * head_stride, dim);
+        } else if (sd == 1) {
+          std::copy_n(x, dim, dst + h * head_stride);
         } else {
           for (int64_t d = 0; d < dim; ++d) dst[h * head_stride + d] = x[d * sd];
         }

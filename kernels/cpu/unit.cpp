@@ -125,18 +125,20 @@ void run_unit(const Problem<T, C>& pb, const Unit& u, Scratch<T, C>& s) {
   // the output's own values, so the merge takes them as they are, and their sinks join there.
   const float raw = brgemm ? 1.f : raw_unit<C>() / lifted<C>();
   for (int64_t r = 0; r < q_rows.count; ++r) {
-    const float* acc = s.acc.data() + r * v_dim;
+    float* acc = s.acc.data() + r * v_dim;
     const float v_factor = pb.v_scale[q_rows.kv_head(r)] * raw;
+    // The accumulators times inv, into dst (T: rounded as c10 rounds, to nearest even).
+    const auto write = [&](float inv, auto* dst) {
+      for (int64_t d = 0; d < v_dim; d += VEC) (Vec::loadu(acc + d) * Vec(inv)).store(acc + d);
+      at::vec::convert(acc, dst, pb.v_head_dim);
+    };
     if (u.partial < 0) {
       // A sink adds exp(sink - m) to the sum of probabilities (a row that sees no key: output 0, sink or not).
       const float sink = pb.sinks ? std::exp(pb.sinks[q_rows.q_head(r)] - s.m[r]) : 0.f;
-      const float inv = (s.l[r] > 0 ? 1.f / (s.l[r] + sink) : 0.f) * v_factor;
-      T* dst = pb.out + (q_rows.token(r) * pb.num_kv_heads * pb.group + q_rows.q_head(r)) * pb.v_head_dim;
-      for (int64_t d = 0; d < pb.v_head_dim; ++d) dst[d] = static_cast<T>(acc[d] * inv);
+      write((s.l[r] > 0 ? 1.f / (s.l[r] + sink) : 0.f) * v_factor,
+            pb.out + (q_rows.token(r) * pb.num_kv_heads * pb.group + q_rows.q_head(r)) * pb.v_head_dim);
     } else {
-      const float inv = (s.l[r] > 0 ? 1.f / s.l[r] : 0.f) * v_factor;
-      float* dst = pb.partial_out + (u.partial + r) * pb.v_head_dim;
-      for (int64_t d = 0; d < pb.v_head_dim; ++d) dst[d] = acc[d] * inv;
+      write((s.l[r] > 0 ? 1.f / s.l[r] : 0.f) * v_factor, pb.partial_out + (u.partial + r) * pb.v_head_dim);
       pb.partial_lse[u.partial + r] = s.l[r] > 0 ? s.m[r] + std::log(s.l[r]) : NEG_INF;
     }
   }
