@@ -42,10 +42,10 @@ Mutant = namedtuple("Mutant", "name file original mutated tests needs caught_on"
 
 
 def load_mutants(path: Path = TABLE) -> list:
-    """The table's rows, in order; a row's `needs` is a CPU feature its code runs only with (amx, avx512_vbmi), its
-    `caught_on` a regex of one more failure that counts as caught for it: an error raised on purpose by code not ours
-    (FlashInfer's own checks, the recompile errors a test asks Dynamo for), or the error a check of ours exists to
-    replace (the model's IndexError for a token id past its vocabulary)."""
+    """The table's rows, in order; a row's `needs` is a CPU feature its code runs only with (amx, avx512_vbmi,
+    avx512_bf16), its `caught_on` a regex of one more failure that counts as caught for it: an error raised on purpose
+    by code not ours (FlashInfer's own checks, the recompile errors a test asks Dynamo for), or the error a check of
+    ours exists to replace (the model's IndexError for a token id past its vocabulary)."""
     rows = [Mutant(**row) for row in tomllib.loads(path.read_text())["mutant"]]
     names = [m.name for m in rows]
     if len(set(names)) != len(names):
@@ -55,7 +55,12 @@ def load_mutants(path: Path = TABLE) -> list:
 
 def cpu_has() -> dict:
     """The CPU features a mutant may need -> whether this machine has them (the tests of its code skip otherwise)."""
-    return {"amx": torch.cpu._is_amx_tile_supported(), "avx512_vbmi": "VBMI" in kernel_capability().split("_")}
+    extensions = kernel_capability().split("_")
+    return {
+        "amx": torch.cpu._is_amx_tile_supported(),
+        "avx512_vbmi": "VBMI" in extensions,
+        "avx512_bf16": "BF16" in extensions,
+    }
 
 
 def package_dirs(root: Path) -> dict:

@@ -247,7 +247,7 @@ def test_fp8_wide_load_is_load_raw_bit_for_bit():
 @needs_vbmi
 def test_vbmi_cpus_load_the_look_up_build():
     kernels = hybrid_ops.get_backend("cpu")._module
-    assert kernels.__name__ == f"hybrid_ops_cpu_{kernel_capability().lower()}" and kernels.FP8_WIDE_VECS == 4
+    assert "vbmi" in kernels.__name__.split("_") and kernels.FP8_WIDE_VECS == 4
 
 
 @needs_vbmi
@@ -262,6 +262,57 @@ def test_vbmi_fp8_against_float64(op, q_len, head_dim, cache_dtype, dtype):
         [q_len] * 2, [150, 70], 8, head_dim=head_dim, page_size=16, dtype=dtype, seed=head_dim, v_head_dim=head_dim + 16
     )
     check_fp8(op, case, FP8[cache_dtype], *fp8_scales("per_head", 2))
+
+
+# Few rows over bf16 caches in place multiply bf16 pairs (kernels/cpu/attend_inplace.cpp: vdpbf16ps) in the AVX512
+# builds with BF16, which CPUs with AVX512-BF16 load (hybrid_ops/backends/cpu.py); fp32 FMAs elsewhere.
+needs_bf16 = pytest.mark.skipif(
+    "BF16" not in kernel_capability().split("_"),
+    reason=f"the pairs builds are AVX512 with BF16 (ATen's AVX512 level on a CPU with AVX512-BF16); here it is "
+    f"{kernel_capability()}",
+)
+
+
+@needs_bf16
+def test_bf16_cpus_load_the_pairs_build():
+    kernels = hybrid_ops.get_backend("cpu")._module
+    assert "bf16" in kernels.__name__.split("_") and kernels.BF16_PAIRS
+
+
+def test_bf16_pairs_compile_to_dot_products(tmp_path):
+    """attend_inplace.cpp, compiled alone with the flags of the AVX512 build with BF16, multiplies bf16 pairs
+    (vdpbf16ps) and rounds the probabilities to bf16 (vcvtneps2bf16): on any machine."""
+    from torch.utils.cpp_extension import include_paths
+
+    compiler, objdump = shutil.which(os.environ.get("CXX", "g++")), shutil.which("objdump")
+    if not compiler or not objdump:
+        pytest.skip("no C++ compiler or objdump to build and read the object")
+    source = next(f for f in _files(".cpp") if f.endswith("attend_inplace.cpp"))
+    obj = tmp_path / "attend_inplace.o"
+    includes = [f"-I{p}" for p in [*include_paths(), str(Path(source).parent)]]
+    flags = ["-std=c++17", "-O3", "-c", *capability_flags("AVX512_BF16")]
+    subprocess.run([compiler, *flags, *includes, source, "-o", str(obj)], check=True)
+    code = subprocess.run([objdump, "-d", str(obj)], check=True, capture_output=True, text=True).stdout
+    assert "vdpbf16ps" in code and "vcvtneps2bf16" in code
+
+
+# Head dims (q/k, v) around the pairs' chunks of 32 values: half a chunk alone, a chunk and a half, whole chunks.
+@pytest.mark.parametrize("head_dim, v_head_dim", [(16, 16), (48, 80), (96, 32), (128, 144)])
+@pytest.mark.parametrize("option", ["default", "window"])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_bf16_few_rows_against_float64(q_len, option, head_dim, v_head_dim):
+    """bf16 decode and verify over every kv head (few rows, in place) against float64, on every build: contexts that
+    end in tiles of 3, 14 and 1 keys (keys paired one after the other, a lone last key), and windows whose first key
+    falls inside a tile's runs of positions (the pairs start mid-run)."""
+    case = make_case(
+        [q_len] * 3, [130, 77, 64], 8, head_dim=head_dim, page_size=16, dtype=torch.bfloat16, seed=head_dim,
+        v_head_dim=v_head_dim,
+    )  # fmt: skip
+    options = {"window": dict(sliding_window=37)}.get(option, {})
+    k_ref, v_ref = expected_cache(case)
+    out = torch.ops.hybrid.decode(*case.args, **options, backend="cpu")
+    assert_relative(out, reference(case, **options), torch.bfloat16)
+    assert torch.equal(case.k_cache, k_ref) and torch.equal(case.v_cache, v_ref)
 
 
 # Trees (tree_mask) laid out parents first but not level by level (`recursive_tree`): positions (prefix + depth) far

@@ -5,10 +5,12 @@ of `at::parallel_for`; the caches in q's dtype, or fp8 with their scales (`optio
 first use with `torch.utils.cpp_extension` (g++ or clang, and ninja) into torch's extension directory, for the vector
 instructions ATen detected on this machine (`torch.backends.cpu.get_cpu_capability()`: DEFAULT, AVX2 or AVX512), so a
 build never uses instructions the CPU lacks; later processes load the cached library (one per source text). Where
-ATen's capability is AVX512 and the CPU also reports AVX512-VBMI (Ice Lake and later, Zen 4 and later; the `avx512vbmi`
-flag of /proc/cpuinfo), the build is AVX512_VBMI, which widens fp8 caches by byte look-ups (`kernel_capability()`); so
-`ATEN_CPU_CAPABILITY=avx2` or `default` still forces those builds. The module's `FP8_WIDE_VECS` says which widening
-it compiled (4: look-ups, 1: shifts). Without a compiler, "auto" warns once and takes the torch backend, and
+ATen's capability is AVX512, the build adds the extensions the CPU also reports (`kernel_capability()`): VBMI
+(AVX512_VBMI: Ice Lake and later, Zen 4 and later; the `avx512vbmi` flag of /proc/cpuinfo), which widens fp8 caches
+by byte look-ups, and BF16 (AVX512_BF16: Cooper Lake, Sapphire Rapids and later, Zen 4 and later; `avx512_bf16`), whose
+decode multiplies bf16 caches in bf16 pairs; AVX512_VBMI_BF16 with both. `ATEN_CPU_CAPABILITY=avx2` or `default`
+still forces those builds. The module's `FP8_WIDE_VECS` says which widening it compiled (4: look-ups, 1: shifts), and
+`BF16_PAIRS` whether it multiplies pairs. Without a compiler, "auto" warns once and takes the torch backend, and
 `backend="cpu"` is an error.
 
 The metadata lives on the host, so the kernel checks its values (a tree mask's included) on every call before writing

@@ -1,7 +1,9 @@
 // Few query rows per kv head (decode, short verify): dot products over tiles of BLOCK_N keys read in place, a unit
 // taking every kv head and reading runs of positions in order (a position's Hkv * D elements lie together; see
 // STREAMS). fp8 rows are read in place one byte per element and widened in registers (fp8.h); the query rows hold
-// the scale and the kv head's k_scale, and unit.cpp applies v_scale to the output.
+// the scale and the kv head's k_scale, and unit.cpp applies v_scale to the output. bf16 rows, where the build has
+// AVX512-BF16 (bf16_pairs), multiply in bf16 pairs without widening: q . k from q's own bf16 values, the scale applied
+// to the scores, and P V with the probabilities rounded to bf16.
 
 #include "kernel.h"
 
@@ -105,35 +107,34 @@ inline void pair_probs(const float* p, int64_t a, int64_t b, int64_t ks, uint32_
   }
 }
 
-// acc[r] += sum_j p[r, j] v_j over 32 values of the head dim from d0, for pairs of keys (j, j + ks), j = a, a + 2 ks,
-// ... below b (a last key alone pairs with itself at probability 0): the two keys' chunks interleaved, 16-bit value by
-// value within each 128-bit lane (vpunpck*wd), and one vdpbf16ps per row and 16 values takes both keys. The
-// accumulators hold the chunk's values in that order: values 0-3, 8-11, 16-19, 24-27 from d0, then the rest
+// acc[r] += sum_j p[r, j] v_j over CH chunks of 32 values of the head dim from d0, for pairs of keys (j, j + ks), j =
+// a, a + 2 ks, ... below b (a last key alone pairs with itself at probability 0): the two keys' chunks interleaved,
+// 16-bit value by value within each 128-bit lane (vpunpck*wd), and one vdpbf16ps per row and 16 values takes both keys.
+// The accumulators hold each chunk's values in that order: values 0-3, 8-11, 16-19, 24-27 of the chunk, then the rest
 // (pair_order_to_values puts them back).
-template <int RB>
+template <int RB, int CH>
 [[gnu::always_inline]] inline void accumulate_pv_pairs(const uint32_t* pairs, const at::BFloat16* const* v, int64_t a,
                                                        int64_t b, int64_t ks, int64_t offset, int64_t d0, int64_t dim,
                                                        float* acc) {
-  __m512 lo[RB], hi[RB];
-  for (int r = 0; r < RB; ++r) {
-    lo[r] = _mm512_loadu_ps(acc + r * dim + d0);
-    hi[r] = _mm512_loadu_ps(acc + r * dim + d0 + 16);
-  }
+  __m512 sum[RB][2 * CH];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < 2 * CH; ++c) sum[r][c] = _mm512_loadu_ps(acc + r * dim + d0 + 16 * c);
   for (int64_t j = a; j < b; j += 2 * ks) {
-    const __m512i first = _mm512_loadu_si512(v[j] + offset + d0);
-    const __m512i second = j + ks < b ? _mm512_loadu_si512(v[j + ks] + offset + d0) : first;
-    const __m512bh v_lo = (__m512bh)_mm512_unpacklo_epi16(first, second);
-    const __m512bh v_hi = (__m512bh)_mm512_unpackhi_epi16(first, second);
+    const at::BFloat16* first = v[j] + offset + d0;
+    const at::BFloat16* second = (j + ks < b ? v[j + ks] : v[j]) + offset + d0;
+    __m512bh vv[2 * CH];
+    for (int c = 0; c < CH; ++c) {
+      const __m512i x = _mm512_loadu_si512(first + 32 * c), y = _mm512_loadu_si512(second + 32 * c);
+      vv[2 * c] = (__m512bh)_mm512_unpacklo_epi16(x, y);
+      vv[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(x, y);
+    }
     for (int r = 0; r < RB; ++r) {
       const __m512bh pr = (__m512bh)_mm512_set1_epi32(pairs[r * BLOCK_N + j]);
-      lo[r] = _mm512_dpbf16_ps(lo[r], pr, v_lo);
-      hi[r] = _mm512_dpbf16_ps(hi[r], pr, v_hi);
+      for (int c = 0; c < 2 * CH; ++c) sum[r][c] = _mm512_dpbf16_ps(sum[r][c], pr, vv[c]);
     }
   }
-  for (int r = 0; r < RB; ++r) {
-    _mm512_storeu_ps(acc + r * dim + d0, lo[r]);
-    _mm512_storeu_ps(acc + r * dim + d0 + 16, hi[r]);
-  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < 2 * CH; ++c) _mm512_storeu_ps(acc + r * dim + d0 + 16 * c, sum[r][c]);
 }
 
 // A row's accumulators of whole chunks of 32 values from accumulate_pv_pairs' order back to the values'.
@@ -275,7 +276,11 @@ void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
         if constexpr (bf16_pairs<R>) {
           const uint32_t* pairs = s.p_pairs.data() + (h * rows + r) * BLOCK_N;
-          for (; d + 32 <= v_dim; d += 32) accumulate_pv_pairs<RB>(pairs, v, a, b, ks, offset, d, v_dim, acc);
+          for (; d + 64 <= v_dim; d += 64) accumulate_pv_pairs<RB, 2>(pairs, v, a, b, ks, offset, d, v_dim, acc);
+          if (d + 32 <= v_dim) {
+            accumulate_pv_pairs<RB, 1>(pairs, v, a, b, ks, offset, d, v_dim, acc);
+            d += 32;
+          }
         }
 #endif
         if constexpr (W > 1) {

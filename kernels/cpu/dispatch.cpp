@@ -239,6 +239,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "fp8 codes [n] (n a multiple of 64) as raw float32 values, by the wide load or 16 at a time", py::arg("codes"),
         py::arg("wide"));
   m.attr("FP8_WIDE_VECS") = hybrid_ops::fp8_wide_vecs();
+  m.attr("BF16_PAIRS") = hybrid_ops::bf16_pairs();
   m.def("multiplies_in_cache_dtype", &hybrid_ops::multiplies_in_cache_dtype,
         "Whether many query rows over a 16-bit cache multiply in 16 bits (AMX) rather than fp32");
   hybrid_ops::define_state_ops(m);

@@ -12,13 +12,13 @@
 // its kv heads' groups (tokens x GQA group) and streams its keys in tiles: each K/V row is loaded once per tile and
 // serves every query row of its group (online softmax, fp32 accumulation; unit.cpp). Few rows per kv head (decode,
 // short verify) take dot products over tiles of BLOCK_N keys read in place, a unit taking every kv head and reading
-// runs of positions in order (attend_inplace.cpp). Many rows (prefill) take ATen's brgemm (oneDNN) per kv head
-// over tiles of GEMM_BLOCK_N keys packed in fp32, or in the cache's 16-bit type on AMX: by the unit, or once for all
-// the query blocks of a request (attend_brgemm.cpp). fp8 rows are read in place one byte per element and widened in
-// registers; their scales apply to the query rows or scores (k) and to the output (v) (fp8.h). A request with one
-// block of queries (decode, verify, a short chunk over a long prefix) splits its keys into slices, merged by
-// log-sum-exp, so a batch of one still uses several cores. The slicing depends on the request alone, so a request's
-// result is the same in any batch and on any number of threads.
+// runs of positions in order, over bf16 caches in bf16 pairs where the CPU has AVX512-BF16 (attend_inplace.cpp). Many
+// rows (prefill) take ATen's brgemm (oneDNN) per kv head over tiles of GEMM_BLOCK_N keys packed in fp32, or in the
+// cache's 16-bit type on AMX: by the unit, or once for all the query blocks of a request (attend_brgemm.cpp). fp8 rows
+// are read in place one byte per element and widened in registers; their scales apply to the query rows or scores (k)
+// and to the output (v) (fp8.h). A request with one block of queries (decode, verify, a short chunk over a long prefix)
+// splits its keys into slices, merged by log-sum-exp, so a batch of one still uses several cores. The slicing depends
+// on the request alone, so a request's result is the same in any batch and on any number of threads.
 //
 // The metadata's values are checked first (before anything is written); on bad values `paged_attention` returns an
 // undefined tensor (None in Python) and the caller reports which value is wrong. This file turns the tensors into the
@@ -261,6 +261,8 @@ at::Tensor widen_fp8(const at::Tensor& codes, bool wide) {
 }
 
 int64_t fp8_wide_vecs() { return cpu::WIDE_VECS; }
+
+bool bf16_pairs() { return cpu::BF16_PAIRS; }
 
 bool metadata_values_ok(const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, const at::Tensor& block_table,
                         int64_t num_tokens, int64_t num_pages, int64_t page_size, bool decode,

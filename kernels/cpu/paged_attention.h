@@ -33,6 +33,9 @@ at::Tensor widen_fp8(const at::Tensor& codes, bool wide);
 // Vectors that the wide load of fp8 codes fills: 4 where the build widens by byte look-ups (AVX512-VBMI), else 1.
 int64_t fp8_wide_vecs();
 
+// Whether few rows over bf16 caches multiply bf16 pairs (AVX512-BF16's vdpbf16ps), else fp32 FMAs.
+bool bf16_pairs();
+
 // cpu::metadata_ok (the rows of validation.check_metadata_values) over tensors, for metadata whose shapes and dtypes
 // the entry points' checks passed; for tests.
 bool metadata_values_ok(const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, const at::Tensor& block_table,
