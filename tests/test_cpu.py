@@ -210,20 +210,26 @@ void widen_e5m2(const at::Float8_e5m2* p, Vec* out) { load_raw_wide(p, out); }
 """
 
 
-def test_fp8_wide_load_compiles_to_byte_permutes(tmp_path):
-    """The wide load of the AVX512_VBMI build, compiled alone with its flags, is made of byte permutes (vpermb for the
-    look-ups, vpermt2b or vpermi2b to place the bytes) and not of load_raw's sign extensions: on any machine."""
+def disassemble(source, capability, obj):
+    """The disassembly of `source` (a path) compiled alone into `obj` with the flags of build `capability`, the kernels'
+    headers on its include path; skips without a compiler or objdump."""
     from torch.utils.cpp_extension import include_paths
 
     compiler, objdump = shutil.which(os.environ.get("CXX", "g++")), shutil.which("objdump")
     if not compiler or not objdump:
         pytest.skip("no C++ compiler or objdump to build and read the object")
-    source, obj = tmp_path / "wide.cpp", tmp_path / "wide.o"
-    source.write_text(WIDE_LOAD)
     includes = [f"-I{p}" for p in [*include_paths(), str(Path(_files(".h")[0]).parent)]]
-    flags = ["-std=c++17", "-O3", "-c", *capability_flags("AVX512_VBMI")]
+    flags = ["-std=c++17", "-O3", "-c", *capability_flags(capability)]
     subprocess.run([compiler, *flags, *includes, str(source), "-o", str(obj)], check=True)
-    code = subprocess.run([objdump, "-d", str(obj)], check=True, capture_output=True, text=True).stdout
+    return subprocess.run([objdump, "-d", str(obj)], check=True, capture_output=True, text=True).stdout
+
+
+def test_fp8_wide_load_compiles_to_byte_permutes(tmp_path):
+    """The wide load of the AVX512_VBMI build, compiled alone with its flags, is made of byte permutes (vpermb for the
+    look-ups, vpermt2b or vpermi2b to place the bytes) and not of load_raw's sign extensions: on any machine."""
+    source = tmp_path / "wide.cpp"
+    source.write_text(WIDE_LOAD)
+    code = disassemble(source, "AVX512_VBMI", tmp_path / "wide.o")
     for function in ("widen_e4m3", "widen_e5m2"):
         body = code.split(function, 1)[1].split("\n\n", 1)[0]
         assert body.count("vpermb") >= 2 and re.search(r"vperm[ti]2b", body), body
@@ -282,17 +288,8 @@ def test_bf16_cpus_load_the_pairs_build():
 def test_bf16_pairs_compile_to_dot_products(tmp_path):
     """attend_inplace.cpp, compiled alone with the flags of the AVX512 build with BF16, multiplies bf16 pairs
     (vdpbf16ps) and rounds the probabilities to bf16 (vcvtneps2bf16): on any machine."""
-    from torch.utils.cpp_extension import include_paths
-
-    compiler, objdump = shutil.which(os.environ.get("CXX", "g++")), shutil.which("objdump")
-    if not compiler or not objdump:
-        pytest.skip("no C++ compiler or objdump to build and read the object")
     source = next(f for f in _files(".cpp") if f.endswith("attend_inplace.cpp"))
-    obj = tmp_path / "attend_inplace.o"
-    includes = [f"-I{p}" for p in [*include_paths(), str(Path(source).parent)]]
-    flags = ["-std=c++17", "-O3", "-c", *capability_flags("AVX512_BF16")]
-    subprocess.run([compiler, *flags, *includes, source, "-o", str(obj)], check=True)
-    code = subprocess.run([objdump, "-d", str(obj)], check=True, capture_output=True, text=True).stdout
+    code = disassemble(source, "AVX512_BF16", tmp_path / "attend_inplace.o")
     assert "vdpbf16ps" in code and "vcvtneps2bf16" in code
 
 
