@@ -299,7 +299,7 @@ void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, 
 // with K/V rows in place when the head dim is whole vectors (always for a unit of several heads, see schedule.cpp),
 // else copied (fp32 raw values, zero-padded) into the scratch tile.
 template <typename T, typename C>
-void attend_inplace(const Problem<T, C>& pb, const Unit& u, Scratch<T, C>& s) {
+void attend_inplace(const Problem<T, C>& pb, const Unit& u, Scratch<T, C>& s, const Unit* following) {
   const QueryRows q_rows = pb.rows_of(u);
   const int64_t dim = pb.padded_dim, v_dim = pb.v_padded_dim, rows = q_rows.per_head;
   const bool in_place = pb.head_dim == dim && pb.v_head_dim == v_dim;
@@ -336,14 +336,18 @@ void attend_inplace(const Problem<T, C>& pb, const Unit& u, Scratch<T, C>& s) {
     const C** k_rows = k_tiles[t];
     const C** v_rows = v_tiles[t];
     // A unit of one kv head, whose rows lie Hkv * D apart, prefetches the whole next tile; one of several as
-    // attend_tile reads.
-    const int64_t n_next = next < u.hi ? std::min(BLOCK_N, u.hi - next) : 0;
+    // attend_tile reads, and in its last tile the first of the unit its thread takes next when that one too takes
+    // every kv head.
+    int64_t n_next = next < u.hi ? std::min(BLOCK_N, u.hi - next) : 0;
     if (n_next > 0) {
       tile_rows(pb, u.request, u.head, next, n_next, k_tiles[t ^ 1], v_tiles[t ^ 1]);
       if (u.num_heads == 1) {
         prefetch_rows(k_tiles[t ^ 1], 0, n_next, 1, 0, pb.head_dim * static_cast<int64_t>(sizeof(C)));
         prefetch_rows(v_tiles[t ^ 1], 0, n_next, 1, 0, pb.v_head_dim * static_cast<int64_t>(sizeof(C)));
       }
+    } else if (following && u.num_heads > 1 && following->num_heads == u.num_heads) {
+      n_next = std::min(BLOCK_N, following->hi - following->lo);
+      tile_rows(pb, following->request, following->head, following->lo, n_next, k_tiles[t ^ 1], v_tiles[t ^ 1]);
     }
     if (in_place) {
       attend_tile(pb, u, j0, n, k_rows, v_rows, NextTile<C>{k_tiles[t ^ 1], v_tiles[t ^ 1], n_next}, rows, s);
@@ -368,7 +372,7 @@ void attend_inplace(const Problem<T, C>& pb, const Unit& u, Scratch<T, C>& s) {
 #endif
 }
 
-#define INSTANTIATE(T, C) template void attend_inplace(const Problem<T, C>&, const Unit&, Scratch<T, C>&);
+#define INSTANTIATE(T, C) template void attend_inplace(const Problem<T, C>&, const Unit&, Scratch<T, C>&, const Unit*);
 HYBRID_OPS_CPU_TYPES(INSTANTIATE)
 
 }  // namespace hybrid_ops::cpu

@@ -231,9 +231,9 @@ std::pair<int64_t, int64_t> softmax_tile(const Problem<T, C>& pb, int64_t j0, in
                                          float p_scale, int64_t r0, int64_t r1, Scratch<T, C>& s);
 
 // A unit's attention, its scratch rows' keys, maxima, sums and accumulators set up (unit.cpp), for few rows per kv
-// head (attend_inplace.cpp) or many (attend_brgemm.cpp).
+// head (attend_inplace.cpp) or many (attend_brgemm.cpp). following: the unit the thread takes next, or null.
 template <typename T, typename C>
-void attend_inplace(const Problem<T, C>& pb, const Unit& u, Scratch<T, C>& s);
+void attend_inplace(const Problem<T, C>& pb, const Unit& u, Scratch<T, C>& s, const Unit* following);
 template <typename T, typename C>
 void attend_brgemm(const Problem<T, C>& pb, const Unit& u, Scratch<T, C>& s);
 
@@ -243,7 +243,7 @@ void pack(const Problem<T, C>& pb, const PackJob& job, int64_t index, Scratch<T,
 
 // A unit, its output or split partials written; a request's slices merged into its output (unit.cpp).
 template <typename T, typename C>
-void run_unit(const Problem<T, C>& pb, const Unit& u, Scratch<T, C>& s);
+void run_unit(const Problem<T, C>& pb, const Unit& u, Scratch<T, C>& s, const Unit* following);
 template <typename T, typename C>
 void run_merge(const Problem<T, C>& pb, const Merge& mg);
 

@@ -151,8 +151,10 @@ at::Tensor forward_typed(const at::Tensor& q, const at::Tensor& k, const at::Ten
   };
   const auto& jobs = work.pack_jobs;
   parallel_dynamic(static_cast<int64_t>(jobs.size()), [&](int64_t i) { pack(pb, jobs[i], i, thread_scratch()); });
-  parallel_dynamic(static_cast<int64_t>(work.units.size()),
-                   [&](int64_t i) { run_unit(pb, work.units[i], thread_scratch()); });
+  const int64_t num_units = static_cast<int64_t>(work.units.size());
+  parallel_dynamic_ahead(num_units, [&](int64_t i, int64_t following) {
+    run_unit(pb, work.units[i], thread_scratch(), following < num_units ? &work.units[following] : nullptr);
+  });
   // parallel_for returns when every unit is done: the merges read finished slices.
   parallel_dynamic(static_cast<int64_t>(work.merges.size()), [&](int64_t i) { run_merge(pb, work.merges[i]); });
   return out;

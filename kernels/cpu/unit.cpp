@@ -95,7 +95,7 @@ std::pair<int64_t, int64_t> softmax_tile(const Problem<T, C>& pb, int64_t j0, in
 }
 
 template <typename T, typename C>
-void run_unit(const Problem<T, C>& pb, const Unit& u, Scratch<T, C>& s) {
+void run_unit(const Problem<T, C>& pb, const Unit& u, Scratch<T, C>& s, const Unit* following) {
   const QueryRows q_rows = pb.rows_of(u);
   const int64_t v_dim = pb.v_padded_dim;
   std::fill(s.acc.begin(), s.acc.begin() + q_rows.count * v_dim, 0.f);
@@ -118,7 +118,7 @@ void run_unit(const Problem<T, C>& pb, const Unit& u, Scratch<T, C>& s) {
   if (brgemm) {
     attend_brgemm(pb, u, s);
   } else {
-    attend_inplace(pb, u, s);
+    attend_inplace(pb, u, s, following);
   }
 
   // The kv head's v_scale, and for raw fp8 rows the rest of raw_unit (see attend_inplace.cpp); split partials hold
@@ -175,7 +175,7 @@ void run_merge(const Problem<T, C>& pb, const Merge& mg) {
 #define INSTANTIATE(T, C)                                                                                          \
   template std::pair<int64_t, int64_t> softmax_tile(const Problem<T, C>&, int64_t, int64_t, int64_t, float, float, \
                                                     int64_t, int64_t, Scratch<T, C>&);                             \
-  template void run_unit(const Problem<T, C>&, const Unit&, Scratch<T, C>&);                                       \
+  template void run_unit(const Problem<T, C>&, const Unit&, Scratch<T, C>&, const Unit*);                          \
   template void run_merge(const Problem<T, C>&, const Merge&);
 HYBRID_OPS_CPU_TYPES(INSTANTIATE)
 
