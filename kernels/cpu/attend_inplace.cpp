@@ -71,7 +71,7 @@ template <int RB, int KB, typename R>
   store_scores(acc, j, ks, scores);
 }
 
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#ifdef HYBRID_OPS_BF16_PAIRS
 // bf16 rows of q (unscaled) times bf16 keys, 32 products at a time in pairs (vdpbf16ps: each product exact in fp32,
 // the pair summed into the accumulator, to nearest even): a key's chunk is one load and no widening, and one
 // instruction takes the products of two FMAs. A head dim that is an odd number of 16s ends with half a chunk.
@@ -256,7 +256,7 @@ void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, 
   // raw_unit. bf16 ones do not (a bf16 cache has no k_scale).
   const float score_scale = bf16_pairs<R> ? pb.scale : raw_unit<C>() / lifted<C>();
   const auto [a_min, b_max] = softmax_tile(pb, j0, n, BLOCK_N, score_scale, lifted<C>(), 0, heads * rows, s);
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#ifdef HYBRID_OPS_BF16_PAIRS
   if constexpr (bf16_pairs<R>) {
     for (int64_t r = 0; r < heads * rows; ++r)
       pair_probs(s.scores.data() + r * BLOCK_N, a_min, b_max, per_run, s.p_pairs.data() + r * BLOCK_N);
@@ -273,7 +273,7 @@ void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, 
         int64_t d = 0;
         // Where a load widens W > 1 vectors (fp8 with AVX512-VBMI), W at a time: a broadcast of p per W vectors.
         constexpr int W = row_vecs<R>;
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#ifdef HYBRID_OPS_BF16_PAIRS
         if constexpr (bf16_pairs<R>) {
           const uint32_t* pairs = s.p_pairs.data() + (h * rows + r) * BLOCK_N;
           for (; d + 64 <= v_dim; d += 64) accumulate_pv_pairs<RB, 2>(pairs, v, a, b, ks, offset, d, v_dim, acc);
@@ -363,7 +363,7 @@ void attend_inplace(const Problem<T, C>& pb, const Unit& u, Scratch<T, C>& s, co
     }
     attend_tile(pb, u, j0, n, k_packed, v_packed, NextTile<float>{nullptr, nullptr, 0}, rows, s);
   }
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#ifdef HYBRID_OPS_BF16_PAIRS
   if constexpr (bf16_pairs<C>) {
     if (in_place) {
       for (int64_t r = 0; r < q_rows.count; ++r) pair_order_to_values(s.acc.data() + r * v_dim, v_dim);

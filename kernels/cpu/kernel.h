@@ -46,6 +46,7 @@ inline Vec load_row(const T* p) {
 // Whether few rows over bf16 rows in place multiply pairs of bf16 values (vdpbf16ps, attend_inplace.cpp): in the
 // AVX512 builds with BF16 (hybrid_ops/backends/cpu.py).
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#define HYBRID_OPS_BF16_PAIRS 1  // for the code that only such builds compile
 constexpr bool BF16_PAIRS = true;
 #else
 constexpr bool BF16_PAIRS = false;
