@@ -19,7 +19,8 @@ True)` (measured, not used: it trusts that no guard fails). Every variant's toke
 One prompt alone (fp32): the profile of its decode steps beside the 8 prompts', and the step's linear products at 1
 and 8 rows as aten's mm, MKL's packed sgemm and oneDNN's packed product (`products`): Dynamo gives a step of one token
 a graph of its own, of a static batch, whose products Inductor's freezing packs for MKL; a dynamic batch's, for oneDNN.
-So the runner pads such steps to two tokens, against a generator that does not (`one_token_padding`).
+So where MKL is not native the runner pads such steps to two tokens (`mkl_is_native`); `one_token_padding` times a
+padded generator against one that does not pad.
 """
 
 import statistics
@@ -52,7 +53,7 @@ class StepClock:
     def __init__(self, generator):
         from hybrid_ops.generation import api
 
-        self.forwards = []
+        self.forwards, self.pads_one_token = [], generator.runner.pad_one_token
         forward, step, sample = generator.runner.forward, generator._step, api.next_tokens
 
         def timed_forward(input_ids, *args):
@@ -73,10 +74,15 @@ class StepClock:
         generator.runner.forward, generator._step = timed_forward, timed_step
         api.next_tokens = timed_sample  # the module's name, which _step calls
 
+    def is_decode(self, tokens, num_requests):
+        """Whether a forward of `tokens` new tokens is a decode step of `num_requests` (a step of one token runs
+        padded to two where the runner pads it)."""
+        return tokens <= num_requests + (self.pads_one_token and num_requests == 1)
+
     def split(self, num_requests):
         """(median decode-step seconds, prefill seconds summed) of the forwards since the last split."""
-        decode = [s for n, s in self.forwards if n <= num_requests]
-        prefill = sum(s for n, s in self.forwards if n > num_requests)
+        decode = [s for n, s in self.forwards if self.is_decode(n, num_requests)]
+        prefill = sum(s for n, s in self.forwards if not self.is_decode(n, num_requests))
         self.forwards.clear()
         return statistics.median(decode), prefill
 
@@ -124,7 +130,7 @@ def profile_steps(model, prompts, new_tokens):
     )
     split = {"decode": [], "prefill": []}
     for event, (tokens, _) in zip(steps, clock.forwards):
-        split["decode" if tokens <= len(prompts) else "prefill"].append(categorise(event))
+        split["decode" if clock.is_decode(tokens, len(prompts)) else "prefill"].append(categorise(event))
     return {
         kind: {c: sum(r[c] for r in rows) / (len(rows) if kind == "decode" else 1) for c in rows[0]}
         for kind, rows in split.items()
@@ -163,26 +169,28 @@ def compare_levers(model, prompts, new_tokens, rounds):
 
 
 def one_token_padding(model, prompt, new_tokens, rounds):
-    """[{variant, tokens_per_s, decode_ms, same_tokens}] of one prompt: the default generator, whose steps of one
-    token run padded to two (`ModelRunner.pad_one_token`), against one whose runner does not pad them, their calls
-    alternated; same_tokens: equal to the eager generator's."""
+    """[{variant, tokens_per_s, decode_ms, same_tokens}] of one prompt: a generator whose steps of one token run
+    padded to two (`ModelRunner.pad_one_token`, the default where MKL is not native) against one whose runner does not
+    pad them, their calls alternated; same_tokens: equal to the eager generator's."""
     import hybrid_ops
 
     eager = hybrid_ops.HybridGenerator(
         model, max_batch_size=1, max_seq_len=len(prompt[0]) + new_tokens, compile=False
     ).generate(prompt, new_tokens)
     generators = {}
-    for name, pad in (("padded to two tokens (default)", True), ("a graph of its own (static sizes)", False)):
-        generators[name] = generator_for(model, prompt, new_tokens)
-        generators[name].runner.pad_one_token = pad
-        generators[name].generate(prompt, new_tokens)  # compiles
+    for name, pad in (("padded to two tokens", True), ("a graph of its own (static sizes)", False)):
+        generator = generator_for(model, prompt, new_tokens)
+        name += " (default)" if generator.runner.pad_one_token == pad else ""
+        generator.runner.pad_one_token = pad
+        generator.generate(prompt, new_tokens)  # compiles
+        generators[name] = generator
     clocks = {name: StepClock(g) for name, g in generators.items()}
     runs, tokens = {name: [] for name in generators}, {}
     for _ in range(rounds):
         for name, generator in generators.items():
             stats = hybrid_ops.GenerationStats()
             tokens[name] = generator.generate(prompt, new_tokens, stats=stats)
-            runs[name].append((stats.tokens_per_second, clocks[name].split(2)[0]))  # padded: 2 tokens a step
+            runs[name].append((stats.tokens_per_second, clocks[name].split(1)[0]))
     return [
         dict(
             variant=name,

@@ -17,6 +17,7 @@ from helpers.scripts import EXAMPLES, run_script
 
 import hybrid_ops
 from hybrid_ops import GenerationStats, HybridGenerator, HybridInputError, HybridOpsError
+from hybrid_ops.generation.runner import mkl_is_native
 
 SIZES = dict(max_batch_size=4, max_seq_len=40, page_size=4, prefill_chunk=10)
 VOCAB = 64
@@ -559,25 +560,42 @@ def test_compiled_generator_warms_up_once_and_never_recompiles(model, tmp_path):
 @pytest.mark.slow
 def test_compiled_steps_on_the_cpu_multiply_by_weights_packed_at_compile_time(model):
     """The default options freeze the weights: every linear layer of the compiled steps is a product over a weight
-    packed for oneDNN when the graph compiled (o_proj's with the residual add; q/k/v and gate/up one product each),
-    none a plain matrix product nor MKL's, freezing's choice for a static row count: a step of one token runs padded
-    to two, so only a head over one logits row (an EXTEND step's) is MKL's. The tokens are eager's, for one prompt
-    alone too."""
+    packed when the graph compiled (o_proj's with the residual add; q/k/v and gate/up one product each), none a plain
+    matrix product. A graph of dynamic sizes packs them for oneDNN; one of a static row count for MKL: a step of one
+    token's (its own graph where the runner does not pad it, `mkl_is_native`), and a head over one logits row (an
+    EXTEND step's). The tokens are eager's, for one prompt alone too."""
     from torch._inductor.utils import run_and_get_code
 
     prompts = random_prompts(3)
     want = [solo(model, p, 5) for p in prompts]
     generator = HybridGenerator(model, **{**SIZES, "max_seq_len": 36})  # sizes of its own: its graphs compile here
-    tokens, codes = run_and_get_code(generator.generate, prompts, 5)
+    assert generator.runner.pad_one_token != mkl_is_native()
+    tokens, codes = run_and_get_code(generator.generate, prompts, 5)  # the warm-up's graphs included
     assert tokens == want
-    layers = model.config.num_hidden_layers
+    layers, mkl_graphs = model.config.num_hidden_layers, 0
     for code in codes:  # one per graph: per layer q/k/v, o, gate/up and down, then the head
         onednn = len(re.findall(r"= torch\.ops\.mkldnn\._linear_pointwise\.\w+\(", code))
         mkl = len(re.findall(r"= torch\.ops\.mkl\._mkl_linear\.\w+\(", code))
-        assert onednn >= 4 * layers and onednn + mkl == 4 * layers + 1
+        assert onednn + mkl == 4 * layers + 1 and mkl in (0, 1, 4 * layers + 1)
         assert "extern_kernels.mm(" not in code and "extern_kernels.addmm(" not in code
-    assert generator.generate(prompts[:1], 5) == want[:1]  # steps of one token, each padded by a request of one
+        mkl_graphs += mkl == 4 * layers + 1
+    assert mkl_graphs == (0 if generator.runner.pad_one_token else 1)
+    scratch = generator.cache.k_caches[0][generator.cache.scratch_page]
+    for pad in (not generator.runner.pad_one_token, generator.runner.pad_one_token):  # the default last
+        generator.runner.pad_one_token = pad
+        scratch.fill_(float("nan"))
+        assert generator.generate(prompts[:1], 5) == want[:1]  # steps of one token
+        assert bool(scratch.isnan().all()) != pad  # the padding request wrote its key
     assert generator.cache.num_free_pages == generator.cache.num_pages
+
+
+def test_mkl_is_native_on_intel_cpus_alone(monkeypatch):
+    """The runner pads steps of one token on CPUs other than Intel's: /proc/cpuinfo's vendor decides."""
+    from hybrid_ops.generation import runner
+
+    for vendor, native in (("GenuineIntel", True), ("AuthenticAMD", False), ("", False)):
+        monkeypatch.setattr(runner, "cpuinfo_field", lambda name, vendor=vendor: vendor if name == "vendor_id" else "")
+        assert runner.mkl_is_native() is native
 
 
 @pytest.mark.slow

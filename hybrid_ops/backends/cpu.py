@@ -104,13 +104,14 @@ def _files(suffix: str) -> list[str]:
     return sorted(str(f) for f in folder.iterdir() if f.name.endswith(suffix))
 
 
-def _cpu_flags() -> set[str]:
-    """The first CPU's flags in /proc/cpuinfo (none elsewhere than Linux)."""
+def cpuinfo_field(name: str) -> str:
+    """The first CPU's `name` field of /proc/cpuinfo ("flags", "vendor_id"); "" where there is none (elsewhere than
+    Linux)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+            return next((line.split(":", 1)[1].strip() for line in f if line.split(":", 1)[0].strip() == name), "")
     except OSError:
-        return set()
+        return ""
 
 
 def kernel_capability() -> str:
@@ -119,7 +120,7 @@ def kernel_capability() -> str:
     aten = torch.backends.cpu.get_cpu_capability()
     if aten != "AVX512":
         return aten
-    flags = _cpu_flags()
+    flags = set(cpuinfo_field("flags").split())
     return "_".join([aten, *(name for name, (flag, _) in _AVX512_EXTENSIONS.items() if flag in flags)])
 
 

@@ -5,7 +5,7 @@ tree_mask]) -> logits` is the whole step as one function of its inputs (the mode
 tensors and the backends are its state). A `StepRunner` runs any callable of that signature (a loaded package's,
 `packaged.py`), padding steps to buckets (`cuda_graphs`) and holding the tensor-parallel group's agreement helpers; a
 `ModelRunner` is one whose forward is a transformers model's, compiled once for every step, with the warm-up and the
-compile cache file; compiled on the CPU, it pads steps of one token to two (`pad_one_token`).
+compile cache file; compiled on a CPU other than Intel's, it pads steps of one token to two (`pad_one_token`).
 """
 
 import hashlib
@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..backends import registry
+from ..backends.cpu import cpuinfo_field
 from ..buckets import batch_buckets, pad_batch, padding_q_lens, token_buckets
 from ..cache import PagedKVCache
 from ..errors import HybridInputError
@@ -55,6 +56,13 @@ def default_compile_options(device) -> dict:
     q/k/v, gate/up). Each compiled graph holds its own packed copy of the weights. Measured by `python -m bench step`
     (docs/benchmarks.md)."""
     return {"freezing": True, "cpp.enable_concat_linear": True} if device.type == "cpu" else {}
+
+
+def mkl_is_native() -> bool:
+    """Whether MKL takes its own kernels on this CPU: on Intel's (/proc/cpuinfo's vendor). A decode step's fp32
+    products of one row, as Inductor's freezing packs them for a graph of static sizes (MKL's sgemm), took 0.92x the
+    time of oneDNN's on an Intel Xeon and 1.38x on an AMD Zen 4 (`python -m bench step`)."""
+    return cpuinfo_field("vendor_id") == "GenuineIntel"
 
 
 def with_inductor_options(fn, options: dict):
@@ -195,10 +203,11 @@ class StepRunner:
 class ModelRunner(StepRunner):
     """A `StepRunner` of `model` (attention through `torch.ops.hybrid.attn`).
 
-    pad_one_token: compiled on the CPU with Inductor's freezing, over a cache with a scratch page, without
-    `cuda_graphs`, a step of one token runs with a padding request of one token on the scratch page. Dynamo gives a
-    step of one token a graph of its own, of static sizes, whose fp32 linears freezing packs for MKL's sgemm, which
-    reads the weights at 0.7x the rate of the oneDNN products of the graph of dynamic sizes (`python -m bench step`).
+    pad_one_token: compiled on a CPU whose MKL is not native (`mkl_is_native`) with Inductor's freezing, over a
+    cache with a scratch page, without `cuda_graphs`, a step of one token runs with a padding request of one token on
+    the scratch page. Dynamo gives a step of one token a graph of its own, of static sizes, whose fp32 linears
+    freezing packs for MKL's sgemm: on an AMD Zen 4 such a step took 1.2x the padded step's time, on an Intel Xeon
+    0.77x (the static graph's wrapper is also lighter), `python -m bench step`.
 
     compile=True: `forward` is `torch.compile(fullgraph=True, dynamic=True)` of `_forward` (on CUDA with
     `cuda_graphs`, `mode="reduce-overhead"`), called under `compile_options`; `warm_up` then compiles the graphs Dynamo
@@ -260,6 +269,7 @@ class ModelRunner(StepRunner):
             and bool(self.compile_options.get("freezing"))
             and cache.scratch_page is not None
             and not cuda_graphs
+            and not mkl_is_native()
         )
         if compile and compile_cache and os.path.exists(compile_cache):
             with open(compile_cache, "rb") as f:
