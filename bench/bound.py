@@ -1,9 +1,12 @@
 """What bounds decode: the cpu kernel beside a sum of the same bytes, in alternating rounds, the best call of each,
-with the keys in cache (16 requests of 64 keys, called again and again: the kernel's arithmetic ceiling) and from
-memory (the op section's decode case).
+with the keys in cache (16 requests of 64 keys, called again and again) and from memory (the op section's decode
+case; `--scale N`: N times its lengths, for a last-level cache that holds it). Then the kernel's arithmetic alone: the
+marginal cost of a key per kv head on one thread between 4 requests of 16 and of 48 keys, whose K/V (at most 1.5 MiB,
+fp32) a 2 MiB L2 holds, where "in cache" is 4-8 MiB.
 
     python -m bench.bound                  # one thread, 200 rounds in cache, 20 from memory
     python -m bench.bound --threads 2 --reps 50
+    python -m bench.bound --scale 4        # the decode case 4 times as long (300 MB of bf16 K/V)
 
 Prints ns per (key, kv head), the GB/s of K/V consumed and the kernel's time over the read's.
 """
@@ -34,6 +37,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--scale", type=int, default=1, help="the decode case's lengths times this")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(
@@ -42,7 +46,7 @@ def main(argv=None):
     )
     places = {
         "in cache (16 x 64)": ([63] * 16, args.reps),
-        "from memory (decode case)": ([n - 1 for n in DECODE_LENS], args.reps // 10),
+        "from memory (decode case)": ([n * args.scale - 1 for n in DECODE_LENS], args.reps // 10),
     }
     for dtype in (torch.float32, torch.bfloat16):
         for place, (prefixes, reps) in places.items():
@@ -57,6 +61,16 @@ def main(argv=None):
                 f"| {best['kernel'] / best['read']:.2f} |",
                 flush=True,
             )
+    torch.set_num_threads(1)
+    print("\n| 1 thread | marginal ns per (key, kv head), 4 x 16 to 4 x 48 keys |\n|---|---:|")
+    for dtype in (torch.float32, torch.bfloat16):
+        fns = {
+            n: Batch([n - 1] * 4, [1] * 4, dtype, shuffle_pages=True).hybrid(torch.ops.hybrid.decode, "cpu")
+            for n in (16, 48)
+        }
+        best = best_seconds(fns, args.reps)
+        dtype_name = str(dtype).removeprefix("torch.")
+        print(f"| {dtype_name} | {(best[48] - best[16]) / (4 * 32 * HKV) * 1e9:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 import os
 import re
 import runpy
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -12,6 +14,7 @@ from helpers.scripts import EXAMPLES, ROOT, run_script
 from torch._dynamo.utils import counters
 
 import hybrid_ops
+from hybrid_ops.backends.cpu import cpuinfo_field
 
 
 def run_example(name, monkeypatch, argv=()):
@@ -132,6 +135,40 @@ def test_bench_runs(tmp_path):
     """The benchmark script runs (its dispatch section, quick); it asserts no timings, it only must not rot."""
     out = run_script("-m", "bench", "dispatch", "--quick", cwd=ROOT)
     assert "| compiled decode (T = 1), cpu backend |" in out
+
+
+def test_bench_bound_runs():
+    """bench.bound's tables (in cache, from memory at --scale 2, the marginal arithmetic): the rows of both dtypes;
+    it asserts no timings."""
+    out = run_script("-m", "bench.bound", "--reps", "10", "--scale", "2", cwd=ROOT)
+    for dtype in ("float32", "bfloat16"):
+        assert re.search(rf"\| {dtype} \| from memory \(decode case\) \| [\d.]+, [\d.]+ \|", out), out
+        assert re.search(rf"\| {dtype} \| -?[\d.]+ \|", out), out
+
+
+def test_fma_rate_times_each_product_the_cpu_has(tmp_path):
+    """bench/fma_rate.c, built for the extensions the CPU reports, times FMAs (512-bit with AVX-512, else 256-bit),
+    vdpbf16ps with AVX512-BF16 and tdpbf16ps with AMX-BF16: one line each; it asserts no timings."""
+    compiler = shutil.which(os.environ.get("CC", "gcc"))
+    if compiler is None:
+        pytest.skip("no C compiler to build bench/fma_rate.c")
+    flags = set(cpuinfo_field("flags").split())
+    options = {
+        "avx512f": ["-mavx512f"],
+        "avx512_bf16": ["-mavx512bf16"],
+        "amx_bf16": ["-mamx-tile", "-mamx-bf16"],
+    }
+    build = [o for flag, opts in options.items() if flag in flags for o in opts] or ["-mavx2", "-mfma"]
+    program = tmp_path / "fma_rate"
+    subprocess.run([compiler, "-O2", *build, str(ROOT / "bench" / "fma_rate.c"), "-o", str(program)], check=True)
+    out = subprocess.run([str(program)], check=True, capture_output=True, text=True).stdout
+    expected = {
+        f"{16 if 'avx512f' in flags else 8}-lane FMA": True,
+        "vdpbf16ps": "avx512_bf16" in flags,
+        "tdpbf16ps": "amx_bf16" in flags,
+    }
+    for name, present in expected.items():
+        assert bool(re.search(rf"^{name}: [\d.]+ ns each, [\d.]+ ns per 1,024 products", out, re.M)) == present, out
 
 
 def test_bench_full_run_needs_matplotlib_first(monkeypatch, capsys):
