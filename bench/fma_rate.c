@@ -48,23 +48,20 @@ static void report(const char* name, double ns, int products, float sink) {
   printf("%s: %.3f ns each, %.1f ns per 1,024 products (%g)\n", name, ns, ns * 1024 / products, sink);
 }
 
-#ifdef __AVX512BF16__
-// 32 products of bf16 pairs summed into 16 fp32 lanes.
-static void dot_bf16_pairs(void) {
-  const __m512bh b = (__m512bh)_mm512_set1_epi16(0x3f80), c = (__m512bh)_mm512_set1_epi16(0x3380);  // 1, 2^-24
-  ALL(DECLARE)
-  start();
-  for (long k = 0; k < STEPS; ++k) {
-#define DOT(x) x = _mm512_dpbf16_ps(x, b, c);
-    ALL(DOT)
-    ALL(KEEP)
-  }
-  const double ns = ns_each((double)CHAINS * STEPS);
-  float sink[LANES];
-  *(V*)sink = ALL(ADD) SET1(0.0f);
-  report("vdpbf16ps", ns, 32, sink[0]);
-}
-#endif
+// CHAINS independent chains x = STEP(x), timed; reported as name, with its products per instruction.
+#define TIME_CHAINS(STEP, name, products)              \
+  do {                                                 \
+    ALL(DECLARE)                                       \
+    start();                                           \
+    for (long k = 0; k < STEPS; ++k) {                 \
+      ALL(STEP)                                        \
+      ALL(KEEP)                                        \
+    }                                                  \
+    const double ns = ns_each((double)CHAINS * STEPS); \
+    float sink[LANES];                                 \
+    *(V*)sink = ALL(ADD) SET1(0.0f);                   \
+    report(name, ns, products, sink[0]);               \
+  } while (0)
 
 #ifdef __AMX_BF16__
 // Tile products of 16 x 32 by 32 x 16 bf16 into 16 x 16 fp32: four independent accumulator tiles.
@@ -108,20 +105,14 @@ static void tile_products(void) {
 
 int main(void) {
   const V b = SET1(1.0000001f), c = SET1(1e-7f);
-  ALL(DECLARE)
-  start();
-  for (long k = 0; k < STEPS; ++k) {
-    ALL(CHAIN)
-    ALL(KEEP)
-  }
-  const double ns = ns_each((double)CHAINS * STEPS);
-  float sink[LANES];
-  *(V*)sink = ALL(ADD) SET1(0.0f);
   char name[32];
   snprintf(name, sizeof name, "%d-lane FMA", LANES);
-  report(name, ns, LANES, sink[0]);
+  TIME_CHAINS(CHAIN, name, LANES);
 #ifdef __AVX512BF16__
-  dot_bf16_pairs();
+  // 32 products of bf16 pairs summed into 16 fp32 lanes: times 1 and 2^-24.
+  const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80), tiny = (__m512bh)_mm512_set1_epi16(0x3380);
+#define DOT(x) x = _mm512_dpbf16_ps(x, ones, tiny);
+  TIME_CHAINS(DOT, "vdpbf16ps", 32);
 #endif
 #ifdef __AMX_BF16__
   tile_products();
