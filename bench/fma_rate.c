@@ -73,7 +73,10 @@ static void tile_products(void) {
   } __attribute__((aligned(64))) config;
   static unsigned short ones[16 * 32] __attribute__((aligned(64)));
   static float sums[16 * 16] __attribute__((aligned(64)));
-  if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA: refused
+  if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) {  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA (Linux 5.16 on)
+    printf("tdpbf16ps: tile data not permitted by the OS\n");
+    return;
+  }
   memset(&config, 0, sizeof config);
   config.palette = 1;
   for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
