@@ -1,32 +1,48 @@
 """What bounds decode: the cpu kernel beside a sum of the same bytes, in alternating rounds, the best call of each,
 with the keys in cache (16 requests of 64 keys, called again and again) and from memory (the op section's decode
-case; `--scale N`: N times its lengths, for a last-level cache that holds it). Then the kernel's arithmetic alone: the
-marginal cost of a key per kv head on one thread between 4 requests of 16 and of 48 keys, whose K/V (at most 1.5 MiB,
-fp32) a 2 MiB L2 holds, where "in cache" is 4-8 MiB.
+case, twice the last-level cache read before each call so that none of it is there; `--scale N`: N times its
+lengths). Then the kernel's arithmetic alone: the marginal cost of a key per kv head on one thread between 4 requests
+of 16 and of 48 keys, whose K/V (at most 1.5 MiB, fp32) a 2 MiB L2 holds, where "in cache" is 4-8 MiB.
 
     python -m bench.bound                  # one thread, 200 rounds in cache, 20 from memory
     python -m bench.bound --threads 2 --reps 50
     python -m bench.bound --scale 4        # the decode case 4 times as long (300 MB of bf16 K/V)
 
+bench/overlap.c measures how much arithmetic one core hides under its reads from memory, without the kernel.
+
 Prints ns per (key, kv head), the GB/s of K/V consumed and the kernel's time over the read's.
 """
 
 import argparse
+import glob
 import time
+from pathlib import Path
 
 import torch
 
 from .run import DECODE_LENS, HKV, Batch
 
 
-def best_seconds(fns, reps, warmup=5):
-    """The fastest of `reps` alternating calls of each function."""
+def last_level_cache_bytes(default=256 << 20):
+    """The size of the CPU's last-level cache (Linux's sysfs), or `default` where the system does not say."""
+    sizes = {}
+    for index in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+        level, size = (Path(index, name).read_text().strip() for name in ("level", "size"))
+        if size.endswith("K"):
+            sizes[int(level)] = int(size[:-1]) << 10
+    return sizes[max(sizes)] if sizes else default
+
+
+def best_seconds(fns, reps, warmup=5, before=None):
+    """The fastest of `reps` alternating calls of each function, `before()` (untimed) ahead of each call."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     best = dict.fromkeys(fns, float("inf"))
     for _ in range(reps):
         for name, fn in fns.items():
+            if before is not None:
+                before()
             start = time.perf_counter()
             fn()
             best[name] = min(best[name], time.perf_counter() - start)
@@ -44,15 +60,16 @@ def main(argv=None):
         f"| {args.threads} thread(s) | keys | ns per (key, kv head): kernel, read | K/V GB/s: kernel, read "
         "| kernel / read |\n|---|---|---:|---:|---:|"
     )
+    evict = torch.ones(2 * last_level_cache_bytes() // 4)
     places = {
-        "in cache (16 x 64)": ([63] * 16, args.reps),
-        "from memory (decode case)": ([n * args.scale - 1 for n in DECODE_LENS], args.reps // 10),
+        "in cache (16 x 64)": ([63] * 16, args.reps, None),
+        "from memory (decode case)": ([n * args.scale - 1 for n in DECODE_LENS], args.reps // 10, evict.sum),
     }
     for dtype in (torch.float32, torch.bfloat16):
-        for place, (prefixes, reps) in places.items():
+        for place, (prefixes, reps, before) in places.items():
             batch = Batch(prefixes, [1] * 16, dtype, shuffle_pages=True)
             fns = {"kernel": batch.hybrid(torch.ops.hybrid.decode, "cpu"), "read": batch.read_floor()}
-            best = best_seconds(fns, reps)
+            best = best_seconds(fns, reps, before=before)
             ns = [best[k] / (sum(batch.seq_lens) * HKV) * 1e9 for k in fns]
             gbps = [batch.kv_bytes / best[k] / 1e9 for k in fns]
             dtype_name = str(dtype).removeprefix("torch.")

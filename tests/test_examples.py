@@ -174,6 +174,32 @@ def test_fma_rate_times_each_product_the_cpu_has(tmp_path):
         assert bool(re.search(rf"^{name}: ({timed}|{refused})", out, re.M)) == present, out
 
 
+def test_overlap_reads_each_dtype_in_every_order(tmp_path):
+    """bench/overlap.c, built for the CPU's vector width with OpenMP, one timed pass per cell on two threads: a row per
+    count of FMAs a line for each dtype, a rate for each order and a share of the read; it asserts no timings."""
+    compiler = shutil.which(os.environ.get("CC", "gcc"))
+    if compiler is None:
+        pytest.skip("no C compiler to build bench/overlap.c")
+    build = ["-mavx512f"] if "avx512f" in cpuinfo_field("flags").split() else ["-mavx2", "-mfma"]
+    program = tmp_path / "overlap"
+    source = ROOT / "bench" / "overlap.c"
+    subprocess.run([compiler, "-O2", "-fopenmp", *build, str(source), "-o", str(program)], check=True)
+    for dtype, mb in (("fp32", 144), ("bf16", 72)):
+        out = subprocess.run(
+            [str(program), dtype, "1"],
+            check=True,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "2"},
+        ).stdout
+        assert out.startswith(f"| {dtype} K/V ({mb} MB), 2 thread(s) |"), out
+        rates, shares = r"( \| [\d.]+){4}", r"( \| \d+%){3}"
+        rows = re.findall(rf"^\| (\d+) a line \| (\d+){rates}{shares} \|$", out, re.M)
+        lines_per_key = 16 if dtype == "fp32" else 8
+        assert [(int(f), int(per_key)) for f, per_key, *_ in rows] == [(f, f * lines_per_key) for f in (0, 2, 4, 8, 16)]
+        assert re.search(r"^\| 0 a line \| 0 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| 100% \|", out, re.M), out
+
+
 def test_bench_full_run_needs_matplotlib_first(monkeypatch, capsys):
     """A full run saves its tables after drawing the plot: without matplotlib it stops before measuring anything."""
     from bench.run import main

@@ -17,6 +17,29 @@ namespace {
 // or not; and reading runs of positions without software prefetch, as long as that.
 constexpr int64_t STREAMS = 8;
 
+// The rows a loop prefetches into L2 a line at a time as it reads the same line of its own rows: V's beside K's, the
+// next tile's K beside V's (attend_tile). Row j's counterpart is rows[j - shift] + offset, for j - shift < n, up to
+// elems elements. A line per line read keeps a steady number of reads from memory in flight under the arithmetic: the
+// same prefetches issued a slice at a time ahead of it took 1.2x as long on one core from memory (bench/overlap.c).
+// fp8 rows prefetch a slice at a time (prefetch_rows): line by line, their decode took 1.03-1.06x as long, and fp32 and
+// bf16 0.86-0.97x, on an Intel Xeon (AVX-512, one and two threads; `python -m bench.compare`).
+template <typename R>
+constexpr bool line_by_line = !is_fp8<R>;
+template <typename R>
+struct Beside {
+  const R* const* rows = nullptr;  // null (n 0): none
+  int64_t shift = 0, n = 0, offset = 0, elems = 0;
+  // The lines of row j's elements [d, d + COUNT), where d is a multiple of COUNT: a line once where COUNT elements are
+  // less than one.
+  template <int64_t COUNT>
+  [[gnu::always_inline]] void prefetch(int64_t j, int64_t d) const {
+    constexpr int64_t BYTES = COUNT * sizeof(R);
+    if (!line_by_line<R> || j - shift >= n || d >= elems || (BYTES < 64 && d * sizeof(R) % 64 != 0)) return;
+    const char* line = reinterpret_cast<const char*>(rows[j - shift] + offset + d);
+    for (int64_t c = 0; c < std::max<int64_t>(BYTES, 64); c += 64) __builtin_prefetch(line + c, 0, 2);
+  }
+};
+
 // The RB x KB sums acc[r][c] into scores[r * BLOCK_N + j + c * ks]: row r's score of key j + c * ks.
 template <int RB, int KB>
 [[gnu::always_inline]] inline void store_scores(const Vec (&acc)[RB][KB], int64_t j, int64_t ks, float* scores) {
@@ -56,13 +79,16 @@ template <int RB, int KB>
 // ran fp8 decode 8-15% slower on a Zen 5.
 template <int RB, int KB, typename R>
 [[gnu::always_inline]] inline void scores_dot_keys(const float* q, int64_t dim, const R* const* k, int64_t j,
-                                                   int64_t ks, int64_t offset, float* scores) {
+                                                   int64_t ks, int64_t offset, const Beside<R>& beside, float* scores) {
   Vec acc[RB][KB];
   for (int r = 0; r < RB; ++r)
     for (int c = 0; c < KB; ++c) acc[r][c] = Vec(0.f);
   for (int64_t d = 0; d < dim; d += VEC) {
     Vec kv[KB];
-    for (int c = 0; c < KB; ++c) kv[c] = load_row(k[j + c * ks] + offset + d);
+    for (int c = 0; c < KB; ++c) {
+      kv[c] = load_row(k[j + c * ks] + offset + d);
+      beside.template prefetch<VEC>(j + c * ks, d);
+    }
     for (int r = 0; r < RB; ++r) {
       const Vec qv = Vec::loadu(q + r * dim + d);
       for (int c = 0; c < KB; ++c) acc[r][c] = at::vec::fmadd(qv, kv[c], acc[r][c]);
@@ -77,13 +103,17 @@ template <int RB, int KB, typename R>
 // instruction takes the products of two FMAs. A head dim that is an odd number of 16s ends with half a chunk.
 template <int RB, int KB>
 [[gnu::always_inline]] inline void scores_dot_keys(const at::BFloat16* q, int64_t dim, const at::BFloat16* const* k,
-                                                   int64_t j, int64_t ks, int64_t offset, float* scores) {
+                                                   int64_t j, int64_t ks, int64_t offset,
+                                                   const Beside<at::BFloat16>& beside, float* scores) {
   Vec acc[RB][KB];
   for (int r = 0; r < RB; ++r)
     for (int c = 0; c < KB; ++c) acc[r][c] = Vec(0.f);
   const auto chunk = [&](int64_t d, __mmask32 lanes) {
     __m512bh kv[KB];
-    for (int c = 0; c < KB; ++c) kv[c] = (__m512bh)_mm512_maskz_loadu_epi16(lanes, k[j + c * ks] + offset + d);
+    for (int c = 0; c < KB; ++c) {
+      kv[c] = (__m512bh)_mm512_maskz_loadu_epi16(lanes, k[j + c * ks] + offset + d);
+      beside.template prefetch<32>(j + c * ks, d);
+    }
     for (int r = 0; r < RB; ++r) {
       const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(lanes, q + r * dim + d);
       for (int c = 0; c < KB; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], qv, kv[c]);
@@ -114,7 +144,8 @@ inline void pair_probs(const float* p, int64_t a, int64_t b, int64_t ks, uint32_
 // (pair_order_to_values puts them back).
 template <int RB, int CH>
 [[gnu::always_inline]] inline void accumulate_pv_pairs(const uint32_t* pairs, const at::BFloat16* const* v, int64_t a,
-                                                       int64_t b, int64_t ks, int64_t offset, int64_t d0, int64_t dim,
+                                                       int64_t b, int64_t ks, int64_t offset,
+                                                       const Beside<at::BFloat16>& beside, int64_t d0, int64_t dim,
                                                        float* acc) {
   __m512 sum[RB][2 * CH];
   for (int r = 0; r < RB; ++r)
@@ -122,6 +153,8 @@ template <int RB, int CH>
   for (int64_t j = a; j < b; j += 2 * ks) {
     const at::BFloat16* first = v[j] + offset + d0;
     const at::BFloat16* second = (j + ks < b ? v[j + ks] : v[j]) + offset + d0;
+    beside.template prefetch<32 * CH>(j, d0);
+    beside.template prefetch<32 * CH>(j + ks, d0);
     __m512bh vv[2 * CH];
     for (int c = 0; c < CH; ++c) {
       const __m512i x = _mm512_loadu_si512(first + 32 * c), y = _mm512_loadu_si512(second + 32 * c);
@@ -154,19 +187,20 @@ inline void pair_order_to_values(float* acc, int64_t dim) {
 constexpr int KEY_BLOCK = VEC >= 16 ? 4 : 2;
 template <int RB, typename Q, typename R>
 void scores_dot(const Q* q, int64_t dim, const R* const* k, int64_t a, int64_t b, int64_t ks, int64_t offset,
-                float* scores) {
+                const Beside<R>& beside, float* scores) {
   int64_t j = a;
   for (; j + (KEY_BLOCK - 1) * ks < b; j += KEY_BLOCK * ks) {
-    scores_dot_keys<RB, KEY_BLOCK>(q, dim, k, j, ks, offset, scores);
+    scores_dot_keys<RB, KEY_BLOCK>(q, dim, k, j, ks, offset, beside, scores);
   }
-  for (; j < b; j += ks) scores_dot_keys<RB, 1>(q, dim, k, j, ks, offset, scores);
+  for (; j < b; j += ks) scores_dot_keys<RB, 1>(q, dim, k, j, ks, offset, beside, scores);
 }
 
 // acc[r] += sum_j p[r, j] v_j for RB rows and DB vectors of the head dim, j = a, a + ks, ... below b, v_j at v[j] +
 // offset: one load of each V chunk serves the RB rows (DB == row_vecs<R> > 1: one wide load of fp8 values).
 template <int RB, int DB, typename R>
 [[gnu::always_inline]] inline void accumulate_pv(const float* p, const R* const* v, int64_t a, int64_t b, int64_t ks,
-                                                 int64_t offset, int64_t d0, int64_t dim, float* acc) {
+                                                 int64_t offset, const Beside<R>& beside, int64_t d0, int64_t dim,
+                                                 float* acc) {
   Vec sum[RB][DB];
   for (int r = 0; r < RB; ++r)
     for (int c = 0; c < DB; ++c) sum[r][c] = Vec::loadu(acc + r * dim + d0 + c * VEC);
@@ -177,6 +211,7 @@ template <int RB, int DB, typename R>
     } else {
       for (int c = 0; c < DB; ++c) vv[c] = load_row(v[j] + offset + d0 + c * VEC);
     }
+    beside.template prefetch<DB * VEC>(j, d0);
     for (int r = 0; r < RB; ++r) {
       const Vec pr(p[r * BLOCK_N + j]);
       for (int c = 0; c < DB; ++c) sum[r][c] = at::vec::fmadd(pr, vv[c], sum[r][c]);
@@ -228,8 +263,8 @@ struct NextTile {
 //
 // A unit of several heads takes a whole tile in per_run passes of one key from each of its STREAMS runs (s, s +
 // per_run, ...), every kv head in turn, so that each run's positions are read in order (see STREAMS); other tiles in
-// key order. Beside each (pass, head) slice it prefetches the slice that comes next to the same pass and head: beside
-// K's, V's; beside V's, the next tile's K.
+// key order. As it reads each (pass, head) slice it prefetches the slice that comes next to the same pass and head,
+// line by line (Beside; fp8: ahead of the slice): beside K's, V's; beside V's, the next tile's K.
 template <typename T, typename C, typename R>
 void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, const R* const* k, const R* const* v,
                  NextTile<R> next, int64_t rows, Scratch<T, C>& s) {
@@ -245,10 +280,12 @@ void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, 
   const int64_t v_bytes = pb.v_head_dim * static_cast<int64_t>(sizeof(R));
   passes(0, n, [&](int64_t a, int64_t b, int64_t ks) {
     for (int64_t h = 0; h < heads; ++h) {
-      if (heads > 1) prefetch_rows(v, a, b, ks, h * pb.v_head_stride, v_bytes);
+      if (heads > 1 && !line_by_line<R>) prefetch_rows(v, a, b, ks, h * pb.v_head_stride, v_bytes);
+      const Beside<R> beside = heads > 1 ? Beside<R>{v, 0, b, h * pb.v_head_stride, pb.v_head_dim} : Beside<R>{};
       for_row_blocks(rows, [&](auto rb, int64_t r) {
+        // Only the first row block prefetches: the others read the same rows again.
         scores_dot<decltype(rb)::value>(q + (h * rows + r) * dim, dim, k, a, b, ks, h * pb.k_head_stride,
-                                        s.scores.data() + (h * rows + r) * BLOCK_N);
+                                        r == 0 ? beside : Beside<R>{}, s.scores.data() + (h * rows + r) * BLOCK_N);
       });
     }
   });
@@ -264,8 +301,11 @@ void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, 
 #endif
   passes(a_min, b_max, [&](int64_t a, int64_t b, int64_t ks) {
     for (int64_t h = 0; h < heads; ++h) {
-      if (heads > 1) prefetch_rows(next.k, a - a_min, next.n, ks, h * pb.k_head_stride, k_bytes);
+      if (heads > 1 && !line_by_line<R>) prefetch_rows(next.k, a - a_min, next.n, ks, h * pb.k_head_stride, k_bytes);
+      const Beside<R> beside =
+          heads > 1 ? Beside<R>{next.k, a_min, next.n, h * pb.k_head_stride, pb.head_dim} : Beside<R>{};
       for_row_blocks(rows, [&](auto rb, int64_t r) {
+        const Beside<R> first = r == 0 ? beside : Beside<R>{};
         constexpr int RB = decltype(rb)::value;
         const int64_t v_dim = pb.v_padded_dim, offset = h * pb.v_head_stride;
         const float* p = s.scores.data() + (h * rows + r) * BLOCK_N;
@@ -276,18 +316,18 @@ void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, 
 #ifdef HYBRID_OPS_BF16_PAIRS
         if constexpr (bf16_pairs<R>) {
           const uint32_t* pairs = s.p_pairs.data() + (h * rows + r) * BLOCK_N;
-          for (; d + 64 <= v_dim; d += 64) accumulate_pv_pairs<RB, 2>(pairs, v, a, b, ks, offset, d, v_dim, acc);
+          for (; d + 64 <= v_dim; d += 64) accumulate_pv_pairs<RB, 2>(pairs, v, a, b, ks, offset, first, d, v_dim, acc);
           if (d + 32 <= v_dim) {
-            accumulate_pv_pairs<RB, 1>(pairs, v, a, b, ks, offset, d, v_dim, acc);
+            accumulate_pv_pairs<RB, 1>(pairs, v, a, b, ks, offset, first, d, v_dim, acc);
             d += 32;
           }
         }
 #endif
         if constexpr (W > 1) {
-          for (; d + W * VEC <= v_dim; d += W * VEC) accumulate_pv<RB, W>(p, v, a, b, ks, offset, d, v_dim, acc);
+          for (; d + W * VEC <= v_dim; d += W * VEC) accumulate_pv<RB, W>(p, v, a, b, ks, offset, first, d, v_dim, acc);
         }
-        for (; d + 2 * VEC <= v_dim; d += 2 * VEC) accumulate_pv<RB, 2>(p, v, a, b, ks, offset, d, v_dim, acc);
-        if (d < v_dim) accumulate_pv<RB, 1>(p, v, a, b, ks, offset, d, v_dim, acc);
+        for (; d + 2 * VEC <= v_dim; d += 2 * VEC) accumulate_pv<RB, 2>(p, v, a, b, ks, offset, first, d, v_dim, acc);
+        if (d < v_dim) accumulate_pv<RB, 1>(p, v, a, b, ks, offset, first, d, v_dim, acc);
       });
     }
   });
