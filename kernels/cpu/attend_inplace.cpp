@@ -21,8 +21,8 @@ constexpr int64_t STREAMS = 8;
 // next tile's K beside V's (attend_tile). Row j's counterpart is rows[j - shift] + offset, for j - shift < n, up to
 // elems elements. A line per line read keeps a steady number of reads from memory in flight under the arithmetic: the
 // same prefetches issued a slice at a time ahead of it took 1.2x as long on one core from memory (bench/overlap.c).
-// fp8 rows prefetch a slice at a time (prefetch_rows): line by line, their decode took 1.03-1.06x as long, and fp32 and
-// bf16 0.86-0.97x, on an Intel Xeon (AVX-512, one and two threads; `python -m bench.compare`).
+// fp8 rows prefetch a slice at a time (prefetch_rows): line by line, their decode took 1.03-1.07x as long, fp32's
+// 0.85-0.90x and bf16's 0.91-1.01x, on an Intel Xeon (AVX-512, one and two threads).
 template <typename R>
 constexpr bool line_by_line = !is_fp8<R>;
 template <typename R>
