@@ -68,22 +68,13 @@ static const int FMAS[] = {0, 2, 4, 8, 16};
 static void read_fmas(const char* p, size_t n, int F, const char* beside) {
   V sum = sink, acc[8];
   for (int i = 0; i < 8; i++) acc[i] = sum;
-  switch (F) {
-    case 0:
-      lines(p, n, &sum, acc, 0, beside);
-      break;
-    case 2:
-      lines(p, n, &sum, acc, 2, beside);
-      break;
-    case 4:
-      lines(p, n, &sum, acc, 4, beside);
-      break;
-    case 8:
-      lines(p, n, &sum, acc, 8, beside);
-      break;
-    default:
-      lines(p, n, &sum, acc, 16, beside);
-      break;
+  switch (F) {  // each count a loop of its own, its FMAs unrolled
+#define CASE(F)                        \
+  case F:                              \
+    lines(p, n, &sum, acc, F, beside); \
+    break;
+    CASE(0) CASE(2) CASE(4) CASE(8) CASE(16)
+#undef CASE
   }
   for (int i = 0; i < 8; i++) sum = ADD(sum, acc[i]);
   sink = sum;
