@@ -29,14 +29,15 @@ template <typename R>
 struct Beside {
   const R* const* rows = nullptr;  // null (n 0): none
   int64_t shift = 0, n = 0, offset = 0, elems = 0;
-  // The lines of row j's elements [d, d + COUNT), where d is a multiple of COUNT: a line once where COUNT elements are
-  // less than one.
+  // The lines of row j's elements [d, min(d + COUNT, elems)), where d is a multiple of COUNT: a line once where COUNT
+  // elements are less than one. Every address prefetched lies in the row.
   template <int64_t COUNT>
   [[gnu::always_inline]] void prefetch(int64_t j, int64_t d) const {
     constexpr int64_t BYTES = COUNT * sizeof(R);
     if (!line_by_line<R> || j - shift >= n || d >= elems || (BYTES < 64 && d * sizeof(R) % 64 != 0)) return;
     const char* line = reinterpret_cast<const char*>(rows[j - shift] + offset + d);
-    for (int64_t c = 0; c < std::max<int64_t>(BYTES, 64); c += 64) __builtin_prefetch(line + c, 0, 2);
+    const int64_t end = std::min<int64_t>(BYTES, (elems - d) * sizeof(R));
+    for (int64_t c = 0; c < end; c += 64) __builtin_prefetch(line + c, 0, 2);
   }
 };
 
