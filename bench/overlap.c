@@ -7,10 +7,11 @@
 //     by head, with the slice that comes next to the same pass and head prefetched beside each one: a slice at a time
 //     ahead of reading it, or a line at a time as the same line of the slice read is (the kernel's, Beside).
 // A (key, kv head) of 4 query rows is 1,024 products: 64 FMAs of 16 lanes over 1 KiB of fp32 K/V (4 a line) or 512 B
-// of bf16 (8 a line, before any widening). The last-level cache is evicted (twice its size read) before each timed
-// pass, so that every pass reads from memory; "in L2" reads 512 KiB again and again (the arithmetic's own rate).
-// Prints GB/s of K/V and the share of the read (address order, no FMAs) for each F and order.
-//   gcc -O2 -mavx512f -fopenmp bench/overlap.c -o /tmp/overlap && /tmp/overlap bf16      (or -mavx2 -mfma;
+// of bf16 (8 a line, before any widening), or 32 vdpbf16ps over the bf16 bytes (4 a line; rows of their own where
+// built with AVX512-BF16). The last-level cache is evicted (twice its size read) before each timed pass, so that
+// every pass reads from memory; "in L2" reads 512 KiB again and again (the arithmetic's own rate).
+// Prints GB/s of K/V and the share of the read (address order, no products) for each F and order.
+//   gcc -O2 -mavx512f -mavx512bf16 -fopenmp bench/overlap.c -o /tmp/overlap && /tmp/overlap bf16  (or -mavx2 -mfma;
 //   OMP_NUM_THREADS=2: each thread its share of the requests; an optional second argument: timed passes, 5)
 #include <immintrin.h>
 #include <stdio.h>
@@ -46,10 +47,20 @@ typedef __m256 V;
 static size_t pos_bytes, slice_bytes;  // a position of every kv head; one head's part of it
 static V sink;
 
-// F FMAs per line of [p, p + n), beside the sum of its words; each line of [beside, beside + n) prefetched as the same
-// line of p is read (beside null: none).
+// The products' instruction: an FMA of 16 (or 8) fp32 lanes, or where built with AVX512-BF16, vdpbf16ps (32 bf16
+// pairs; the cpu backend's bf16 decode takes its 1,024 products of a (key, kv head) as 32 of them, 4 a 64 B line).
+enum Product { FMAS, DPBF16 };
+#ifdef __AVX512BF16__
+#define PRODUCT(kind, x, q, acc) \
+  ((kind) == DPBF16 ? _mm512_dpbf16_ps(acc, (__m512bh)(x), (__m512bh)(q)) : FMA(x, q, acc))
+#else
+#define PRODUCT(kind, x, q, acc) FMA(x, q, acc)
+#endif
+
+// F products per line of [p, p + n), beside the sum of its words; each line of [beside, beside + n) prefetched as the
+// same line of p is read (beside null: none).
 static inline __attribute__((always_inline)) void lines(const char* p, size_t n, V* sum, V* acc, const int F,
-                                                        const char* beside) {
+                                                        const enum Product kind, const char* beside) {
   const V q = SET1(1.0001f);
   for (size_t c = 0; c < n; c += 64) {
     if (beside) _mm_prefetch(beside + c, _MM_HINT_T1);
@@ -57,23 +68,34 @@ static inline __attribute__((always_inline)) void lines(const char* p, size_t n,
       const V x = LOAD((const float*)(p + c) + i * (int)(sizeof(V) / 4));
       *sum = ADD(*sum, x);
 #pragma GCC unroll 16
-      for (int f = i; f < F; f += LINE_VECS) acc[f % 8] = FMA(x, q, acc[f % 8]);
+      for (int f = i; f < F; f += LINE_VECS) acc[f % 8] = PRODUCT(kind, x, q, acc[f % 8]);
     }
   }
 }
 
-static const int FMAS[] = {0, 2, 4, 8, 16};
-#define N_FMAS 5
+static const int FMAS_A_LINE[] = {0, 2, 4, 8, 16};
+#ifdef __AVX512BF16__
+static const int DPBF16_A_LINE[] = {2, 4, 8};
+#endif
 
-static void read_fmas(const char* p, size_t n, int F, const char* beside) {
+static void read_lines(const char* p, size_t n, int F, enum Product kind, const char* beside) {
   V sum = sink, acc[8];
   for (int i = 0; i < 8; i++) acc[i] = sum;
-  switch (F) {  // each count a loop of its own, its FMAs unrolled
-#define CASE(F)                        \
-  case F:                              \
-    lines(p, n, &sum, acc, F, beside); \
-    break;
-    CASE(0) CASE(2) CASE(4) CASE(8) CASE(16)
+  switch (kind * 100 + F) {  // each count a loop of its own, its products unrolled
+#define CASE(KIND, F)                        \
+  case KIND * 100 + F:                       \
+    lines(p, n, &sum, acc, F, KIND, beside); \
+    break
+    CASE(FMAS, 0);
+    CASE(FMAS, 2);
+    CASE(FMAS, 4);
+    CASE(FMAS, 8);
+    CASE(FMAS, 16);
+#ifdef __AVX512BF16__
+    CASE(DPBF16, 2);
+    CASE(DPBF16, 4);
+    CASE(DPBF16, 8);
+#endif
 #undef CASE
   }
   for (int i = 0; i < 8; i++) sum = ADD(sum, acc[i]);
@@ -86,13 +108,14 @@ static void prefetch(const char* p, size_t n) {
 
 // A tile's rows in the kernel's order, prefetching next's (the same slices of the rows read next): a slice ahead of its
 // reads, or line by line.
-static void read_tile(const char* const* rows, const char* const* next, int F, int line_by_line) {
+static void read_tile(const char* const* rows, const char* const* next, int F, enum Product kind, int line_by_line) {
   const int per_run = TILE / RUNS;
   for (int p = 0; p < per_run; p++)
     for (size_t h = 0; h < pos_bytes; h += slice_bytes) {
       if (!line_by_line)
         for (int j = p; j < TILE; j += per_run) prefetch(next[j] + h, slice_bytes);
-      for (int j = p; j < TILE; j += per_run) read_fmas(rows[j] + h, slice_bytes, F, line_by_line ? next[j] + h : NULL);
+      for (int j = p; j < TILE; j += per_run)
+        read_lines(rows[j] + h, slice_bytes, F, kind, line_by_line ? next[j] + h : NULL);
     }
 }
 
@@ -106,12 +129,12 @@ static char *k, *v, *evict_buf;
 static size_t bytes, evict_bytes;
 static int perm[NSEQ * SEQ / PAGE];
 
-static void evict(void) { read_fmas(evict_buf, evict_bytes, 0, NULL); }
+static void evict(void) { read_lines(evict_buf, evict_bytes, 0, FMAS, NULL); }
 
 enum Order { ADDRESS, SLICE_AHEAD, LINE_BY_LINE };
 
 // Each thread reads its share of the requests (in address order: of the caches' bytes).
-static void pass(enum Order order, int F) {
+static void pass(enum Order order, int F, enum Product kind) {
 #pragma omp parallel
   {
     int t = 0, threads = 1;
@@ -121,8 +144,8 @@ static void pass(enum Order order, int F) {
 #endif
     if (order == ADDRESS) {
       const size_t share = bytes / threads / 4096 * 4096, at = t * share, n = t == threads - 1 ? bytes - at : share;
-      read_fmas(k + at, n, F, NULL);
-      read_fmas(v + at, n, F, NULL);
+      read_lines(k + at, n, F, kind, NULL);
+      read_lines(v + at, n, F, kind, NULL);
     } else {
       const char *k_rows[SEQ], *v_rows[SEQ];
       for (int s = t; s < NSEQ; s += threads) {
@@ -132,24 +155,45 @@ static void pass(enum Order order, int F) {
           v_rows[j] = v + at;
         }
         for (int t0 = 0; t0 < SEQ; t0 += TILE) {
-          read_tile(k_rows + t0, v_rows + t0, F, order == LINE_BY_LINE);
-          read_tile(v_rows + t0, k_rows + (t0 + TILE < SEQ ? t0 + TILE : t0), F, order == LINE_BY_LINE);
+          read_tile(k_rows + t0, v_rows + t0, F, kind, order == LINE_BY_LINE);
+          read_tile(v_rows + t0, k_rows + (t0 + TILE < SEQ ? t0 + TILE : t0), F, kind, order == LINE_BY_LINE);
         }
       }
     }
   }
 }
 
-static double best_of(int reps, enum Order order, int F) {
+static double best_of(int reps, enum Order order, int F, enum Product kind) {
   double best = 1e9;
   for (int rep = 0; rep < reps; rep++) {
     evict();
     const double start = now();
-    pass(order, F);
+    pass(order, F, kind);
     const double dt = now() - start;
     best = dt < best ? dt : best;
   }
   return best;
+}
+
+// A row of the table: F products a line of `kind`, in L2 (512 KiB read again and again) and from memory in each order;
+// the first row (no products, address order) is the read the shares are of.
+static void row(enum Product kind, int F, size_t lines_per_key, int reps, double* read) {
+  const size_t warm = (size_t)512 << 10;
+  double in_l2 = 1e9;
+  for (int rep = 0; rep < reps; rep++) {
+    const double start = now();
+    for (size_t done = 0; done < 2 * bytes; done += warm) read_lines(k, warm, F, kind, NULL);
+    const double dt = now() - start;
+    in_l2 = dt < in_l2 ? dt : in_l2;
+  }
+  double t[3];
+  for (enum Order order = ADDRESS; order <= LINE_BY_LINE; order++) t[order] = best_of(reps, order, F, kind);
+  if (*read == 0) *read = t[ADDRESS];
+  printf("| %d %sa line | %zu | %.1f", F, kind == DPBF16 ? "vdpbf16ps " : "", F * lines_per_key,
+         2 * bytes / in_l2 / 1e9);
+  for (enum Order order = ADDRESS; order <= LINE_BY_LINE; order++) printf(" | %.1f", 2 * bytes / t[order] / 1e9);
+  for (enum Order order = ADDRESS; order <= LINE_BY_LINE; order++) printf(" | %.0f%%", 100 * *read / t[order]);
+  printf(" |\n");
 }
 
 static size_t llc_bytes(void) {
@@ -189,29 +233,18 @@ int main(int argc, char** argv) {
 #endif
   const char* name = bf16 ? "bf16" : "fp32";
   printf(
-      "| %s K/V (%zu MB), %d thread(s) | FMAs per (key, kv head) | GB/s: in L2 | from memory: address order | "
+      "| %s K/V (%zu MB), %d thread(s) | products' instructions per (key, kv head) | GB/s: in L2 | from memory: "
+      "address order | "
       "kernel's order, a slice ahead | line by line | share of the read: address order | a slice ahead "
       "| line by line |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
       name, 2 * bytes >> 20, threads);
-  const size_t warm = (size_t)512 << 10, lines_per_key = 2 * pos_bytes / HEADS / 64;
+  const size_t lines_per_key = 2 * pos_bytes / HEADS / 64;
   double read = 0;
-  for (int i = 0; i < N_FMAS; i++) {
-    const int F = FMAS[i];
-    double in_l2 = 1e9;
-    for (int rep = 0; rep < reps; rep++) {
-      const double start = now();
-      for (size_t done = 0; done < 2 * bytes; done += warm) read_fmas(k, warm, F, NULL);
-      const double dt = now() - start;
-      in_l2 = dt < in_l2 ? dt : in_l2;
-    }
-    double t[3];
-    for (enum Order order = ADDRESS; order <= LINE_BY_LINE; order++) t[order] = best_of(reps, order, F);
-    if (F == 0) read = t[ADDRESS];
-    printf("| %d a line | %zu | %.1f", F, F * lines_per_key, 2 * bytes / in_l2 / 1e9);
-    for (enum Order order = ADDRESS; order <= LINE_BY_LINE; order++) printf(" | %.1f", 2 * bytes / t[order] / 1e9);
-    for (enum Order order = ADDRESS; order <= LINE_BY_LINE; order++) printf(" | %.0f%%", 100 * read / t[order]);
-    printf(" |\n");
-  }
+  for (size_t i = 0; i < sizeof FMAS_A_LINE / sizeof(int); i++) row(FMAS, FMAS_A_LINE[i], lines_per_key, reps, &read);
+#ifdef __AVX512BF16__
+  for (size_t i = 0; bf16 && i < sizeof DPBF16_A_LINE / sizeof(int); i++)
+    row(DPBF16, DPBF16_A_LINE[i], lines_per_key, reps, &read);
+#endif
   float out[sizeof(V) / 4];
   memcpy(out, &sink, sizeof out);
   return out[0] == 0.5f;  // keeps the sums

@@ -175,12 +175,16 @@ def test_fma_rate_times_each_product_the_cpu_has(tmp_path):
 
 
 def test_overlap_reads_each_dtype_in_every_order(tmp_path):
-    """bench/overlap.c, built for the CPU's vector width with OpenMP, one timed pass per cell on two threads: a row per
-    count of FMAs a line for each dtype, a rate for each order and a share of the read; it asserts no timings."""
+    """bench/overlap.c, built for the CPU's vector width (and AVX512-BF16 where it has it) with OpenMP, one timed pass
+    per cell on two threads: a row per count of FMAs a line for each dtype, and of vdpbf16ps a line for bf16 where
+    built with AVX512-BF16, a rate for each order and a share of the read; it asserts no timings."""
     compiler = shutil.which(os.environ.get("CC", "gcc"))
     if compiler is None:
         pytest.skip("no C compiler to build bench/overlap.c")
-    build = ["-mavx512f"] if "avx512f" in cpuinfo_field("flags").split() else ["-mavx2", "-mfma"]
+    flags = set(cpuinfo_field("flags").split())
+    build = ["-mavx512f"] if "avx512f" in flags else ["-mavx2", "-mfma"]
+    bf16_pairs = "avx512f" in flags and "avx512_bf16" in flags
+    build += ["-mavx512bf16"] if bf16_pairs else []
     program = tmp_path / "overlap"
     source = ROOT / "bench" / "overlap.c"
     subprocess.run([compiler, "-O2", "-fopenmp", *build, str(source), "-o", str(program)], check=True)
@@ -197,6 +201,9 @@ def test_overlap_reads_each_dtype_in_every_order(tmp_path):
         rows = re.findall(rf"^\| (\d+) a line \| (\d+){rates}{shares} \|$", out, re.M)
         lines_per_key = 16 if dtype == "fp32" else 8
         assert [(int(f), int(per_key)) for f, per_key, *_ in rows] == [(f, f * lines_per_key) for f in (0, 2, 4, 8, 16)]
+        pairs = re.findall(rf"^\| (\d+) vdpbf16ps a line \| (\d+){rates}{shares} \|$", out, re.M)
+        expected = [(f, f * lines_per_key) for f in (2, 4, 8)] if dtype == "bf16" and bf16_pairs else []
+        assert [(int(f), int(per_key)) for f, per_key, *_ in pairs] == expected, out
         assert re.search(r"^\| 0 a line \| 0 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| 100% \|", out, re.M), out
 
 
