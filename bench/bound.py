@@ -9,12 +9,18 @@ of 16 and of 48 keys, whose K/V (at most 1.5 MiB, fp32) a 2 MiB L2 holds, where 
     python -m bench.bound --scale 4        # the decode case 4 times as long (300 MB of bf16 K/V)
 
 bench/overlap.c measures how much arithmetic one core hides under its reads from memory, without the kernel.
+`--floor` (one thread, a CPU with AVX512-BF16) also times bench/decode_floor.c, a lean loop of the bf16 kernel's
+reads, products and softmax, slices and merges (not its results), built here with gcc, in the same rounds from memory.
 
 Prints ns per (key, kv head), the GB/s of K/V consumed and the kernel's time over the read's.
 """
 
 import argparse
+import ctypes
+import functools
 import glob
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,12 +55,35 @@ def best_seconds(fns, reps, warmup=5, before=None):
     return best
 
 
+def decode_floor(batch):
+    """A call of bench/decode_floor.c over the batch's bf16 caches: 8 kv heads of 128, 4 query rows each."""
+    so = Path(tempfile.mkdtemp()) / "decode_floor.so"
+    flags = ["-O3", "-shared", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512bf16"]
+    subprocess.run(["gcc", *flags, str(Path(__file__).with_name("decode_floor.c")), "-o", str(so), "-lm"], check=True)
+    lib = ctypes.CDLL(str(so))
+    lib.decode_floor_init()
+    block_table = batch.meta[2].to(torch.int32).contiguous()
+    lens = batch.meta[1].to(torch.int32).contiguous()
+    rows = sum(-(-n // 256) for n in batch.seq_lens) * 32
+    partial_out, partial_lse = torch.empty(rows, 128), torch.empty(rows)
+    out = torch.empty(len(batch.seq_lens) * 32, 128, dtype=torch.bfloat16)
+    ptr = [ctypes.c_void_p(t.data_ptr()) for t in (batch.k_cache, batch.v_cache, block_table)]
+    args = (*ptr, ctypes.c_long(block_table.shape[1]), ctypes.c_void_p(lens.data_ptr()), ctypes.c_int(len(lens)))
+    args += tuple(ctypes.c_void_p(t.data_ptr()) for t in (partial_out, partial_lse, out))
+    call = functools.partial(lib.decode_floor, *args)
+    call.buffers = (block_table, lens, partial_out, partial_lse, out)  # alive as long as the call
+    return call
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--scale", type=int, default=1, help="the decode case's lengths times this")
+    parser.add_argument("--floor", action="store_true", help="bench/decode_floor.c beside bf16 decode from memory")
     args = parser.parse_args(argv)
+    if args.floor and (args.threads != 1 or "avx512_bf16" not in Path("/proc/cpuinfo").read_text()):
+        parser.error("--floor runs on one thread of a CPU with AVX512-BF16")
     torch.set_num_threads(args.threads)
     print(
         f"| {args.threads} thread(s) | keys | ns per (key, kv head): kernel, read | K/V GB/s: kernel, read "
@@ -69,6 +98,9 @@ def main(argv=None):
         for place, (prefixes, reps, before) in places.items():
             batch = Batch(prefixes, [1] * 16, dtype, shuffle_pages=True)
             fns = {"kernel": batch.hybrid(torch.ops.hybrid.decode, "cpu"), "read": batch.read_floor()}
+            floor = args.floor and dtype == torch.bfloat16 and before is not None
+            if floor:
+                fns["decode_floor.c"] = decode_floor(batch)
             best = best_seconds(fns, reps, before=before)
             ns = [best[k] / (sum(batch.seq_lens) * HKV) * 1e9 for k in fns]
             gbps = [batch.kv_bytes / best[k] / 1e9 for k in fns]
@@ -78,6 +110,12 @@ def main(argv=None):
                 f"| {best['kernel'] / best['read']:.2f} |",
                 flush=True,
             )
+            if floor:
+                print(
+                    f"| {dtype_name} | {place}: bench/decode_floor.c | {ns[2]:.1f}, {ns[1]:.1f} | {gbps[2]:.1f}, "
+                    f"{gbps[1]:.1f} | {best['decode_floor.c'] / best['read']:.2f} |",
+                    flush=True,
+                )
     torch.set_num_threads(1)
     print("\n| 1 thread | marginal ns per (key, kv head), 4 x 16 to 4 x 48 keys |\n|---|---:|")
     for dtype in (torch.float32, torch.bfloat16):
