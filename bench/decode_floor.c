@@ -12,6 +12,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "../kernels/cpu/sums4x4.h"
+
 #define HEADS 8
 #define D 128
 #define ROWS 4  // query rows a kv head
@@ -28,23 +30,10 @@ static uint32_t pairs[HEADS][ROWS][TILE] __attribute__((aligned(64)));  // the s
 static float acc[HEADS][ROWS][D] __attribute__((aligned(64)));
 static float m_run[HEADS][ROWS], l_run[HEADS][ROWS];
 
-// scores[h][r][j + c ks] for the 4 x 4 sums acc4[r][c] (row r, key j + c ks): attend_inplace.cpp's store_scores.
+// scores[h][r][j + c ks] for the 4 x 4 sums acc4[r][c] (row r, key j + c ks), as attend_inplace.cpp's store_scores.
 static inline void store_scores(const __m512 (*acc4)[4], long j, long ks, float* sc) {
-  __m512 t[4][2];
-  for (int r = 0; r < 4; ++r)
-    for (int h = 0; h < 2; ++h) {
-      const __m512 a = acc4[r][2 * h], b = acc4[r][2 * h + 1];
-      t[r][h] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-    }
-  __m512 u[4];
-  for (int r = 0; r < 4; ++r)
-    u[r] = _mm512_add_ps(_mm512_shuffle_f32x4(t[r][0], t[r][1], 0x88), _mm512_shuffle_f32x4(t[r][0], t[r][1], 0xDD));
-  const __m512 v01 = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
-  const __m512 v23 = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
-  const __m512 w = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(v01), _mm512_castps_pd(v23))),
-                                 _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(v01), _mm512_castps_pd(v23))));
   float sums[16] __attribute__((aligned(64)));
-  _mm512_store_ps(sums, w);
+  _mm512_store_ps(sums, sums_4x4(acc4));
   for (int r = 0; r < 4; ++r)
     for (int c = 0; c < 4; ++c) sc[r * TILE + j + c * ks] = sums[4 * c + r];
 }

@@ -6,6 +6,7 @@
 // to the scores, and P V with the probabilities rounded to bf16.
 
 #include "kernel.h"
+#include "sums4x4.h"
 
 namespace hybrid_ops::cpu {
 namespace {
@@ -46,23 +47,13 @@ template <int RB, int KB>
 [[gnu::always_inline]] inline void store_scores(const Vec (&acc)[RB][KB], int64_t j, int64_t ks, float* scores) {
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (RB == 4 && KB == 4) {
-    // The 16 sums in one transposing reduction (halves, quarters, then within 128-bit blocks across rows) and 16
-    // scalar stores: 45 shuffles and adds instead of 16 x 7. The scatter of one vector stalled the loads after it.
-    __m512 t[4][2];
+    // The 16 sums in one reduction (sums4x4.h), then 16 scalar stores: the scatter of one vector stalled the loads
+    // after it.
+    __m512 a[4][4];
     for (int r = 0; r < 4; ++r)
-      for (int h = 0; h < 2; ++h) {
-        const __m512 a = acc[r][2 * h], b = acc[r][2 * h + 1];
-        t[r][h] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-      }
-    __m512 u[4];
-    for (int r = 0; r < 4; ++r)
-      u[r] = _mm512_add_ps(_mm512_shuffle_f32x4(t[r][0], t[r][1], 0x88), _mm512_shuffle_f32x4(t[r][0], t[r][1], 0xDD));
-    const __m512 v01 = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
-    const __m512 v23 = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
-    const __m512 w = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(v01), _mm512_castps_pd(v23))),
-                                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(v01), _mm512_castps_pd(v23))));
+      for (int c = 0; c < 4; ++c) a[r][c] = acc[r][c];
     alignas(64) float sums[16];  // sums[4 c + r]: row r's score of key j + c * ks
-    _mm512_store_ps(sums, w);
+    _mm512_store_ps(sums, sums_4x4(a));
     for (int r = 0; r < 4; ++r)
       for (int c = 0; c < 4; ++c) scores[r * BLOCK_N + j + c * ks] = sums[4 * c + r];
     return;
