@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .run import DECODE_LENS, HKV, Batch
+from .run import DECODE_LENS, HKV, HQ, PAGE, Batch, D
 
 
 def last_level_cache_bytes(default=256 << 20):
@@ -57,6 +57,7 @@ def best_seconds(fns, reps, warmup=5, before=None):
 
 def decode_floor(batch):
     """A call of bench/decode_floor.c over the batch's bf16 caches: 8 kv heads of 128, 4 query rows each."""
+    assert (HQ, HKV, D, PAGE) == (32, 8, 128, 16), "bench/decode_floor.c is written for the op section's shape"
     so = Path(tempfile.mkdtemp()) / "decode_floor.so"
     flags = ["-O3", "-shared", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512bf16"]
     subprocess.run(["gcc", *flags, str(Path(__file__).with_name("decode_floor.c")), "-o", str(so), "-lm"], check=True)
