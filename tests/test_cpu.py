@@ -392,24 +392,47 @@ def test_16_bit_products_on_amx(dtype):
         check_long_case(name, "window_softcap", dtype)
 
 
+# Split requests whose slices some rows see no key of: a draft token before the last slice's first key, or past a
+# chunk boundary (attention_chunk) that starts after the first slices. op, q_lens, prefix_lens, Hq, head dim, page size
+# (2 kv heads); the options with sinks.
+SPLIT_CASES = {
+    # Units of every kv head: 3 slices (tokens 1 and 2 see none of the first 2), 3 and 2 (the last of 2 keys, past the
+    # first token's).
+    "verify_all_heads": ("decode", [3] * 3, [1199, 511, 255], 8, 80, 7),
+    # Units of one kv head (brgemm): 3 slices (tokens 1-7 see none of the first 2), and 2.
+    "verify": ("decode", [8] * 2, [2399, 600], 32, 80, 5),
+    "decode": ("decode", [1] * 3, [2000, 700, 1300], 8, 128, 16),
+}
+SPLIT_OPTIONS = {
+    "verify_all_heads": dict(sinks=True, attention_chunk=600),
+    "verify": dict(sinks=True, attention_chunk=1200),
+    "decode": dict(sinks=True),
+}
+
+
 @pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
-@pytest.mark.parametrize("num_kv_heads", [1, 2])  # units of one kv head; of every kv head
-def test_thread_count_does_not_change_the_result(num_kv_heads, cache_dtype):
-    """A batch of one: its key slices run on several threads, or all on one, with the same result bit for bit."""
-    case = make_case([1], [2000], num_q_heads=4, num_kv_heads=num_kv_heads, head_dim=128, page_size=16, seed=8)
-    scales = {}
+@pytest.mark.parametrize("name", SPLIT_CASES)
+def test_thread_count_does_not_change_the_result(name, cache_dtype):
+    """A request's key slices run on one thread or on 2-4 (which thread runs which slice varies from call to call), and
+    every call gives the same result bit for bit; with sinks, and rows that see no key of some slices, it matches
+    float64."""
+    op, case, options = long_case(name, name, torch.bfloat16, 8, cases=SPLIT_CASES, options=SPLIT_OPTIONS)
+    read = case
     if cache_dtype is not None:
-        scales = dict(zip(("k_scale", "v_scale"), fp8_scales("per_head", num_kv_heads)))
-        case = fp8_case(case, cache_dtype, *scales.values())[0]
+        options.update(zip(("k_scale", "v_scale"), fp8_scales("per_head", 2)))
+        case, read, _ = fp8_case(case, cache_dtype, options["k_scale"], options["v_scale"])
     threads = torch.get_num_threads()
     outs = []
-    for n in (max(threads, 2), 1):
+    for n in (1, 2, 3, 4, 2, 3):
         torch.set_num_threads(n)
         try:
-            outs.append(torch.ops.hybrid.decode(*case.args, **scales, backend="cpu"))
+            outs.append(getattr(torch.ops.hybrid, op)(*case.args, **options, backend="cpu"))
         finally:
             torch.set_num_threads(threads)
-    assert torch.equal(outs[0], outs[1])
+    for n, out in zip((2, 3, 4, 2, 3), outs[1:]):
+        assert torch.equal(out, outs[0]), f"{n} threads"
+    reference_options = {k: v for k, v in options.items() if k not in ("k_scale", "v_scale")}
+    assert_relative(outs[0], reference(read, **reference_options), torch.bfloat16)
 
 
 def test_without_a_compiler(monkeypatch):
