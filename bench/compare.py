@@ -2,12 +2,14 @@
 
     python -m bench.compare ../other-checkout                    # this machine's threads, 9 calls a case
     python -m bench.compare ../other-checkout --threads 1 --reps 15 -k fp8   # the cases whose name holds "fp8"
+    python -m bench.compare ../other-checkout --from-memory -k "decode bf16"  # no K/V in cache, as bench.bound
 
 Each kernel builds as the backend builds it (its flags), from its checkout's kernels/cpu/*.cpp but dispatch.cpp (the
 dispatcher entry points of two copies cannot both register), with a bare `forward` binding and a name of its own. The
 op section's cases on scattered pages, an fp8 (e4m3) copy of each bf16 one and a 4-token verify run through both
-kernels' `forward` in turn, call by call, so that both see the same moments of a shared machine. Prints the medians
-and this / other; on a loaded machine, read several runs.
+kernels' `forward` in turn, call by call, so that both see the same moments of a shared machine; `--from-memory`
+reads twice the last-level cache before each call (bench.bound's "from memory"). Prints the medians and this / other;
+on a loaded machine, read several runs.
 """
 
 import argparse
@@ -23,6 +25,7 @@ from torch.utils import cpp_extension
 
 from hybrid_ops.backends import cpu
 
+from .bound import last_level_cache_bytes
 from .run import DECODE_LENS, OP_CASES, Batch, timeit_side_by_side
 
 THIS = Path(__file__).resolve().parent.parent
@@ -94,17 +97,20 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("-k", dest="name", default="", help="only the cases whose name contains this")
+    parser.add_argument("--from-memory", action="store_true", help="twice the last-level cache read before each call")
     args = parser.parse_args(argv)
     kernels = {"other": build(args.other.resolve(), "other"), "this": build(THIS, "this")}
     torch.set_num_threads(args.threads)
-    print(f"| case ({args.threads} threads) | other ms | this ms | this / other |\n|---|---:|---:|---:|")
+    evict = torch.ones(2 * last_level_cache_bytes() // 4).sum if args.from_memory else None
+    where = ", from memory" if args.from_memory else ""
+    print(f"| case ({args.threads} threads{where}) | other ms | this ms | this / other |\n|---|---:|---:|---:|")
     for name, batch, decode, fp8 in cases(args.name):
         caches = batch.fp8_caches() if fp8 else (batch.k_cache, batch.v_cache, None, None)
         kv_args = (batch.q, batch.k_new, batch.v_new, *caches[:2], *batch.meta)
         # scale, window, logit_cap, sinks, attention_chunk, decode, k_scale, v_scale, tree_mask
         options = (1 / math.sqrt(batch.q.shape[-1]), -1, 0.0, None, -1, decode, *caches[2:], None)
         fns = {label: make_caller(m, kv_args, options) for label, m in kernels.items()}
-        times = timeit_side_by_side(fns, args.reps)
+        times = timeit_side_by_side(fns, args.reps, before=evict)
         other, this = times["other"] * 1e3, times["this"] * 1e3
         print(f"| {name} | {other:.2f} | {this:.2f} | {this / other:.3f} |", flush=True)
 

@@ -60,13 +60,14 @@ def timeit(fn, reps=7, warmup=5):
     return statistics.median(times)
 
 
-def timeit_side_by_side(make_fns, reps, warmup=5, notes=None):
+def timeit_side_by_side(make_fns, reps, warmup=5, notes=None, before=None):
     """Median seconds of each `make_fns[name]()`, timed in `reps` rounds that call every method once: this machine's
     speed drifts, so methods timed one after the other would compare different moments, and a method called many times
     in a row would find its data still in the last-level cache, which decode on a serving engine does not (a layer's
     cache is read once per step). A method run in another process returns the seconds it measured there (a float), so
     that the pipe to it is not timed. None where building or running a method fails (a peer that does not support the
-    case, or is not installed), with the reason in `notes[name]`."""
+    case, or is not installed), with the reason in `notes[name]`. `before()`, where given, runs untimed ahead of each
+    timed call."""
     fns = {}
     for name, make_fn in make_fns.items():
         try:
@@ -82,6 +83,8 @@ def timeit_side_by_side(make_fns, reps, warmup=5, notes=None):
     times = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
+            if before is not None:
+                before()
             start = time.perf_counter()
             own = fn()
             times[name].append(own if isinstance(own, float) else time.perf_counter() - start)
