@@ -1,8 +1,9 @@
 """What bounds decode: the cpu kernel beside a sum of the same bytes, in alternating rounds, the best call of each,
 with the keys in cache (16 requests of 64 keys, called again and again) and from memory (the op section's decode
 case, twice the last-level cache read before each call so that none of it is there; `--scale N`: N times its
-lengths). Then the kernel's arithmetic alone: the marginal cost of a key per kv head on one thread between 4 requests
-of 16 and of 48 keys, whose K/V (at most 1.5 MiB, fp32) a 2 MiB L2 holds, where "in cache" is 4-8 MiB.
+lengths). Then the kernel's arithmetic alone: the marginal cost of a key per kv head on one thread between a request of
+64 keys and one of 192, two more full tiles of 64 (most of the decode case's), whose K/V (1.5 MiB of fp32, 0.75 of bf16)
+a 1-2 MiB L2 holds or nearly, where "in cache" is 4-8 MiB.
 
     python -m bench.bound                  # one thread, 200 rounds in cache, 20 from memory
     python -m bench.bound --threads 2 --reps 50
@@ -118,15 +119,14 @@ def main(argv=None):
                     flush=True,
                 )
     torch.set_num_threads(1)
-    print("\n| 1 thread | marginal ns per (key, kv head), 4 x 16 to 4 x 48 keys |\n|---|---:|")
+    print("\n| 1 thread | marginal ns per (key, kv head), 1 x 64 to 1 x 192 keys |\n|---|---:|")
     for dtype in (torch.float32, torch.bfloat16):
         fns = {
-            n: Batch([n - 1] * 4, [1] * 4, dtype, shuffle_pages=True).hybrid(torch.ops.hybrid.decode, "cpu")
-            for n in (16, 48)
+            n: Batch([n - 1], [1], dtype, shuffle_pages=True).hybrid(torch.ops.hybrid.decode, "cpu") for n in (64, 192)
         }
         best = best_seconds(fns, args.reps)
         dtype_name = str(dtype).removeprefix("torch.")
-        print(f"| {dtype_name} | {(best[48] - best[16]) / (4 * 32 * HKV) * 1e9:.1f} |", flush=True)
+        print(f"| {dtype_name} | {(best[192] - best[64]) / (128 * HKV) * 1e9:.1f} |", flush=True)
 
 
 if __name__ == "__main__":
