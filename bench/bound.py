@@ -11,7 +11,8 @@ a 1-2 MiB L2 holds or nearly, where "in cache" is 4-8 MiB.
 
 bench/overlap.c measures how much arithmetic one core hides under its reads from memory, without the kernel.
 `--floor` (one thread, a CPU with AVX512-BF16) also times bench/decode_floor.c, a lean loop of the bf16 kernel's
-reads, products and softmax, slices and merges (not its results), built here with gcc, in the same rounds from memory.
+reads, products and softmax, slices and merges (not its results), built here with gcc, in the same rounds from memory
+and in the arithmetic's table: as it is, and built with parts of its work switched off or added (FLOOR_PARTS).
 
 Prints ns per (key, kv head), the GB/s of K/V consumed and the kernel's time over the read's; and the share of the read
 from memory that the arithmetic alone leaves the kernel, were every read hidden under it.
@@ -57,11 +58,25 @@ def best_seconds(fns, reps, warmup=5, before=None):
     return best
 
 
-def decode_floor(batch):
-    """A call of bench/decode_floor.c over the batch's bf16 caches: 8 kv heads of 128, 4 query rows each."""
+# bench/decode_floor.c's builds that --floor times: its -D flags (its header says what each switches off or adds).
+FLOOR_PARTS = {
+    "bench/decode_floor.c": (),
+    "no 4 x 4 reductions": ("NO_SCORE_SUMS",),
+    "no softmax": ("NO_SOFTMAX",),
+    "P V sums kept across passes": ("PV_SUMS_KEPT",),
+    "none of those three": ("NO_SCORE_SUMS", "NO_SOFTMAX", "PV_SUMS_KEPT"),
+    "none of the three, no products": ("NO_SCORE_SUMS", "NO_SOFTMAX", "PV_SUMS_KEPT", "NO_PRODUCTS"),
+    "the next pass's lines prefetched again": ("PREFETCH_AGAIN",),
+}
+
+
+def decode_floor(batch, defines=()):
+    """A call of bench/decode_floor.c, built with `defines`, over the batch's bf16 caches: 8 kv heads of 128, 4 query
+    rows each."""
     assert (HQ, HKV, D, PAGE) == (32, 8, 128, 16), "bench/decode_floor.c is written for the op section's shape"
     so = Path(tempfile.mkdtemp()) / "decode_floor.so"
     flags = ["-O3", "-shared", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512bf16"]
+    flags += [f"-D{name}" for name in defines]
     subprocess.run(["gcc", *flags, str(Path(__file__).with_name("decode_floor.c")), "-o", str(so), "-lm"], check=True)
     lib = ctypes.CDLL(str(so))
     lib.decode_floor_init()
@@ -104,22 +119,18 @@ def main(argv=None):
             fns = {"kernel": batch.hybrid(torch.ops.hybrid.decode, "cpu"), "read": batch.read_floor()}
             floor = args.floor and dtype == torch.bfloat16 and before is not None
             if floor:
-                fns["decode_floor.c"] = decode_floor(batch)
+                fns.update({name: decode_floor(batch, defines) for name, defines in FLOOR_PARTS.items()})
             best = best_seconds(fns, reps, before=before)
-            ns = [best[k] / (sum(batch.seq_lens) * HKV) * 1e9 for k in fns]
-            gbps = [batch.kv_bytes / best[k] / 1e9 for k in fns]
+            ns = {k: best[k] / (sum(batch.seq_lens) * HKV) * 1e9 for k in fns}
+            gbps = {k: batch.kv_bytes / best[k] / 1e9 for k in fns}
             dtype_name = str(dtype).removeprefix("torch.")
             if before is not None:
-                read_from_memory[dtype] = ns[1]
-            print(
-                f"| {dtype_name} | {place} | {ns[0]:.1f}, {ns[1]:.1f} | {gbps[0]:.1f}, {gbps[1]:.1f} "
-                f"| {best['kernel'] / best['read']:.2f} |",
-                flush=True,
-            )
-            if floor:
+                read_from_memory[dtype] = ns["read"]
+            for name in (k for k in fns if k != "read"):
+                label = place if name == "kernel" else f"{place}: {name}"
                 print(
-                    f"| {dtype_name} | {place}: bench/decode_floor.c | {ns[2]:.1f}, {ns[1]:.1f} | {gbps[2]:.1f}, "
-                    f"{gbps[1]:.1f} | {best['decode_floor.c'] / best['read']:.2f} |",
+                    f"| {dtype_name} | {label} | {ns[name]:.1f}, {ns['read']:.1f} | {gbps[name]:.1f}, "
+                    f"{gbps['read']:.1f} | {best[name] / best['read']:.2f} |",
                     flush=True,
                 )
     torch.set_num_threads(1)
@@ -130,17 +141,22 @@ def main(argv=None):
         "it: the share decode can reach |\n|---|---:|---:|"
     )
     for dtype in (torch.float32, torch.bfloat16):
-        fns = {
-            n: Batch([n - 1], [1], dtype, shuffle_pages=True).hybrid(torch.ops.hybrid.decode, "cpu") for n in (64, 192)
-        }
+        batches = {n: Batch([n - 1], [1], dtype, shuffle_pages=True) for n in (64, 192)}
+        fns = {("kernel", n): b.hybrid(torch.ops.hybrid.decode, "cpu") for n, b in batches.items()}
+        if args.floor and dtype == torch.bfloat16:
+            fns |= {
+                (name, n): decode_floor(b, defines) for name, defines in FLOOR_PARTS.items() for n, b in batches.items()
+            }
         best = best_seconds(fns, args.reps)
         dtype_name = str(dtype).removeprefix("torch.")
-        arithmetic = (best[192] - best[64]) / (128 * HKV) * 1e9
-        ceiling = read_from_memory[dtype] * args.threads / arithmetic
-        print(
-            f"| {dtype_name} | {arithmetic:.1f} | {read_from_memory[dtype]:.1f} x {args.threads}: {ceiling:.0%} |",
-            flush=True,
-        )
+        for name in dict.fromkeys(name for name, _ in fns):
+            arithmetic = (best[name, 192] - best[name, 64]) / (128 * HKV) * 1e9
+            ceiling = read_from_memory[dtype] * args.threads / arithmetic
+            label = dtype_name if name == "kernel" else f"{dtype_name}: {name}"
+            print(
+                f"| {label} | {arithmetic:.1f} | {read_from_memory[dtype]:.1f} x {args.threads}: {ceiling:.0%} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -8,11 +8,27 @@
 // the slices merged. Not the kernel's results: the query rows are fixed, and P V takes fixed probabilities (the
 // softmax's work is done, its pairs unused), so that no value depends on the cache's; no window, soft-cap or sinks.
 //   gcc -O3 -shared -fPIC -mavx512f -mavx512bw -mavx512dq -mavx512bf16 bench/decode_floor.c -o decode_floor.so
+// Parts of the work switched off or added, each by a -D flag (`python -m bench.bound --floor` times each; the
+// outputs then wrong): NO_SCORE_SUMS, each 4 x 4 block's sums added into one vector and stored, not reduced into 16
+// scores stored one by one; NO_SOFTMAX; PV_SUMS_KEPT, P V's sums not loaded and stored around each pass (a pass's
+// start from a constant, the last pass's stored); NO_PRODUCTS, each vdpbf16ps a bitwise OR; PREFETCH_AGAIN, the line
+// of the next pass's key in the same run (K's beside K's, V's beside V's) prefetched as each line is read.
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
 #include "../kernels/cpu/sums4x4.h"
+
+#ifdef NO_PRODUCTS
+#define PRODUCT(acc, a, b) ((void)(a), _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(acc), (__m512i)(b))))
+#else
+#define PRODUCT(acc, a, b) _mm512_dpbf16_ps(acc, a, b)
+#endif
+#ifdef PREFETCH_AGAIN
+#define AGAIN 1
+#else
+#define AGAIN 0
+#endif
 
 #define HEADS 8
 #define D 128
@@ -54,12 +70,20 @@ static void scores_pass(const char* const* k, const char* const* v, long n, long
             const long jj = j + (c < keys ? c : 0) * per_run;
             kv[c] = _mm512_loadu_si512(k[jj] + off + 2 * d);
             _mm_prefetch(v[jj] + off + 2 * d, _MM_HINT_T1);
+            if (AGAIN && p + 1 < per_run) _mm_prefetch(k[jj + 1] + off + 2 * d, _MM_HINT_T1);
           }
           for (int r = 0; r < 4; r++) {
             const __m512bh qv = (__m512bh)_mm512_load_si512(&q_rows[h][r][d]);
-            for (int c = 0; c < 4; c++) a[r][c] = _mm512_dpbf16_ps(a[r][c], qv, (__m512bh)kv[c]);
+            for (int c = 0; c < 4; c++) a[r][c] = PRODUCT(a[r][c], qv, (__m512bh)kv[c]);
           }
         }
+#ifdef NO_SCORE_SUMS
+        __m512 sum = _mm512_setzero_ps();
+        for (int r = 0; r < 4; r++)
+          for (int c = 0; c < 4; c++) sum = _mm512_add_ps(sum, a[r][c]);
+        _mm512_store_ps(&scores[h][0][(j / per_run % 4) * 16], sum);
+        continue;
+#endif
         if (keys == 4) {
           store_scores(a, j, per_run, scores[h][0]);
         } else {  // a tile's last keys: fewer than 4 in the pass
@@ -87,6 +111,9 @@ static inline __m512 exp_ps(__m512 x) {
 
 // Each row's online softmax over the tile's n keys and the bf16 pairs (j, j + ks) of its probabilities.
 static void softmax(long n, long ks) {
+#ifdef NO_SOFTMAX
+  return;
+#endif
   const float scale = 0.088388f;  // 1 / sqrt(D)
   for (int h = 0; h < HEADS; h++)
     for (int r = 0; r < ROWS; r++) {
@@ -130,10 +157,17 @@ static void pv_pass(const char* const* v, long n, const char* const* nk, long nn
   for (long p = 0; p < per_run; p++)
     for (long h = 0; h < HEADS; h++) {
       const long off = h * D * 2;
+#ifdef PV_SUMS_KEPT
+      __m512 s[4][4];
+      for (int r = 0; r < 4; r++)
+        for (int c = 0; c < 4; c++) s[r][c] = _mm512_set1_ps((float)p);
+#endif
       for (long d0 = 0; d0 < D; d0 += 64) {
+#ifndef PV_SUMS_KEPT
         __m512 s[4][4];
         for (int r = 0; r < 4; r++)
           for (int c = 0; c < 4; c++) s[r][c] = _mm512_load_ps(&acc[h][r][d0 + 16 * c]);
+#endif
         for (long j = p; j < n; j += 2 * per_run) {
           const long j2 = j + per_run < n ? j + per_run : j;
           const char* first = v[j] + off + 2 * d0;
@@ -146,6 +180,12 @@ static void pv_pass(const char* const* v, long n, const char* const* nk, long nn
             _mm_prefetch(nk[j + per_run] + off + 2 * d0, _MM_HINT_T1);
             _mm_prefetch(nk[j + per_run] + off + 2 * d0 + 64, _MM_HINT_T1);
           }
+          if (AGAIN && p + 1 < per_run) {
+            for (int c = 0; c < 2; c++) {
+              _mm_prefetch(v[j + 1] + off + 2 * d0 + 64 * c, _MM_HINT_T1);
+              _mm_prefetch(v[j2 + 1] + off + 2 * d0 + 64 * c, _MM_HINT_T1);
+            }
+          }
           __m512i vv[4];
           for (int c = 0; c < 2; c++) {
             const __m512i x = _mm512_loadu_si512(first + 64 * c), y = _mm512_loadu_si512(second + 64 * c);
@@ -154,12 +194,19 @@ static void pv_pass(const char* const* v, long n, const char* const* nk, long nn
           }
           for (int r = 0; r < 4; r++) {
             const __m512bh pr = (__m512bh)_mm512_set1_epi32(probs[h][r][j]);
-            for (int c = 0; c < 4; c++) s[r][c] = _mm512_dpbf16_ps(s[r][c], pr, (__m512bh)vv[c]);
+            for (int c = 0; c < 4; c++) s[r][c] = PRODUCT(s[r][c], pr, (__m512bh)vv[c]);
           }
         }
+#ifndef PV_SUMS_KEPT
         for (int r = 0; r < 4; r++)
           for (int c = 0; c < 4; c++) _mm512_store_ps(&acc[h][r][d0 + 16 * c], s[r][c]);
+#endif
       }
+#ifdef PV_SUMS_KEPT
+      if (p == per_run - 1)
+        for (int r = 0; r < 4; r++)
+          for (int c = 0; c < 4; c++) _mm512_store_ps(&acc[h][r][16 * c], s[r][c]);
+#endif
     }
 }
 

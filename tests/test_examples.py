@@ -146,6 +146,25 @@ def test_bench_bound_runs():
         assert re.search(rf"\| {dtype} \| -?[\d.]+ \|", out), out
 
 
+def test_bench_bound_floor_times_each_part():
+    """`bench.bound --floor` builds bench/decode_floor.c with each of its parts switched off or added and times each
+    from memory and in L2 (a row each, beside the kernel's); a CPU without AVX512-BF16 is refused by name. It asserts
+    no timings."""
+    from bench.bound import FLOOR_PARTS
+
+    args = [sys.executable, "-m", "bench.bound", "--floor", "--reps", "10"]
+    result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if "avx512_bf16" not in cpuinfo_field("flags").split():
+        assert result.returncode == 2 and "--floor runs on one thread of a CPU with AVX512-BF16" in result.stderr
+        return
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in FLOOR_PARTS:
+        assert re.search(
+            rf"\| bfloat16 \| from memory \(decode case\): {re.escape(name)} \| [\d.]+, [\d.]+ \|", result.stdout
+        )
+        assert re.search(rf"\| bfloat16: {re.escape(name)} \| -?[\d.]+ \|", result.stdout), result.stdout
+
+
 def test_fma_rate_times_each_product_the_cpu_has(tmp_path):
     """bench/fma_rate.c, built for the extensions the CPU reports, times FMAs (512-bit with AVX-512, else 256-bit),
     vdpbf16ps with AVX512-BF16 and tdpbf16ps with AMX-BF16 (or why the OS refused it tile data): one line each; it
