@@ -270,6 +270,40 @@ struct NextTile {
   int64_t n;
 };
 
+#ifdef HYBRID_OPS_BF16_PAIRS
+// bf16 pairs' P V of a tile for the row block [r, r + RB) of every head (scratch rows [heads][rows]), in passes over
+// keys [a_min, b_max) (a, a + per_run, ... for a = a_min, ..., a_min + per_run - 1), every head in turn. The first row
+// block prefetches the next tile's K beside V's lines (see attend_tile); the others read V's again from L2. A head dim
+// of an odd number of 16s ends with fp32 probabilities (accumulate_pv).
+template <int RB, typename T, typename C>
+[[gnu::noinline]] void pv_pairs_tile(const Problem<T, C>& pb, int64_t heads, int64_t rows, int64_t r, int64_t a_min,
+                                     int64_t b_max, int64_t per_run, const at::BFloat16* const* v,
+                                     NextTile<at::BFloat16> next, Scratch<T, C>& s) {
+  const int64_t v_dim = pb.v_padded_dim;
+  for (int64_t a = a_min; a < a_min + per_run; ++a) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t offset = h * pb.v_head_stride;
+      const Beside<at::BFloat16> first =
+          r == 0 && heads > 1 ? Beside<at::BFloat16>{next.k, a_min, next.n, h * pb.k_head_stride, pb.head_dim}
+                              : Beside<at::BFloat16>{};
+      const uint32_t* pairs = s.p_pairs.data() + (h * rows + r) * BLOCK_N;
+      float* acc = s.acc.data() + (h * rows + r) * v_dim;
+      int64_t d = 0;
+      for (; d + 64 <= v_dim; d += 64)
+        accumulate_pv_pairs<RB, 2>(pairs, v, a, b_max, per_run, offset, first, d, v_dim, acc);
+      if (d + 32 <= v_dim) {
+        accumulate_pv_pairs<RB, 1>(pairs, v, a, b_max, per_run, offset, first, d, v_dim, acc);
+        d += 32;
+      }
+      if (d < v_dim) {
+        const float* p = s.scores.data() + (h * rows + r) * BLOCK_N;
+        accumulate_pv<RB, 1>(p, v, a, b_max, per_run, offset, first, d, v_dim, acc);
+      }
+    }
+  }
+}
+#endif
+
 // One tile of n keys for few rows per kv head, rows given as pointers to `padded_dim` (K) and `v_padded_dim` (V)
 // values (cache rows in place, or packed fp32 rows) of the unit's first kv head; head h's rows are h * k_head_stride
 // and h * v_head_stride further (a unit of packed rows has one head). Scratch rows are head-major: [num_heads][rows].
@@ -310,6 +344,12 @@ void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, 
   if constexpr (bf16_pairs<R>) {
     for (int64_t r = 0; r < heads * rows; ++r)
       pair_probs(s.scores.data() + r * BLOCK_N, a_min, b_max, per_run, s.p_pairs.data() + r * BLOCK_N);
+    // A call a tile and row block: a call a pass, head and row block (as below) took 1.04-1.07x as long in L2 and
+    // 1.03-1.04x from memory on a Zen 4, its setup around every 8 keys.
+    for_row_blocks(rows, [&](auto rb, int64_t r) {
+      pv_pairs_tile<decltype(rb)::value>(pb, heads, rows, r, a_min, b_max, per_run, v, next, s);
+    });
+    return;
   }
 #endif
   passes(a_min, b_max, [&](int64_t a, int64_t b, int64_t ks) {
@@ -326,16 +366,6 @@ void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, 
         int64_t d = 0;
         // Where a load widens W > 1 vectors (fp8 with AVX512-VBMI), W at a time: a broadcast of p per W vectors.
         constexpr int W = row_vecs<R>;
-#ifdef HYBRID_OPS_BF16_PAIRS
-        if constexpr (bf16_pairs<R>) {
-          const uint32_t* pairs = s.p_pairs.data() + (h * rows + r) * BLOCK_N;
-          for (; d + 64 <= v_dim; d += 64) accumulate_pv_pairs<RB, 2>(pairs, v, a, b, ks, offset, first, d, v_dim, acc);
-          if (d + 32 <= v_dim) {
-            accumulate_pv_pairs<RB, 1>(pairs, v, a, b, ks, offset, first, d, v_dim, acc);
-            d += 32;
-          }
-        }
-#endif
         if constexpr (W > 1) {
           for (; d + W * VEC <= v_dim; d += W * VEC) accumulate_pv<RB, W>(p, v, a, b, ks, offset, first, d, v_dim, acc);
         }
