@@ -161,7 +161,7 @@ def test_bench_bound_floor_times_each_part():
     for name in FLOOR_PARTS:
         assert re.search(
             rf"\| bfloat16 \| from memory \(decode case\): {re.escape(name)} \| [\d.]+, [\d.]+ \|", result.stdout
-        )
+        ), result.stdout
         assert re.search(rf"\| bfloat16: {re.escape(name)} \| -?[\d.]+ \|", result.stdout), result.stdout
 
 
