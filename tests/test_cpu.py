@@ -312,6 +312,52 @@ def test_bf16_few_rows_against_float64(q_len, option, head_dim, v_head_dim):
     assert torch.equal(case.k_cache, k_ref) and torch.equal(case.v_cache, v_ref)
 
 
+# Whole tiles that every row sees are scored in blocks of 4 rows (attend_inplace.cpp: blocked), in the pairs builds
+# where the rows per kv head are a multiple of 4 and the value head dim whole chunks of 32; other tiles and rows as
+# before.
+@pytest.mark.parametrize("head_dim, v_head_dim, window", [(128, 128, -1), (64, 96, 100)])
+@pytest.mark.parametrize("q_len", [1, 3])
+@pytest.mark.parametrize("group", [2, 4, 6, 8])
+def test_bf16_blocked_scores_against_float64(group, q_len, head_dim, v_head_dim, window):
+    """bf16 decode and verify over every kv head against float64, on every build: groups of 2-8 query heads (rows per kv
+    head of 2, 6: not blocks of 4; 4, 8, 12, 24: one to 6 blocks), contexts of 2-3 slices, a tile and a partial one,
+    where later tiles raise the maxima of the earlier ones; a value head dim of 3 chunks (two, then one); a window of
+    100 keys, whose first tile the later draft tokens see but for its first keys."""
+    case = make_case(
+        [q_len] * 3, [700, 259, 64 - q_len], 2 * group, head_dim=head_dim, page_size=16, dtype=torch.bfloat16,
+        seed=group * 10 + q_len, v_head_dim=v_head_dim,
+    )  # fmt: skip
+    out = torch.ops.hybrid.decode(*case.args, sliding_window=window, backend="cpu")
+    assert_relative(out, reference(case, sliding_window=window), torch.bfloat16)
+
+
+def test_keys_of_minus_inf_scores_take_no_weight():
+    """A request's first tile of keys whose every score is -inf (keys of -inf against queries of positive first
+    values), blocked or not: the rows keep no maximum from it and take no probability, and attend to the rest."""
+    for dtype in (torch.bfloat16, torch.float32):
+        case = make_case([1, 1], [300, 200], 8, head_dim=128, page_size=16, dtype=dtype, seed=5)
+        case.q[..., 0] = case.q[..., 0].abs() + 0.5
+        for pos in range(64):  # the first tile of request 0
+            page, row = case.pages[0][pos // 16], pos % 16
+            case.k_cache[page, row, :, 0] = float("-inf")
+            case.prefix_k[0][pos, :, 0] = float("-inf")
+        out = torch.ops.hybrid.decode(*case.args, backend="cpu")
+        assert out.isfinite().all()
+        assert_relative(out, reference(case), dtype)
+
+
+def test_tree_hides_a_new_key_in_a_tile_every_row_sees():
+    """Two draft tokens after 511 keys: the tile of keys 448-511 ends with the first token's own key, which every row's
+    window and causal end take in, but the second token's tree row leaves out (its only root is itself). Its key
+    leans towards the second token's query, so that a kernel which shows it to that token is off by far."""
+    for dtype in (torch.bfloat16, torch.float32):
+        case = make_case([2], [511], 8, head_dim=128, page_size=16, dtype=dtype, seed=9)
+        case.k[0] = 0.5 * case.q[1, ::4]  # each kv head's first query head
+        tree_mask = tree_mask_for([torch.eye(2, dtype=torch.bool)], 5, random.Random(9))
+        out = torch.ops.hybrid.decode(*case.args, tree_mask=tree_mask, backend="cpu")
+        assert_relative(out, reference(case, tree_mask=tree_mask), dtype)
+
+
 # Trees (tree_mask) laid out parents first but not level by level (`recursive_tree`): positions (prefix + depth) far
 # below the slots, rising and falling along the rows. q_lens are tree sizes; 2 kv heads.
 TREE_CASES = {

@@ -51,16 +51,28 @@ struct Beside {
   }
 };
 
-// The RB x KB sums acc[r][c] into scores[r * BLOCK_N + j + c * ks]: row r's score of key j + c * ks.
+// The place of keys j, j + ks, j + 2 ks, j + 3 ks among a whole tile's blocks of 4 keys (blocked scores): pass j % ks's
+// BLOCK_N / ks keys in blocks of 4, pass after pass.
+inline int64_t score_block(int64_t j, int64_t ks) { return (j % ks) * (BLOCK_N / ks / 4) + j / ks / 4; }
+
+// The RB x KB sums acc[r][c] into scores[r * BLOCK_N + j + c * ks]: row r's score of key j + c * ks. Blocked (4 x 4
+// sums only): the 4 rows' scores as one vector a block of keys, row r's score of key j + c * ks in lane 4 c + r of
+// scores[16 * score_block(j, ks)...].
 template <int RB, int KB>
-[[gnu::always_inline]] inline void store_scores(const Vec (&acc)[RB][KB], int64_t j, int64_t ks, float* scores) {
+[[gnu::always_inline]] inline void store_scores(const Vec (&acc)[RB][KB], int64_t j, int64_t ks, bool blocked,
+                                                float* scores) {
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (RB == 4 && KB == 4) {
-    // The 16 sums in one reduction (sums4x4.h), then 16 scalar stores: the scatter of one vector stalled the loads
-    // after it.
+    // The 16 sums in one reduction (sums4x4.h), then one vector store (blocked) or 16 scalar stores: the scatter of one
+    // vector stalled the loads after it. bf16 decode took 0.93-0.95x as long from memory on a Zen 4 with its scores
+    // blocked (softmax_pairs_blocked), and 0.94x with the one store alone.
     __m512 a[4][4];
     for (int r = 0; r < 4; ++r)
       for (int c = 0; c < 4; ++c) a[r][c] = acc[r][c];
+    if (blocked) {
+      _mm512_storeu_ps(scores + 16 * score_block(j, ks), sums_4x4(a));
+      return;
+    }
     alignas(64) float sums[16];  // sums[4 c + r]: row r's score of key j + c * ks
     _mm512_store_ps(sums, sums_4x4(a));
     for (int r = 0; r < 4; ++r)
@@ -80,7 +92,8 @@ template <int RB, int KB>
 // ran fp8 decode 8-15% slower on a Zen 5.
 template <int RB, int KB, typename R>
 [[gnu::always_inline]] inline void scores_dot_keys(const float* q, int64_t dim, const R* const* k, int64_t j,
-                                                   int64_t ks, int64_t offset, const Beside<R>& beside, float* scores) {
+                                                   int64_t ks, int64_t offset, const Beside<R>& beside, bool blocked,
+                                                   float* scores) {
   Vec acc[RB][KB];
   for (int r = 0; r < RB; ++r)
     for (int c = 0; c < KB; ++c) acc[r][c] = Vec(0.f);
@@ -101,7 +114,7 @@ template <int RB, int KB, typename R>
       for (int c = 0; c < KB; ++c) acc[r][c] = at::vec::fmadd(qv, kv[c], acc[r][c]);
     }
   }
-  store_scores(acc, j, ks, scores);
+  store_scores(acc, j, ks, blocked, scores);
 }
 
 #ifdef HYBRID_OPS_BF16_PAIRS
@@ -111,7 +124,7 @@ template <int RB, int KB, typename R>
 template <int RB, int KB>
 [[gnu::always_inline]] inline void scores_dot_keys(const at::BFloat16* q, int64_t dim, const at::BFloat16* const* k,
                                                    int64_t j, int64_t ks, int64_t offset,
-                                                   const Beside<at::BFloat16>& beside, float* scores) {
+                                                   const Beside<at::BFloat16>& beside, bool blocked, float* scores) {
   Vec acc[RB][KB];
   for (int r = 0; r < RB; ++r)
     for (int c = 0; c < KB; ++c) acc[r][c] = Vec(0.f);
@@ -135,7 +148,7 @@ template <int RB, int KB>
   int64_t d = 0;
   for (; d + 32 <= dim; d += 32) chunk(d, ~__mmask32(0));
   if (d < dim) chunk(d, 0xFFFF);
-  store_scores(acc, j, ks, scores);
+  store_scores(acc, j, ks, blocked, scores);
 }
 
 // The probabilities of a row's pairs of keys (j, j + ks), j in [a, b): p[j] in the low 16 bits and p[j + ks] (0 from
@@ -150,12 +163,67 @@ inline void pair_probs(const float* p, int64_t a, int64_t b, int64_t ks, uint32_
   }
 }
 
+// Lanes 4 c + r of x reduced over c by op: every 128-bit lane then holds row r's result in its lane r.
+template <typename Op>
+[[gnu::always_inline]] inline __m512 over_keys(__m512 x, Op op) {
+  x = op(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
+  return op(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+
+// softmax_tile and pair_probs for the scratch rows [0, rows) (4 a row block) of a whole tile of blocked scores (no
+// soft-cap, and every row sees every key): the pairs of block b, (j, j + ks) for j = j0 + 2 k ks (k = 0, 1; j0 the
+// block's first key), row r's at pairs[8 b + 4 k + r] of its row block's. A block's 16 scores are one vector (key j0 +
+// c ks and row r in lane 4 c + r), so the 4 rows' maxima and sums are elementwise over the tile's 16 vectors and two
+// steps across 128-bit lanes (over_keys), not a reduction a row.
+template <typename T, typename C>
+void softmax_pairs_blocked(const Problem<T, C>& pb, int64_t rows, Scratch<T, C>& s) {
+  constexpr int64_t BLOCKS = BLOCK_N / 4;
+  // Word 2 (4 k + r) + i of a block's pairs: the bf16 of key j0 + (2 k + i) ks, row r (lane 4 (2 k + i) + r).
+  const __m256i pair_words = _mm256_setr_epi16(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+  const __m512 scale = _mm512_set1_ps(pb.scale);
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    const float* sc = s.scores.data() + r0 * BLOCK_N;
+    __m512 mx = _mm512_set1_ps(NEG_INF);
+    for (int64_t b = 0; b < BLOCKS; ++b) mx = _mm512_max_ps(mx, _mm512_mul_ps(_mm512_loadu_ps(sc + 16 * b), scale));
+    const __m512 tile_max = over_keys(mx, [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); });
+    const __m512 m_old = _mm512_broadcast_f32x4(_mm_loadu_ps(s.m.data() + r0));
+    const __m512 m_new = _mm512_max_ps(m_old, tile_max);
+    // As softmax_tile: a row whose scores are all -inf keeps its sum (exp(-inf - -inf) is NaN where it had no maximum
+    // yet) and takes no probability.
+    const __mmask16 none = _mm512_cmp_ps_mask(tile_max, _mm512_set1_ps(NEG_INF), _CMP_EQ_OQ);
+    const __m512 alpha = _mm512_mask_blend_ps(none, Vec(Vec(m_old) - Vec(m_new)).exp(), _mm512_set1_ps(1.f));
+    const __m512 minus_m = _mm512_sub_ps(_mm512_setzero_ps(), m_new);
+    uint32_t* pairs = s.p_pairs.data() + r0 * BLOCK_N;
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t b = 0; b < BLOCKS; ++b) {
+      const __m512 e =
+          _mm512_maskz_mov_ps(~none, Vec(_mm512_fmadd_ps(_mm512_loadu_ps(sc + 16 * b), scale, minus_m)).exp_u20());
+      sum = _mm512_add_ps(sum, e);
+      const __m256i words = (__m256i)_mm512_cvtneps_pbh(e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + 8 * b), _mm256_permutexvar_epi16(pair_words, words));
+    }
+    sum = over_keys(sum, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); });
+    alignas(64) float lanes[3][16];
+    _mm512_store_ps(lanes[0], m_new);
+    _mm512_store_ps(lanes[1], alpha);
+    _mm512_store_ps(lanes[2], sum);
+    for (int64_t r = 0; r < 4; ++r) {
+      s.m[r0 + r] = lanes[0][r];
+      s.l[r0 + r] = s.l[r0 + r] * lanes[1][r] + lanes[2][r];
+      if (lanes[1][r] != 1.f) {
+        float* acc = s.acc.data() + (r0 + r) * pb.v_padded_dim;
+        for (int64_t d = 0; d < pb.v_padded_dim; d += VEC) (Vec::loadu(acc + d) * Vec(lanes[1][r])).store(acc + d);
+      }
+    }
+  }
+}
+
 // acc[r] += sum_j p[r, j] v_j over CH chunks of 32 values of the head dim from d0, for pairs of keys (j, j + ks), j =
 // a, a + 2 ks, ... below b (a last key alone pairs with itself at probability 0): the two keys' chunks interleaved,
 // 16-bit value by value within each 128-bit lane (vpunpck*wd), and one vdpbf16ps per row and 16 values takes both keys.
 // The accumulators hold each chunk's values in that order: values 0-3, 8-11, 16-19, 24-27 of the chunk, then the rest
-// (pair_order_to_values puts them back).
-template <int RB, int CH>
+// (pair_order_to_values puts them back). BLOCKED: the pairs stored blocked (softmax_pairs_blocked).
+template <int RB, int CH, bool BLOCKED>
 [[gnu::always_inline]] inline void accumulate_pv_pairs(const uint32_t* pairs, const at::BFloat16* const* v, int64_t a,
                                                        int64_t b, int64_t ks, int64_t offset,
                                                        const Beside<at::BFloat16>& beside, int64_t d0, int64_t dim,
@@ -174,8 +242,9 @@ template <int RB, int CH>
       vv[2 * c] = (__m512bh)_mm512_unpacklo_epi16(x, y);
       vv[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(x, y);
     }
+    const uint32_t* pair = BLOCKED ? pairs + 8 * score_block(j, ks) + 4 * (j / ks % 4 / 2) : pairs + j;
     for (int r = 0; r < RB; ++r) {
-      const __m512bh pr = (__m512bh)_mm512_set1_epi32(pairs[r * BLOCK_N + j]);
+      const __m512bh pr = (__m512bh)_mm512_set1_epi32(pair[r * (BLOCKED ? 1 : BLOCK_N)]);
       for (int c = 0; c < 2 * CH; ++c) sum[r][c] = _mm512_dpbf16_ps(sum[r][c], pr, vv[c]);
     }
   }
@@ -200,12 +269,12 @@ inline void pair_order_to_values(float* acc, int64_t dim) {
 constexpr int KEY_BLOCK = VEC >= 16 ? 4 : 2;
 template <int RB, typename Q, typename R>
 void scores_dot(const Q* q, int64_t dim, const R* const* k, int64_t a, int64_t b, int64_t ks, int64_t offset,
-                const Beside<R>& beside, float* scores) {
+                const Beside<R>& beside, bool blocked, float* scores) {
   int64_t j = a;
   for (; j + (KEY_BLOCK - 1) * ks < b; j += KEY_BLOCK * ks) {
-    scores_dot_keys<RB, KEY_BLOCK>(q, dim, k, j, ks, offset, beside, scores);
+    scores_dot_keys<RB, KEY_BLOCK>(q, dim, k, j, ks, offset, beside, blocked, scores);
   }
-  for (; j < b; j += ks) scores_dot_keys<RB, 1>(q, dim, k, j, ks, offset, beside, scores);
+  for (; j < b; j += ks) scores_dot_keys<RB, 1>(q, dim, k, j, ks, offset, beside, false, scores);
 }
 
 // acc[r] += sum_j p[r, j] v_j for RB rows and DB vectors of the head dim, j = a, a + ks, ... below b, v_j at v[j] +
@@ -278,7 +347,7 @@ struct NextTile {
 template <int RB, typename T, typename C>
 [[gnu::noinline]] void pv_pairs_tile(const Problem<T, C>& pb, int64_t heads, int64_t rows, int64_t r, int64_t a_min,
                                      int64_t b_max, int64_t per_run, const at::BFloat16* const* v,
-                                     NextTile<at::BFloat16> next, Scratch<T, C>& s) {
+                                     NextTile<at::BFloat16> next, bool blocked, Scratch<T, C>& s) {
   const int64_t v_dim = pb.v_padded_dim;
   for (int64_t a = a_min; a < a_min + per_run; ++a) {
     for (int64_t h = 0; h < heads; ++h) {
@@ -289,10 +358,19 @@ template <int RB, typename T, typename C>
       const uint32_t* pairs = s.p_pairs.data() + (h * rows + r) * BLOCK_N;
       float* acc = s.acc.data() + (h * rows + r) * v_dim;
       int64_t d = 0;
-      for (; d + 64 <= v_dim; d += 64)
-        accumulate_pv_pairs<RB, 2>(pairs, v, a, b_max, per_run, offset, first, d, v_dim, acc);
+      for (; d + 64 <= v_dim; d += 64) {
+        if (blocked) {
+          accumulate_pv_pairs<RB, 2, true>(pairs, v, a, b_max, per_run, offset, first, d, v_dim, acc);
+        } else {
+          accumulate_pv_pairs<RB, 2, false>(pairs, v, a, b_max, per_run, offset, first, d, v_dim, acc);
+        }
+      }
       if (d + 32 <= v_dim) {
-        accumulate_pv_pairs<RB, 1>(pairs, v, a, b_max, per_run, offset, first, d, v_dim, acc);
+        if (blocked) {
+          accumulate_pv_pairs<RB, 1, true>(pairs, v, a, b_max, per_run, offset, first, d, v_dim, acc);
+        } else {
+          accumulate_pv_pairs<RB, 1, false>(pairs, v, a, b_max, per_run, offset, first, d, v_dim, acc);
+        }
         d += 32;
       }
       if (d < v_dim) {
@@ -323,6 +401,13 @@ void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, 
   const auto passes = [&](int64_t j, int64_t jb, auto&& fn) {
     for (int64_t p = 0; p < per_run; ++p) fn(j + p, jb, per_run);
   };
+  // bf16 pairs' scores blocked (store_scores, softmax_pairs_blocked): a tile of STREAMS runs whose every row sees
+  // every key (no window's or chunk's start, causal end, a tree's new keys, or soft-cap), whole chunks of 32 values
+  // (no fp32 probabilities: accumulate_pv), rows in blocks of 4.
+  static_assert(STREAMS % 4 == 0, "blocked scores take a pass's keys 4 at a time");
+  bool blocked = bf16_pairs<R> && per_run == BLOCK_N / STREAMS && rows % 4 == 0 && pb.logit_cap == 0 &&
+                 (!pb.md.tree || j0 + n <= s.prefix) && pb.v_padded_dim % 32 == 0;
+  for (int64_t r = 0; blocked && r < heads * rows; ++r) blocked = s.key_begin[r] <= j0 && s.key_end[r] >= j0 + n;
   const int64_t k_bytes = pb.head_dim * static_cast<int64_t>(sizeof(R));
   const int64_t v_bytes = pb.v_head_dim * static_cast<int64_t>(sizeof(R));
   passes(0, n, [&](int64_t a, int64_t b, int64_t ks) {
@@ -332,26 +417,33 @@ void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, 
       for_row_blocks(rows, [&](auto rb, int64_t r) {
         // Only the first row block prefetches: the others read the same rows again.
         scores_dot<decltype(rb)::value>(q + (h * rows + r) * dim, dim, k, a, b, ks, h * pb.k_head_stride,
-                                        r == 0 ? beside : Beside<R>{}, s.scores.data() + (h * rows + r) * BLOCK_N);
+                                        r == 0 ? beside : Beside<R>{}, blocked,
+                                        s.scores.data() + (h * rows + r) * BLOCK_N);
       });
     }
   });
   // fp32 query rows hold the scale (and the kv head's k_scale): the scores and probabilities take the rest of
   // raw_unit. bf16 ones do not (a bf16 cache has no k_scale).
   const float score_scale = bf16_pairs<R> ? pb.scale : raw_unit<C>() / lifted<C>();
-  const auto [a_min, b_max] = softmax_tile(pb, j0, n, BLOCK_N, score_scale, lifted<C>(), 0, heads * rows, s);
 #ifdef HYBRID_OPS_BF16_PAIRS
   if constexpr (bf16_pairs<R>) {
-    for (int64_t r = 0; r < heads * rows; ++r)
-      pair_probs(s.scores.data() + r * BLOCK_N, a_min, b_max, per_run, s.p_pairs.data() + r * BLOCK_N);
+    int64_t a_min = 0, b_max = n;
+    if (blocked) {
+      softmax_pairs_blocked(pb, heads * rows, s);
+    } else {
+      std::tie(a_min, b_max) = softmax_tile(pb, j0, n, BLOCK_N, score_scale, lifted<C>(), 0, heads * rows, s);
+      for (int64_t r = 0; r < heads * rows; ++r)
+        pair_probs(s.scores.data() + r * BLOCK_N, a_min, b_max, per_run, s.p_pairs.data() + r * BLOCK_N);
+    }
     // A call a tile and row block: a call a pass, head and row block (as below) took 1.04-1.07x as long in L2 and
     // 1.03-1.04x from memory on a Zen 4, its setup around every 8 keys.
     for_row_blocks(rows, [&](auto rb, int64_t r) {
-      pv_pairs_tile<decltype(rb)::value>(pb, heads, rows, r, a_min, b_max, per_run, v, next, s);
+      pv_pairs_tile<decltype(rb)::value>(pb, heads, rows, r, a_min, b_max, per_run, v, next, blocked, s);
     });
     return;
   }
 #endif
+  const auto [a_min, b_max] = softmax_tile(pb, j0, n, BLOCK_N, score_scale, lifted<C>(), 0, heads * rows, s);
   passes(a_min, b_max, [&](int64_t a, int64_t b, int64_t ks) {
     for (int64_t h = 0; h < heads; ++h) {
       if (heads > 1 && !line_by_line<R>) prefetch_rows(next.k, a - a_min, next.n, ks, h * pb.k_head_stride, k_bytes);
