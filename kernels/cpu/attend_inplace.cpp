@@ -210,10 +210,7 @@ void softmax_pairs_blocked(const Problem<T, C>& pb, int64_t rows, Scratch<T, C>&
     for (int64_t r = 0; r < 4; ++r) {
       s.m[r0 + r] = lanes[0][r];
       s.l[r0 + r] = s.l[r0 + r] * lanes[1][r] + lanes[2][r];
-      if (lanes[1][r] != 1.f) {
-        float* acc = s.acc.data() + (r0 + r) * pb.v_padded_dim;
-        for (int64_t d = 0; d < pb.v_padded_dim; d += VEC) (Vec::loadu(acc + d) * Vec(lanes[1][r])).store(acc + d);
-      }
+      rescale_acc(s, r0 + r, pb.v_padded_dim, lanes[1][r]);
     }
   }
 }
@@ -343,11 +340,11 @@ struct NextTile {
 // bf16 pairs' P V of a tile for the row block [r, r + RB) of every head (scratch rows [heads][rows]), in passes over
 // keys [a_min, b_max) (a, a + per_run, ... for a = a_min, ..., a_min + per_run - 1), every head in turn. The first row
 // block prefetches the next tile's K beside V's lines (see attend_tile); the others read V's again from L2. A head dim
-// of an odd number of 16s ends with fp32 probabilities (accumulate_pv).
-template <int RB, typename T, typename C>
+// of an odd number of 16s ends with fp32 probabilities (accumulate_pv). BLOCKED: the pairs stored blocked.
+template <int RB, bool BLOCKED, typename T, typename C>
 [[gnu::noinline]] void pv_pairs_tile(const Problem<T, C>& pb, int64_t heads, int64_t rows, int64_t r, int64_t a_min,
                                      int64_t b_max, int64_t per_run, const at::BFloat16* const* v,
-                                     NextTile<at::BFloat16> next, bool blocked, Scratch<T, C>& s) {
+                                     NextTile<at::BFloat16> next, Scratch<T, C>& s) {
   const int64_t v_dim = pb.v_padded_dim;
   for (int64_t a = a_min; a < a_min + per_run; ++a) {
     for (int64_t h = 0; h < heads; ++h) {
@@ -358,19 +355,10 @@ template <int RB, typename T, typename C>
       const uint32_t* pairs = s.p_pairs.data() + (h * rows + r) * BLOCK_N;
       float* acc = s.acc.data() + (h * rows + r) * v_dim;
       int64_t d = 0;
-      for (; d + 64 <= v_dim; d += 64) {
-        if (blocked) {
-          accumulate_pv_pairs<RB, 2, true>(pairs, v, a, b_max, per_run, offset, first, d, v_dim, acc);
-        } else {
-          accumulate_pv_pairs<RB, 2, false>(pairs, v, a, b_max, per_run, offset, first, d, v_dim, acc);
-        }
-      }
+      for (; d + 64 <= v_dim; d += 64)
+        accumulate_pv_pairs<RB, 2, BLOCKED>(pairs, v, a, b_max, per_run, offset, first, d, v_dim, acc);
       if (d + 32 <= v_dim) {
-        if (blocked) {
-          accumulate_pv_pairs<RB, 1, true>(pairs, v, a, b_max, per_run, offset, first, d, v_dim, acc);
-        } else {
-          accumulate_pv_pairs<RB, 1, false>(pairs, v, a, b_max, per_run, offset, first, d, v_dim, acc);
-        }
+        accumulate_pv_pairs<RB, 1, BLOCKED>(pairs, v, a, b_max, per_run, offset, first, d, v_dim, acc);
         d += 32;
       }
       if (d < v_dim) {
@@ -438,7 +426,12 @@ void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, 
     // A call a tile and row block: a call a pass, head and row block (as below) took 1.04-1.07x as long in L2 and
     // 1.03-1.04x from memory on a Zen 4, its setup around every 8 keys.
     for_row_blocks(rows, [&](auto rb, int64_t r) {
-      pv_pairs_tile<decltype(rb)::value>(pb, heads, rows, r, a_min, b_max, per_run, v, next, blocked, s);
+      constexpr int RB = decltype(rb)::value;
+      if (blocked) {
+        pv_pairs_tile<RB, true>(pb, heads, rows, r, a_min, b_max, per_run, v, next, s);
+      } else {
+        pv_pairs_tile<RB, false>(pb, heads, rows, r, a_min, b_max, per_run, v, next, s);
+      }
     });
     return;
   }

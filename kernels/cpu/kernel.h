@@ -217,6 +217,14 @@ void tile_rows(const Problem<T, C>& pb, int64_t request, int64_t head, int64_t j
   }
 }
 
+// Scratch row r's accumulators (dim values) times alpha, the online softmax's factor of its old sums, unless it is 1.
+template <typename T, typename C>
+void rescale_acc(Scratch<T, C>& s, int64_t r, int64_t dim, float alpha) {
+  if (alpha == 1.f) return;
+  float* acc = s.acc.data() + r * dim;
+  for (int64_t d = 0; d < dim; d += VEC) (Vec::loadu(acc + d) * Vec(alpha)).store(acc + d);
+}
+
 // Keys [a, b) of a tile starting at key j0 with n keys that scratch row r of the unit sees (a >= b: none).
 template <typename T, typename C>
 std::pair<int64_t, int64_t> visible(const Scratch<T, C>& s, int64_t r, int64_t j0, int64_t n) {

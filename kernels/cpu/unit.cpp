@@ -86,10 +86,7 @@ std::pair<int64_t, int64_t> softmax_tile(const Problem<T, C>& pb, int64_t j0, in
     }
     const float alpha = s.alpha[r];
     s.l[r] = s.l[r] * alpha + hsum(sum_v);
-    if (alpha != 1.f) {
-      float* acc = s.acc.data() + r * dim;
-      for (int64_t d = 0; d < dim; d += VEC) (Vec::loadu(acc + d) * Vec(alpha)).store(acc + d);
-    }
+    rescale_acc(s, r, dim, alpha);
   }
   return {a_min, b_max};
 }
