@@ -19,35 +19,43 @@ namespace {
 constexpr int64_t STREAMS = 8;
 
 // The rows a loop prefetches into L2 a line at a time as it reads the same line of its own rows: V's beside K's, the
-// next tile's K beside V's (attend_tile). Row j's counterpart is rows[j - shift] + offset, for j - shift < n, up to
-// elems elements. A line per line read keeps a steady number of reads from memory in flight under the arithmetic: the
-// same prefetches issued a slice at a time ahead of it took 1.2x as long on one core from memory (bench/overlap.c).
-// fp8 rows prefetch a slice at a time (prefetch_rows): line by line, their decode took 1.03-1.07x as long, fp32's
-// 0.85-0.90x and bf16's 0.91-1.01x, on an Intel Xeon (AVX-512, one and two threads).
+// next tile's K beside V's (attend_tile). Row j's counterpart is rows[j - shift] + offset, for j - shift < n, no
+// shorter than the rows read. A line per line read keeps a steady number of reads from memory in flight under the
+// arithmetic: the same prefetches issued a slice at a time ahead of it took 1.2x as long on one core from memory
+// (bench/overlap.c). fp8 rows prefetch a slice at a time (prefetch_rows): line by line, their decode took 1.03-1.07x as
+// long, fp32's 0.85-0.90x and bf16's 0.91-1.01x, on an Intel Xeon (AVX-512, one and two threads).
+//
+// Each line read of a run's position also prefetches the same line of the run's next position (ahead), which the next
+// pass reads: a line prefetched a tile ahead is not always in L2 when read (Zen 4 drops some PREFETCHT1), and the read
+// then waits on memory. With that second prefetch, fp32 and bf16 decode took 0.94-0.97x as long from memory
+// on a Zen 4 (one and two threads), and 1.03-1.10x in L2 and L3, where those lines are already: a model's step reads
+// each layer's cache from memory, every other layer's weights and cache read between two steps.
 template <typename R>
 constexpr bool line_by_line = !is_fp8<R>;
 template <typename R>
 struct Beside {
   const R* const* rows = nullptr;  // null (n 0): none
-  int64_t shift = 0, n = 0, offset = 0, elems = 0;
+  int64_t shift = 0, n = 0, offset = 0;
+  int64_t ahead = 0;  // elements from a row read to the next position's in its run (0: none)
   // Row j's counterpart (null: none). Loops find it once per key, not at each prefetch: looked up at each, fp32 decode
   // took 1.06-1.07x as long from memory on a Zen 4 on one thread, 1.04x on two.
   [[gnu::always_inline]] const R* row(int64_t j) const {
     return line_by_line<R> && j - shift < n ? rows[j - shift] + offset : nullptr;
   }
-  // The lines of a counterpart's elements [d, min(d + COUNT, elems)), where d is a multiple of COUNT: a line once where
-  // COUNT elements are less than one. Every address prefetched lies in the row.
+  // The lines of a counterpart's elements [d, d + COUNT), where d is a multiple of COUNT, as the same elements of a row
+  // are read: a line once where COUNT elements are less than one. Counterparts no shorter than the rows read keep every
+  // address in the row with no bound checked: checked at each prefetch, bf16 decode took 1.06-1.08x as long in L2 and
+  // L3 on a Zen 4.
   template <int64_t COUNT>
   [[gnu::always_inline]] void prefetch(const R* row, int64_t d) const {
-    constexpr int64_t BYTES = COUNT * sizeof(R);
-    if (!line_by_line<R> || row == nullptr || d >= elems || (BYTES < 64 && d * sizeof(R) % 64 != 0)) return;
-    const char* line = reinterpret_cast<const char*>(row + d);
-    if (d + COUNT <= elems) {  // a constant count of lines: a loop to a count found at run time cost 1.08-1.22x in L2
-      for (int64_t c = 0; c < std::max<int64_t>(BYTES, 64); c += 64) __builtin_prefetch(line + c, 0, 2);
-      return;
-    }
-    const int64_t end = std::min<int64_t>(BYTES, (elems - d) * sizeof(R));
-    for (int64_t c = 0; c < end; c += 64) __builtin_prefetch(line + c, 0, 2);
+    constexpr int64_t LINE = 64 / sizeof(R);  // elements a line
+    if (!line_by_line<R> || row == nullptr || (COUNT < LINE && d % LINE != 0)) return;
+    for (int64_t c = 0; c < std::max(COUNT, LINE); c += LINE) __builtin_prefetch(row + d + c, 0, 2);
+  }
+  // The lines of the next position in the run of a row read, as prefetch: its elements [d, d + COUNT).
+  template <int64_t COUNT>
+  [[gnu::always_inline]] void prefetch_ahead(const R* row, int64_t d) const {
+    if (ahead != 0) prefetch<COUNT>(row + ahead, d);
   }
 };
 
@@ -108,6 +116,7 @@ template <int RB, int KB, typename R>
     for (int c = 0; c < KB; ++c) {
       kv[c] = load_row(keys[c] + d);
       beside.template prefetch<VEC>(counterparts[c], d);
+      beside.template prefetch_ahead<VEC>(keys[c], d);
     }
     for (int r = 0; r < RB; ++r) {
       const Vec qv = Vec::loadu(q + r * dim + d);
@@ -139,6 +148,7 @@ template <int RB, int KB>
     for (int c = 0; c < KB; ++c) {
       kv[c] = (__m512bh)_mm512_maskz_loadu_epi16(lanes, keys[c] + d);
       beside.template prefetch<32>(counterparts[c], d);
+      beside.template prefetch_ahead<32>(keys[c], d);
     }
     for (int r = 0; r < RB; ++r) {
       const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(lanes, q + r * dim + d);
@@ -233,6 +243,8 @@ template <int RB, int CH, bool BLOCKED>
     const at::BFloat16* second = (j + ks < b ? v[j + ks] : v[j]) + offset + d0;
     beside.template prefetch<32 * CH>(beside.row(j), d0);
     beside.template prefetch<32 * CH>(beside.row(j + ks), d0);
+    beside.template prefetch_ahead<32 * CH>(v[j] + offset, d0);
+    beside.template prefetch_ahead<32 * CH>(v[j + ks < b ? j + ks : j] + offset, d0);
     __m512bh vv[2 * CH];
     for (int c = 0; c < CH; ++c) {
       const __m512i x = _mm512_loadu_si512(first + 32 * c), y = _mm512_loadu_si512(second + 32 * c);
@@ -291,6 +303,7 @@ template <int RB, int DB, typename R>
       for (int c = 0; c < DB; ++c) vv[c] = load_row(v[j] + offset + d0 + c * VEC);
     }
     beside.template prefetch<DB * VEC>(beside.row(j), d0);
+    beside.template prefetch_ahead<DB * VEC>(v[j] + offset, d0);
     for (int r = 0; r < RB; ++r) {
       const Vec pr(p[r * BLOCK_N + j]);
       for (int c = 0; c < DB; ++c) sum[r][c] = at::vec::fmadd(pr, vv[c], sum[r][c]);
@@ -340,18 +353,25 @@ struct NextTile {
 // bf16 pairs' P V of a tile for the row block [r, r + RB) of every head (scratch rows [heads][rows]), in passes over
 // keys [a_min, b_max) (a, a + per_run, ... for a = a_min, ..., a_min + per_run - 1), every head in turn. The first row
 // block prefetches the next tile's K beside V's lines (see attend_tile); the others read V's again from L2. A head dim
-// of an odd number of 16s ends with fp32 probabilities (accumulate_pv). BLOCKED: the pairs stored blocked.
+// of an odd number of 16s ends with fp32 probabilities (accumulate_pv). BLOCKED: the pairs stored blocked. v_ahead:
+// elements from a V row to the next position's (runs within pages), or 0.
 template <int RB, bool BLOCKED, typename T, typename C>
 [[gnu::noinline]] void pv_pairs_tile(const Problem<T, C>& pb, int64_t heads, int64_t rows, int64_t r, int64_t a_min,
-                                     int64_t b_max, int64_t per_run, const at::BFloat16* const* v,
+                                     int64_t b_max, int64_t per_run, const at::BFloat16* const* v, int64_t v_ahead,
                                      NextTile<at::BFloat16> next, Scratch<T, C>& s) {
   const int64_t v_dim = pb.v_padded_dim;
+  const bool k_lines = pb.head_dim >= v_dim;  // see attend_tile
   for (int64_t a = a_min; a < a_min + per_run; ++a) {
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t offset = h * pb.v_head_stride;
+      const bool prefetches = r == 0 && heads > 1;
+      if (prefetches && !k_lines)
+        prefetch_rows(next.k, a - a_min, next.n, per_run, h * pb.k_head_stride,
+                      pb.head_dim * int64_t{sizeof(at::BFloat16)});
       const Beside<at::BFloat16> first =
-          r == 0 && heads > 1 ? Beside<at::BFloat16>{next.k, a_min, next.n, h * pb.k_head_stride, pb.head_dim}
-                              : Beside<at::BFloat16>{};
+          prefetches ? Beside<at::BFloat16>{next.k, a_min, k_lines ? next.n : 0, h * pb.k_head_stride,
+                                            (a + 1) % per_run != 0 ? v_ahead : 0}
+                     : Beside<at::BFloat16>{};
       const uint32_t* pairs = s.p_pairs.data() + (h * rows + r) * BLOCK_N;
       float* acc = s.acc.data() + (h * rows + r) * v_dim;
       int64_t d = 0;
@@ -398,10 +418,20 @@ void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, 
   for (int64_t r = 0; blocked && r < heads * rows; ++r) blocked = s.key_begin[r] <= j0 && s.key_end[r] >= j0 + n;
   const int64_t k_bytes = pb.head_dim * static_cast<int64_t>(sizeof(R));
   const int64_t v_bytes = pb.v_head_dim * static_cast<int64_t>(sizeof(R));
+  // Each run within a cache page: its next position's rows a position of every kv head further (Beside::ahead).
+  const bool ahead = line_by_line<R> && per_run > 1 && j0 % per_run == 0 && pb.page_size % per_run == 0;
+  const int64_t k_ahead = ahead ? pb.num_kv_heads * pb.k_head_stride : 0;
+  const int64_t v_ahead = ahead ? pb.num_kv_heads * pb.v_head_stride : 0;
+  // Counterparts line by line where their rows are no shorter than the rows read beside them (Beside), else a slice at
+  // a time ahead: V's beside K's, the next tile's K beside V's.
+  const bool v_lines = line_by_line<R> && pb.v_head_dim >= dim;
+  const bool k_lines = line_by_line<R> && pb.head_dim >= pb.v_padded_dim;
   passes(0, n, [&](int64_t a, int64_t b, int64_t ks) {
     for (int64_t h = 0; h < heads; ++h) {
-      if (heads > 1 && !line_by_line<R>) prefetch_rows(v, a, b, ks, h * pb.v_head_stride, v_bytes);
-      const Beside<R> beside = heads > 1 ? Beside<R>{v, 0, b, h * pb.v_head_stride, pb.v_head_dim} : Beside<R>{};
+      if (heads > 1 && !v_lines) prefetch_rows(v, a, b, ks, h * pb.v_head_stride, v_bytes);
+      const Beside<R> beside =
+          heads > 1 ? Beside<R>{v, 0, v_lines ? b : 0, h * pb.v_head_stride, (a + 1) % ks != 0 ? k_ahead : 0}
+                    : Beside<R>{};
       for_row_blocks(rows, [&](auto rb, int64_t r) {
         // Only the first row block prefetches: the others read the same rows again.
         scores_dot<decltype(rb)::value>(q + (h * rows + r) * dim, dim, k, a, b, ks, h * pb.k_head_stride,
@@ -428,9 +458,9 @@ void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, 
     for_row_blocks(rows, [&](auto rb, int64_t r) {
       constexpr int RB = decltype(rb)::value;
       if (blocked) {
-        pv_pairs_tile<RB, true>(pb, heads, rows, r, a_min, b_max, per_run, v, next, s);
+        pv_pairs_tile<RB, true>(pb, heads, rows, r, a_min, b_max, per_run, v, v_ahead, next, s);
       } else {
-        pv_pairs_tile<RB, false>(pb, heads, rows, r, a_min, b_max, per_run, v, next, s);
+        pv_pairs_tile<RB, false>(pb, heads, rows, r, a_min, b_max, per_run, v, v_ahead, next, s);
       }
     });
     return;
@@ -439,9 +469,10 @@ void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, 
   const auto [a_min, b_max] = softmax_tile(pb, j0, n, BLOCK_N, score_scale, lifted<C>(), 0, heads * rows, s);
   passes(a_min, b_max, [&](int64_t a, int64_t b, int64_t ks) {
     for (int64_t h = 0; h < heads; ++h) {
-      if (heads > 1 && !line_by_line<R>) prefetch_rows(next.k, a - a_min, next.n, ks, h * pb.k_head_stride, k_bytes);
-      const Beside<R> beside =
-          heads > 1 ? Beside<R>{next.k, a_min, next.n, h * pb.k_head_stride, pb.head_dim} : Beside<R>{};
+      if (heads > 1 && !k_lines) prefetch_rows(next.k, a - a_min, next.n, ks, h * pb.k_head_stride, k_bytes);
+      const Beside<R> beside = heads > 1 ? Beside<R>{next.k, a_min, k_lines ? next.n : 0, h * pb.k_head_stride,
+                                                     (a + 1) % ks != 0 ? v_ahead : 0}
+                                         : Beside<R>{};
       for_row_blocks(rows, [&](auto rb, int64_t r) {
         const Beside<R> first = r == 0 ? beside : Beside<R>{};
         constexpr int RB = decltype(rb)::value;
