@@ -28,7 +28,7 @@ constexpr int64_t STREAMS = 8;
 // Each line read of a run's position also prefetches the same line of the run's next position (ahead), which the next
 // pass reads: a line prefetched a tile ahead is not always in L2 when read (Zen 4 drops some PREFETCHT1), and the read
 // then waits on memory. With that second prefetch, fp32 and bf16 decode took 0.94-0.97x as long from memory
-// on a Zen 4 (one and two threads), and 1.03-1.10x in L2 and L3, where those lines are already: a model's step reads
+// on a Zen 4 (one and two threads), and 1.03-1.11x in L2 and L3, where those lines are already: a model's step reads
 // each layer's cache from memory, every other layer's weights and cache read between two steps.
 template <typename R>
 constexpr bool line_by_line = !is_fp8<R>;
