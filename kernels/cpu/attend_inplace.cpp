@@ -349,6 +349,19 @@ struct NextTile {
   int64_t n;
 };
 
+// What pass a (of a tile's passes from a_min) of P V at kv head h prefetches beside V's lines, in a unit of several
+// heads: the next tile's K line by line where K's rows are no shorter than V's, else a slice of it here at once (see
+// attend_tile); and V's own next position (v_ahead, but in a run's last pass).
+template <typename R, typename T, typename C>
+Beside<R> beside_values(const Problem<T, C>& pb, NextTile<R> next, int64_t a, int64_t a_min, int64_t per_run, int64_t h,
+                        int64_t v_ahead) {
+  const bool k_lines = line_by_line<R> && pb.head_dim >= pb.v_padded_dim;
+  if (!k_lines)
+    prefetch_rows(next.k, a - a_min, next.n, per_run, h * pb.k_head_stride,
+                  pb.head_dim * static_cast<int64_t>(sizeof(R)));
+  return {next.k, a_min, k_lines ? next.n : 0, h * pb.k_head_stride, (a + 1) % per_run != 0 ? v_ahead : 0};
+}
+
 #ifdef HYBRID_OPS_BF16_PAIRS
 // bf16 pairs' P V of a tile for the row block [r, r + RB) of every head (scratch rows [heads][rows]), in passes over
 // keys [a_min, b_max) (a, a + per_run, ... for a = a_min, ..., a_min + per_run - 1), every head in turn. The first row
@@ -360,18 +373,11 @@ template <int RB, bool BLOCKED, typename T, typename C>
                                      int64_t b_max, int64_t per_run, const at::BFloat16* const* v, int64_t v_ahead,
                                      NextTile<at::BFloat16> next, Scratch<T, C>& s) {
   const int64_t v_dim = pb.v_padded_dim;
-  const bool k_lines = pb.head_dim >= v_dim;  // see attend_tile
   for (int64_t a = a_min; a < a_min + per_run; ++a) {
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t offset = h * pb.v_head_stride;
-      const bool prefetches = r == 0 && heads > 1;
-      if (prefetches && !k_lines)
-        prefetch_rows(next.k, a - a_min, next.n, per_run, h * pb.k_head_stride,
-                      pb.head_dim * int64_t{sizeof(at::BFloat16)});
       const Beside<at::BFloat16> first =
-          prefetches ? Beside<at::BFloat16>{next.k, a_min, k_lines ? next.n : 0, h * pb.k_head_stride,
-                                            (a + 1) % per_run != 0 ? v_ahead : 0}
-                     : Beside<at::BFloat16>{};
+          r == 0 && heads > 1 ? beside_values(pb, next, a, a_min, per_run, h, v_ahead) : Beside<at::BFloat16>{};
       const uint32_t* pairs = s.p_pairs.data() + (h * rows + r) * BLOCK_N;
       float* acc = s.acc.data() + (h * rows + r) * v_dim;
       int64_t d = 0;
@@ -416,16 +422,14 @@ void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, 
   bool blocked = bf16_pairs<R> && per_run == BLOCK_N / STREAMS && rows % 4 == 0 && pb.logit_cap == 0 &&
                  (!pb.md.tree || j0 + n <= s.prefix) && pb.v_padded_dim % 32 == 0;
   for (int64_t r = 0; blocked && r < heads * rows; ++r) blocked = s.key_begin[r] <= j0 && s.key_end[r] >= j0 + n;
-  const int64_t k_bytes = pb.head_dim * static_cast<int64_t>(sizeof(R));
   const int64_t v_bytes = pb.v_head_dim * static_cast<int64_t>(sizeof(R));
   // Each run within a cache page: its next position's rows a position of every kv head further (Beside::ahead).
   const bool ahead = line_by_line<R> && per_run > 1 && j0 % per_run == 0 && pb.page_size % per_run == 0;
   const int64_t k_ahead = ahead ? pb.num_kv_heads * pb.k_head_stride : 0;
   const int64_t v_ahead = ahead ? pb.num_kv_heads * pb.v_head_stride : 0;
   // Counterparts line by line where their rows are no shorter than the rows read beside them (Beside), else a slice at
-  // a time ahead: V's beside K's, the next tile's K beside V's.
+  // a time ahead: V's beside K's here, the next tile's K beside V's in beside_values.
   const bool v_lines = line_by_line<R> && pb.v_head_dim >= dim;
-  const bool k_lines = line_by_line<R> && pb.head_dim >= pb.v_padded_dim;
   passes(0, n, [&](int64_t a, int64_t b, int64_t ks) {
     for (int64_t h = 0; h < heads; ++h) {
       if (heads > 1 && !v_lines) prefetch_rows(v, a, b, ks, h * pb.v_head_stride, v_bytes);
@@ -469,10 +473,7 @@ void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, 
   const auto [a_min, b_max] = softmax_tile(pb, j0, n, BLOCK_N, score_scale, lifted<C>(), 0, heads * rows, s);
   passes(a_min, b_max, [&](int64_t a, int64_t b, int64_t ks) {
     for (int64_t h = 0; h < heads; ++h) {
-      if (heads > 1 && !k_lines) prefetch_rows(next.k, a - a_min, next.n, ks, h * pb.k_head_stride, k_bytes);
-      const Beside<R> beside = heads > 1 ? Beside<R>{next.k, a_min, k_lines ? next.n : 0, h * pb.k_head_stride,
-                                                     (a + 1) % ks != 0 ? v_ahead : 0}
-                                         : Beside<R>{};
+      const Beside<R> beside = heads > 1 ? beside_values(pb, next, a, a_min, ks, h, v_ahead) : Beside<R>{};
       for_row_blocks(rows, [&](auto rb, int64_t r) {
         const Beside<R> first = r == 0 ? beside : Beside<R>{};
         constexpr int RB = decltype(rb)::value;
