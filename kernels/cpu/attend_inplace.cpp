@@ -19,11 +19,15 @@ namespace {
 constexpr int64_t STREAMS = 8;
 
 // The rows a loop prefetches into L2 a line at a time as it reads the same line of its own rows: V's beside K's, the
-// next tile's K beside V's (attend_tile). Row j's counterpart is rows[j - shift] + offset, for j - shift < n, no
-// shorter than the rows read. A line per line read keeps a steady number of reads from memory in flight under the
-// arithmetic: the same prefetches issued a slice at a time ahead of it took 1.2x as long on one core from memory
-// (bench/overlap.c). fp8 rows prefetch a slice at a time (prefetch_rows): line by line, their decode took 1.03-1.07x as
-// long, fp32's 0.85-0.90x and bf16's 0.91-1.01x, on an Intel Xeon (AVX-512, one and two threads).
+// next tile's K beside V's (attend_tile), no shorter than the rows read. In P V, key j's counterpart is rows[j - shift]
+// + offset, for j - shift < n. In the scores, a loop that prefetches (PREFETCH) does so for every key with no branch:
+// V's row lies a constant distance from K's (delta). Found as P V's are, with a branch on each and on ahead, bf16
+// decode took 1.05-1.06x as long from memory on a Zen 4 on one thread (fp32 1.00-1.02x), and 1.05-1.07x in L2 and L3;
+// P V's prefetches made branchless too saved nothing from memory (fp32: 1.01-1.03x as long). A line per line read keeps
+// a steady number of reads from memory in flight under the arithmetic: the same prefetches issued a slice at a time
+// ahead of it took 1.2x as long on one core from memory (bench/overlap.c). fp8 rows prefetch a slice at a time
+// (prefetch_rows): line by line, their decode took 1.03-1.07x as long, fp32's 0.85-0.90x and bf16's 0.91-1.01x, on an
+// Intel Xeon (AVX-512, one and two threads).
 //
 // Each line read of a run's position also prefetches the same line of the run's next position (ahead), which the next
 // pass reads: a line prefetched a tile ahead is not always in L2 when read (Zen 4 drops some PREFETCHT1), and the read
@@ -34,11 +38,12 @@ template <typename R>
 constexpr bool line_by_line = !is_fp8<R>;
 template <typename R>
 struct Beside {
-  const R* const* rows = nullptr;  // null (n 0): none
+  const R* const* rows = nullptr;  // P V's counterparts (null, n 0: none)
   int64_t shift = 0, n = 0, offset = 0;
-  int64_t ahead = 0;  // elements from a row read to the next position's in its run (0: none)
-  // Row j's counterpart (null: none). Loops find it once per key, not at each prefetch: looked up at each, fp32 decode
-  // took 1.06-1.07x as long from memory on a Zen 4 on one thread, 1.04x on two.
+  int64_t ahead = 0;    // elements from a row read to the next position's in its run (0: none)
+  uintptr_t delta = 0;  // the scores': bytes from a K row to its V row (0: none, the K row's own lines again)
+  // Key j's counterpart in P V (null: none). Loops find it once per key, not at each prefetch: looked up at each, fp32
+  // decode took 1.06-1.07x as long from memory on a Zen 4 on one thread, 1.04x on two.
   [[gnu::always_inline]] const R* row(int64_t j) const {
     return line_by_line<R> && j - shift < n ? rows[j - shift] + offset : nullptr;
   }
@@ -56,6 +61,13 @@ struct Beside {
   template <int64_t COUNT>
   [[gnu::always_inline]] void prefetch_ahead(const R* row, int64_t d) const {
     if (ahead != 0) prefetch<COUNT>(row + ahead, d);
+  }
+  // The scores' prefetches as K row k's elements [d, d + COUNT) are read: its V row's, and its next position's (with
+  // no ahead, its own), with no branch. V's row is an address only prefetched, in another allocation.
+  template <int64_t COUNT>
+  [[gnu::always_inline]] void prefetch_keyed(const R* k, int64_t d) const {
+    prefetch<COUNT>(reinterpret_cast<const R*>(reinterpret_cast<uintptr_t>(k) + delta), d);
+    prefetch<COUNT>(k + ahead, d);
   }
 };
 
@@ -113,7 +125,7 @@ template <int RB, int KB>
 // where the compiler did not inline them. fp8 rows are widened a vector at a time here even where a load widens 4
 // (row_vecs): a key's 4 vectors in turn take 4 times the query loads, 2 keys at a time halve the key block, and either
 // ran fp8 decode 8-15% slower on a Zen 5.
-template <int RB, int KB, typename R>
+template <int RB, int KB, bool PREFETCH, typename R>
 [[gnu::always_inline]] inline void scores_dot_keys(const float* q, int64_t dim, const R* const* k, int64_t j,
                                                    int64_t ks, int64_t offset, const Beside<R>& beside, bool blocked,
                                                    float* scores) {
@@ -121,17 +133,12 @@ template <int RB, int KB, typename R>
   for (int r = 0; r < RB; ++r)
     for (int c = 0; c < KB; ++c) acc[r][c] = Vec(0.f);
   const R* keys[KB];
-  const R* counterparts[KB];
-  for (int c = 0; c < KB; ++c) {
-    keys[c] = k[j + c * ks] + offset;
-    counterparts[c] = beside.row(j + c * ks);
-  }
+  for (int c = 0; c < KB; ++c) keys[c] = k[j + c * ks] + offset;
   for (int64_t d = 0; d < dim; d += VEC) {
     Vec kv[KB];
     for (int c = 0; c < KB; ++c) {
       kv[c] = load_row(keys[c] + d);
-      beside.template prefetch<VEC>(counterparts[c], d);
-      beside.template prefetch_ahead<VEC>(keys[c], d);
+      if constexpr (PREFETCH) beside.template prefetch_keyed<VEC>(keys[c], d);
     }
     for (int r = 0; r < RB; ++r) {
       const Vec qv = Vec::loadu(q + r * dim + d);
@@ -145,7 +152,7 @@ template <int RB, int KB, typename R>
 // bf16 rows of q (unscaled) times bf16 keys, 32 products at a time in pairs (vdpbf16ps: each product exact in fp32,
 // the pair summed into the accumulator, to nearest even): a key's chunk is one load and no widening, and one
 // instruction takes the products of two FMAs. A head dim that is an odd number of 16s ends with half a chunk.
-template <int RB, int KB>
+template <int RB, int KB, bool PREFETCH>
 [[gnu::always_inline]] inline void scores_dot_keys(const at::BFloat16* q, int64_t dim, const at::BFloat16* const* k,
                                                    int64_t j, int64_t ks, int64_t offset,
                                                    const Beside<at::BFloat16>& beside, bool blocked, float* scores) {
@@ -153,17 +160,12 @@ template <int RB, int KB>
   for (int r = 0; r < RB; ++r)
     for (int c = 0; c < KB; ++c) acc[r][c] = Vec(0.f);
   const at::BFloat16* keys[KB];
-  const at::BFloat16* counterparts[KB];
-  for (int c = 0; c < KB; ++c) {
-    keys[c] = k[j + c * ks] + offset;
-    counterparts[c] = beside.row(j + c * ks);
-  }
+  for (int c = 0; c < KB; ++c) keys[c] = k[j + c * ks] + offset;
   const auto chunk = [&](int64_t d, __mmask32 lanes) {
     __m512bh kv[KB];
     for (int c = 0; c < KB; ++c) {
       kv[c] = (__m512bh)_mm512_maskz_loadu_epi16(lanes, keys[c] + d);
-      beside.template prefetch<32>(counterparts[c], d);
-      beside.template prefetch_ahead<32>(keys[c], d);
+      if constexpr (PREFETCH) beside.template prefetch_keyed<32>(keys[c], d);
     }
     for (int r = 0; r < RB; ++r) {
       const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(lanes, q + r * dim + d);
@@ -291,14 +293,14 @@ inline void pair_order_to_values(float* acc, int64_t dim) {
 // Keys a, a + ks, ... below b, KEY_BLOCK at a time: with 4 rows, the accumulators, key chunks and query chunk then fit
 // the vector registers (16 with AVX2, 32 with AVX512) instead of spilling to the stack.
 constexpr int KEY_BLOCK = VEC >= 16 ? 4 : 2;
-template <int RB, typename Q, typename R>
+template <int RB, bool PREFETCH, typename Q, typename R>
 void scores_dot(const Q* q, int64_t dim, const R* const* k, int64_t a, int64_t b, int64_t ks, int64_t offset,
                 const Beside<R>& beside, bool blocked, float* scores) {
   int64_t j = a;
   for (; j + (KEY_BLOCK - 1) * ks < b; j += KEY_BLOCK * ks) {
-    scores_dot_keys<RB, KEY_BLOCK>(q, dim, k, j, ks, offset, beside, blocked, scores);
+    scores_dot_keys<RB, KEY_BLOCK, PREFETCH>(q, dim, k, j, ks, offset, beside, blocked, scores);
   }
-  for (; j < b; j += ks) scores_dot_keys<RB, 1>(q, dim, k, j, ks, offset, beside, false, scores);
+  for (; j < b; j += ks) scores_dot_keys<RB, 1, PREFETCH>(q, dim, k, j, ks, offset, beside, false, scores);
 }
 
 // acc[r] += sum_j p[r, j] v_j for RB rows and DB vectors of the head dim, j = a, a + ks, ... below b, v_j at v[j] +
@@ -443,19 +445,27 @@ void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, 
   const int64_t k_ahead = ahead ? pb.num_kv_heads * pb.k_head_stride : 0;
   const int64_t v_ahead = ahead ? pb.num_kv_heads * pb.v_head_stride : 0;
   // Counterparts line by line where their rows are no shorter than the rows read beside them (Beside), else a slice at
-  // a time ahead: V's beside K's here, the next tile's K beside V's in beside_values.
-  const bool v_lines = line_by_line<R> && pb.v_head_dim >= dim;
+  // a time ahead: V's beside K's here (a constant distance from K's, with the same head stride), the next tile's K
+  // beside V's in beside_values.
+  const bool v_lines = line_by_line<R> && pb.v_head_dim >= dim && pb.v_head_stride == pb.k_head_stride;
+  const uintptr_t v_delta =
+      v_lines ? reinterpret_cast<uintptr_t>(pb.v_cache) - reinterpret_cast<uintptr_t>(pb.k_cache) : 0;
   passes(0, n, [&](int64_t a, int64_t b, int64_t ks) {
     for (int64_t h = 0; h < heads; ++h) {
       if (heads > 1 && !v_lines) prefetch_rows(v, a, b, ks, h * pb.v_head_stride, v_bytes);
-      const Beside<R> beside =
-          heads > 1 ? Beside<R>{v, 0, v_lines ? b : 0, h * pb.v_head_stride, (a + 1) % ks != 0 ? k_ahead : 0}
-                    : Beside<R>{};
+      const Beside<R> beside{.ahead = (a + 1) % ks != 0 ? k_ahead : 0, .delta = v_delta};
       for_row_blocks(rows, [&](auto rb, int64_t r) {
         // Only the first row block prefetches: the others read the same rows again.
-        scores_dot<decltype(rb)::value>(q + (h * rows + r) * dim, dim, k, a, b, ks, h * pb.k_head_stride,
-                                        r == 0 ? beside : Beside<R>{}, blocked,
-                                        s.scores.data() + (h * rows + r) * BLOCK_N);
+        const auto scores = [&](auto prefetch) {
+          scores_dot<decltype(rb)::value, decltype(prefetch)::value>(q + (h * rows + r) * dim, dim, k, a, b, ks,
+                                                                     h * pb.k_head_stride, beside, blocked,
+                                                                     s.scores.data() + (h * rows + r) * BLOCK_N);
+        };
+        if (r == 0 && heads > 1) {
+          scores(std::true_type());
+        } else {
+          scores(std::false_type());
+        }
       });
     }
   });
