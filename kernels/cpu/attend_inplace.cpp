@@ -436,7 +436,7 @@ void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, 
   // every key (no window's or chunk's start, causal end, a tree's new keys, or soft-cap), whole chunks of 32 values
   // (no fp32 probabilities: accumulate_pv), rows in blocks of 4.
   static_assert(STREAMS % 4 == 0, "blocked scores take a pass's keys 4 at a time");
-  bool blocked = bf16_pairs<R> && per_run == BLOCK_N / STREAMS && rows % 4 == 0 && pb.logit_cap == 0 &&
+  bool blocked = bf16_pairs<R> && per_run == BLOCKED_KS && rows % 4 == 0 && pb.logit_cap == 0 &&
                  (!pb.md.tree || j0 + n <= s.prefix) && pb.v_padded_dim % 32 == 0;
   for (int64_t r = 0; blocked && r < heads * rows; ++r) blocked = s.key_begin[r] <= j0 && s.key_end[r] >= j0 + n;
   const int64_t v_bytes = pb.v_head_dim * static_cast<int64_t>(sizeof(R));
