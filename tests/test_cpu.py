@@ -314,17 +314,22 @@ def test_bf16_few_rows_against_float64(q_len, option, head_dim, v_head_dim):
 
 # Whole tiles that every row sees are scored in blocks of 4 rows (attend_inplace.cpp: blocked), in the pairs builds
 # where the rows per kv head are a multiple of 4 and the value head dim whole chunks of 32; other tiles and rows as
-# before.
-@pytest.mark.parametrize("head_dim, v_head_dim, window", [(128, 128, -1), (64, 96, 100)])
+# before. Their P V goes head after head (pv_pairs_by_head) where K's and V's rows are as long, a multiple of 128
+# values, and a tile's runs of 8 positions lie within cache pages; else pass after pass.
+@pytest.mark.parametrize(
+    "head_dim, v_head_dim, window, page_size",
+    [(128, 128, -1, 16), (64, 96, 100, 16), (256, 256, -1, 8), (128, 128, -1, 12)],
+)
 @pytest.mark.parametrize("q_len", [1, 3])
 @pytest.mark.parametrize("group", [2, 4, 6, 8])
-def test_bf16_blocked_scores_against_float64(group, q_len, head_dim, v_head_dim, window):
+def test_bf16_blocked_scores_against_float64(group, q_len, head_dim, v_head_dim, window, page_size):
     """bf16 decode and verify over every kv head against float64, on every build: groups of 2-8 query heads (rows per kv
     head of 2, 6: not blocks of 4; 4, 8, 12, 24: one to 6 blocks), contexts of 2-3 slices, a tile and a partial one,
     where later tiles raise the maxima of the earlier ones; a value head dim of 3 chunks (two, then one); a window of
-    100 keys, whose first tile the later draft tokens see but for its first keys."""
+    100 keys, whose first tile the later draft tokens see but for its first keys; P V by head over 2 and 4 chunks of
+    64 values, and pass after pass where pages of 12 positions split a tile's runs."""
     case = make_case(
-        [q_len] * 3, [700, 259, 64 - q_len], 2 * group, head_dim=head_dim, page_size=16, dtype=torch.bfloat16,
+        [q_len] * 3, [700, 259, 64 - q_len], 2 * group, head_dim=head_dim, page_size=page_size, dtype=torch.bfloat16,
         seed=group * 10 + q_len, v_head_dim=v_head_dim,
     )  # fmt: skip
     out = torch.ops.hybrid.decode(*case.args, sliding_window=window, backend="cpu")
