@@ -76,6 +76,10 @@ struct Beside {
 // 1.03-1.04x as long from memory on a Zen 4 on one thread, 1.02-1.03x in L2 and L3.
 constexpr int64_t BLOCKED_KS = BLOCK_N / STREAMS;
 
+// The passes that a unit of `heads` kv heads takes over a tile of n keys (attend_tile): one key of each of the STREAMS
+// runs a pass in a whole tile of several heads, else one pass over every key.
+inline int64_t tile_passes(int64_t heads, int64_t n) { return heads > 1 && n == BLOCK_N ? BLOCK_N / STREAMS : 1; }
+
 // The place of keys j, j + ks, j + 2 ks, j + 3 ks (ks = BLOCKED_KS, j >= 0) among a whole tile's blocks of 4 keys
 // (blocked scores): pass j % ks's BLOCK_N / ks keys in blocks of 4, pass after pass.
 inline int64_t score_block(int64_t j) {
@@ -487,7 +491,7 @@ template <int RB, typename T, typename C>
 [[gnu::noinline]] void pv_pairs_by_head(const Problem<T, C>& pb, int64_t heads, int64_t rows, int64_t r,
                                         int64_t per_run, const at::BFloat16* const* v, NextTile<at::BFloat16> next,
                                         Scratch<T, C>& s) {
-  const int64_t v_dim = pb.v_padded_dim, next_passes = next.n == BLOCK_N ? BLOCK_N / STREAMS : 1;
+  const int64_t v_dim = pb.v_padded_dim, next_passes = tile_passes(heads, next.n);
   NextKeyRows next_k{.rows = next.k,
                      .head_stride = pb.k_head_stride,
                      .passes = r == 0 && next.n > 0 ? next_passes : 0,
@@ -516,7 +520,7 @@ template <typename T, typename C, typename R>
 void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, const R* const* k, const R* const* v,
                  NextTile<R> next, int64_t rows, Scratch<T, C>& s) {
   const int64_t dim = pb.padded_dim, heads = u.num_heads;
-  const int64_t per_run = heads > 1 && n == BLOCK_N ? BLOCK_N / STREAMS : 1;
+  const int64_t per_run = tile_passes(heads, n);
   using Q = std::conditional_t<bf16_pairs<R>, at::BFloat16, float>;
   const Q* q = reinterpret_cast<const Q*>(s.q.data());
   // Calls fn(a, b, ks) for the passes over keys [j, jb): keys a, a + ks, ... below b.
@@ -544,9 +548,9 @@ void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, 
   // P V by head (pv_pairs_by_head) where its rows allow. The scores then prefetch V's rows in its order: those of pass
   // a at head h, the slice-th of the tile's per_run x heads slices (slice = a heads + h), prefetch the slice-th that P
   // V reads, pass slice % per_run of head slice / per_run: each row a constant distance from the K row read (runs
-  // within pages). Against P V pass after pass, bf16 decode took 0.92-0.93x as long from memory on a Zen 4 on one
-  // thread, 0.91x on two, and 0.85x in L2; with V prefetched in the scores' order 1.04x as long as with it in P V's,
-  // and without the insurance 1.06x, from memory.
+  // within pages). Against P V pass after pass, bf16 decode took 0.92x as long from memory on a Zen 4 on one thread,
+  // 0.94-0.98x on two, and 0.85x in L2. From memory, with V prefetched in the scores' order it took 1.04x as long as
+  // with it in P V's; without P V's insurance (pv_pairs_by_head), 1.06x as long as P V pass after pass.
   const bool by_head = blocked && ahead && v_lines && pb.head_dim % 128 == 0 && pb.v_padded_dim == pb.head_dim;
   passes(0, n, [&](int64_t a, int64_t b, int64_t ks) {
     for (int64_t h = 0; h < heads; ++h) {
