@@ -6,6 +6,7 @@ import runpy
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -246,18 +247,50 @@ def test_readme_example():
     assert_close(scope["out"], dense_attention(scope["q"], scope["k"], scope["v"], prefix=0), torch.float32)
 
 
-def test_repository_root_does_not_shadow_the_kernels_package():
-    """Python run from the repository's root (`python -m pytest`, `python -m bench`) finds kernels/ as a top-level
-    `kernels` before the PyPI package of that name, which transformers imports: the folder hands over to the package,
-    and is hybrid_ops.kernels when imported as that."""
-    import importlib.metadata
-    import subprocess
+def site_packages_without_kernels(tmp_path):
+    """This interpreter's site-packages as links, less the PyPI package `kernels` (its code and its metadata), as an
+    environment of transformers < 5.25 holds it: a directory for PYTHONPATH under `python -S`."""
+    import site
 
-    try:
-        importlib.metadata.version("kernels")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("the PyPI package kernels is not installed (transformers >= 5.25 requires it)")
-    code = "import kernels, hybrid_ops.kernels as h; print(kernels.__file__); print(h.__file__)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    package, ours = out.split()
-    assert ours == str(ROOT / "kernels" / "__init__.py") and package != ours
+    links = tmp_path / "site-packages"
+    links.mkdir()
+    for directory in site.getsitepackages():
+        for entry in Path(directory).iterdir():
+            if entry.name != "kernels" and not entry.name.startswith("kernels-") and entry.suffix != ".pth":
+                (links / entry.name).symlink_to(entry)
+    return links
+
+
+@pytest.mark.parametrize("pypi_kernels", [True, False], ids=["pypi-kernels", "no-pypi-kernels"])
+def test_python_runs_from_the_repository_root(pypi_kernels, tmp_path):
+    """Run from the repository's root, Python finds kernels/ as a top-level `kernels`, the name of the PyPI package
+    that transformers looks for. With that package installed and without it (where transformers 5.0-5.24 once failed
+    on the folder), the transformers integration imports and the bench starts; `kernels` is the package or an empty
+    namespace, never the folder, which stays hybrid_ops.kernels."""
+    import importlib.metadata
+
+    env, python = dict(os.environ), [sys.executable]
+    if pypi_kernels:
+        try:
+            importlib.metadata.version("kernels")
+        except importlib.metadata.PackageNotFoundError:
+            pytest.skip("the PyPI package kernels is not installed (transformers >= 5.25 requires it)")
+    else:
+        python.append("-S")  # site-packages only through the links: no .pth file (the editable install's finder)
+        env["PYTHONPATH"] = str(site_packages_without_kernels(tmp_path))
+    code = (
+        "import kernels, hybrid_ops.integrations.transformers, transformers.utils as u\n"
+        "print(getattr(kernels, '__file__', None), u.is_kernels_available())"
+    )
+    out = [
+        subprocess.run([*python, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        for args in (["-c", code], ["-m", "bench", "--help"])
+    ]
+    assert [r.returncode for r in out] == [0, 0], [r.stderr[-3000:] for r in out]
+    where, available = out[0].stdout.split()
+    if pypi_kernels:
+        assert where.endswith(f"site-packages{os.sep}kernels{os.sep}__init__.py"), where
+        code = "import hybrid_ops.kernels as h; print(h.__file__)"
+        assert run_script("-c", code, cwd=ROOT).strip().endswith(f"{os.sep}kernels{os.sep}__init__.py")
+    else:
+        assert (where, available) == ("None", "False")
