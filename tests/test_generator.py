@@ -631,6 +631,33 @@ def test_warm_up_fits_any_budget(model):
         assert_empty(generator)
 
 
+def test_compiles_are_said_as_compiles_and_not_counted_as_generating(model, capsys, caplog, monkeypatch):
+    """The first run's warm-up (which compiles the forward; here eager, made to take a second) is said on the progress
+    bar and in the log with each step's shapes, and counted apart: the bar's rate and the run's seconds and first
+    tokens start after it."""
+    import logging
+    import time
+
+    generator = HybridGenerator(model, **SIZES, compile=False)
+    generator.runner.warmed_up = False
+    warm_up = generator.runner.warm_up
+    monkeypatch.setattr(generator.runner, "warm_up", lambda announce: (time.sleep(1), warm_up(announce)))
+    stats = GenerationStats()
+    with caplog.at_level(logging.INFO, logger="hybrid_ops.generation"):
+        assert generator.generate([[7], [8, 9]], 2, progress=True, stats=stats) == [
+            solo(model, p, 2) for p in ([7], [8, 9])
+        ]
+    bar = capsys.readouterr().err
+    shapes = [m.removeprefix("compiling the forward for a step of ") for m in caplog.messages if "compiling" in m]
+    assert shapes[:2] == ["DECODE, 1 request of 1 token, 1 logits row", "EXTEND, 1 request of 2 tokens, 1 logits row"]
+    assert "MIXED, 2 requests of 2+1 tokens, 2 logits rows" in shapes
+    compiled = re.search(r"hybrid_ops: compiled the forward in \d+ s", bar).start()
+    assert all(f"compiling ({s}):" in bar[:compiled] for s in shapes)
+    assert re.search(r"generating: 100%.* 4/4 ", bar[compiled:]) and "compiling" not in bar[compiled:]
+    assert stats.compile_seconds >= 1 and max(stats.first_token_seconds) < 1 and stats.seconds < stats.compile_seconds
+    assert [m for m in caplog.messages if m.startswith("compiled in ")]
+
+
 # Everything at once.
 
 

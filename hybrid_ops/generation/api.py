@@ -8,7 +8,9 @@ compiled forward for every step and mode) and the sampler (`SamplingParams`, tra
 """
 
 import inspect
+import logging
 import math
+import sys
 import threading
 import time
 from collections import Counter
@@ -33,6 +35,8 @@ from .runner import ModelRunner
 from .sampler import SamplingParams, next_tokens
 from .scheduler import Request, Scheduler
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class GenerationStats:
@@ -41,8 +45,9 @@ class GenerationStats:
     prefix_cache_hit_tokens: int = 0  # tokens taken from the prefix cache at admission instead of prefilled
     generated_tokens: int = 0
     preemptions: int = 0
-    seconds: float = 0.0
-    first_token_seconds: list = field(default_factory=list)  # per request, from the start of the run
+    seconds: float = 0.0  # generating, the compiles of the first run left out
+    first_token_seconds: list = field(default_factory=list)  # per request, from the start of the run (compiled)
+    compile_seconds: float = 0.0  # the compiled forward's warm-up, in a generator's first run
 
     @property
     def tokens_per_second(self) -> float:
@@ -293,7 +298,11 @@ class HybridGenerator:
             ]
             self.runner.check_same_on_every_rank([_collective_args(r) for r in requests])
             index = {self.scheduler.add(r): i for i, r in enumerate(requests)}
-        bar = _progress_bar(sum(r.max_new_tokens for r in requests), progress)
+        warm = self.runner.warmed_up
+        bar = _progress_bar(sum(r.max_new_tokens for r in requests), progress, "generating" if warm else "compiling")
+        if not warm:
+            with self._exclusive(), torch.inference_mode():
+                self._warm_up(stats, bar)
         start = time.perf_counter()
         try:
             while any(rid in self.scheduler.requests for rid in index):
@@ -346,10 +355,30 @@ class HybridGenerator:
         finally:
             self._lock.release()
 
+    def _warm_up(self, stats, bar=None) -> None:
+        """The runner's warm-up, which compiles the forward: each step's shapes said on the bar (its rate then starts
+        from zero) or logged, its time counted in `stats.compile_seconds`."""
+
+        def announce(shapes):
+            if bar is not None:
+                bar.set_description(f"compiling ({shapes})")
+            log.info("compiling the forward for a step of %s", shapes)
+
+        start = time.perf_counter()
+        self.runner.warm_up(announce)
+        seconds = time.perf_counter() - start
+        if stats is not None:
+            stats.compile_seconds += seconds
+        log.info("compiled in %.1f s", seconds)
+        if bar is not None:
+            bar.set_description("generating", refresh=False)
+            bar.reset()  # the rate from here on: generated tokens only
+            bar.write(f"hybrid_ops: compiled the forward in {seconds:.0f} s", file=sys.stderr)
+
     def _step(self, stats) -> list:
         """One forward step over the running requests -> [(id, new tokens, finished)]."""
         if not self.runner.warmed_up:
-            self.runner.warm_up()
+            self._warm_up(stats)
         step = self.scheduler.schedule(stats)
         if step is None:
             return []
@@ -372,13 +401,13 @@ def _collective_args(request: Request):
     return request.prompt, request.max_new_tokens, sampling, sorted(request.stop_token_ids)
 
 
-def _progress_bar(total, enabled):
+def _progress_bar(total, enabled, description):
     """A tqdm bar of `total` tokens, or none (tqdm is imported only for a bar)."""
     if not enabled:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="tok", desc="generating")
+    return tqdm(total=total, unit="tok", desc=description)
 
 
 def generate(model, prompts, max_new_tokens: int, **options):

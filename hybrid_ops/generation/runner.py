@@ -41,6 +41,13 @@ _WARM_UP_STEPS = [
 _FORWARD_CODES = weakref.WeakKeyDictionary()  # model -> {shapes: code object}
 
 
+def step_shapes(counts, rows, mode) -> str:
+    """A step's shapes as the warm-up says them: "MIXED, 2 requests of 2+1 tokens, 1 logits row"."""
+    plural = lambda n, word: f"{n} {word}{'s' if n != 1 else ''}"
+    tokens = plural(counts[0], "token") if len(counts) == 1 else "+".join(map(str, counts)) + " tokens"
+    return f"{mode.name}, {plural(len(counts), 'request')} of {tokens}, {plural(len(rows), 'logits row')}"
+
+
 def graph_backends(device, cuda_graphs: bool, backends) -> tuple:
     """(prefill backend, decode backend) as a step runs them: with CUDA graphs on CUDA, "auto" is the first backend
     that plans nothing on the host (`Registry.for_captured_steps`: Triton), since a captured step cannot plan."""
@@ -328,10 +335,10 @@ class ModelRunner(StepRunner):
         )
         return model_step(self.model, step, input_ids, position_ids, logits_index)
 
-    def warm_up(self):
+    def warm_up(self, announce=None):
         """Compiles the graphs Dynamo specialises for sizes 1 (one request, one token, one logits row), which a run
         might otherwise first meet deep into serving; then writes the compile cache file. Writes only pages it frees
-        again."""
+        again. announce: called with each step's shapes (`step_shapes`) before the step compiles."""
         for counts, rows, mode in _WARM_UP_STEPS:
             if (
                 len(counts) > self.max_batch_size
@@ -340,6 +347,8 @@ class ModelRunner(StepRunner):
                 or (self.states is not None and len(counts) > self.states.num_slots)
             ):
                 continue  # a step no run can take either
+            if announce is not None:
+                announce(step_shapes(counts, rows, mode))
             ids = [("warm-up", i) for i in range(len(counts))]
             for rid in ids:
                 self.cache.add(rid)
