@@ -3,7 +3,6 @@
 import os
 import re
 import runpy
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,6 @@ from helpers.scripts import EXAMPLES, ROOT, run_script
 from torch._dynamo.utils import counters
 
 import hybrid_ops
-from hybrid_ops.backends.cpu import cpuinfo_field
 
 
 def run_example(name, monkeypatch, argv=()):
@@ -145,86 +143,6 @@ def test_bench_bound_runs():
     for dtype in ("float32", "bfloat16"):
         assert re.search(rf"\| {dtype} \| from memory \(decode case\) \| [\d.]+, [\d.]+ \|", out), out
         assert re.search(rf"\| {dtype} \| -?[\d.]+ \|", out), out
-
-
-def test_bench_bound_floor_times_each_part():
-    """`bench.bound --floor` builds bench/decode_floor.c with each of its parts switched off or added and times each
-    from memory and in L2 (a row each, beside the kernel's); a CPU without AVX512-BF16 is refused by name. It asserts
-    no timings."""
-    from bench.bound import FLOOR_PARTS
-
-    args = [sys.executable, "-m", "bench.bound", "--floor", "--reps", "10"]
-    result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    if "avx512_bf16" not in cpuinfo_field("flags").split():
-        assert result.returncode == 2 and "--floor runs on one thread of a CPU with AVX512-BF16" in result.stderr
-        return
-    assert result.returncode == 0, result.stderr[-3000:]
-    for name in FLOOR_PARTS:
-        assert re.search(
-            rf"\| bfloat16 \| from memory \(decode case\): {re.escape(name)} \| [\d.]+, [\d.]+ \|", result.stdout
-        ), result.stdout
-        assert re.search(rf"\| bfloat16: {re.escape(name)} \| -?[\d.]+ \|", result.stdout), result.stdout
-
-
-def test_fma_rate_times_each_product_the_cpu_has(tmp_path):
-    """bench/fma_rate.c, built for the extensions the CPU reports, times FMAs (512-bit with AVX-512, else 256-bit),
-    vdpbf16ps with AVX512-BF16 and tdpbf16ps with AMX-BF16 (or why the OS refused it tile data): one line each; it
-    asserts no timings."""
-    compiler = shutil.which(os.environ.get("CC", "gcc"))
-    if compiler is None:
-        pytest.skip("no C compiler to build bench/fma_rate.c")
-    flags = set(cpuinfo_field("flags").split())
-    options = {
-        "avx512f": ["-mavx512f"],
-        "avx512_bf16": ["-mavx512bf16"],
-        "amx_bf16": ["-mamx-tile", "-mamx-bf16"],
-    }
-    build = [o for flag, opts in options.items() if flag in flags for o in opts] or ["-mavx2", "-mfma"]
-    program = tmp_path / "fma_rate"
-    subprocess.run([compiler, "-O2", *build, str(ROOT / "bench" / "fma_rate.c"), "-o", str(program)], check=True)
-    out = subprocess.run([str(program)], check=True, capture_output=True, text=True).stdout
-    expected = {
-        f"{16 if 'avx512f' in flags else 8}-lane FMA": True,
-        "vdpbf16ps": "avx512_bf16" in flags,
-        "tdpbf16ps": "amx_bf16" in flags,
-    }
-    for name, present in expected.items():
-        timed = r"[\d.]+ ns each, [\d.]+ ns per 1,024 products"
-        refused = "tile data not permitted by the OS" if name == "tdpbf16ps" else timed
-        assert bool(re.search(rf"^{name}: ({timed}|{refused})", out, re.M)) == present, out
-
-
-def test_overlap_reads_each_dtype_in_every_order(tmp_path):
-    """bench/overlap.c, built for the CPU's vector width (and AVX512-BF16 where it has it) with OpenMP, one timed pass
-    per cell on two threads: a row per count of FMAs a line for each dtype, and of vdpbf16ps a line for bf16 where
-    built with AVX512-BF16, a rate for each order and a share of the read; it asserts no timings."""
-    compiler = shutil.which(os.environ.get("CC", "gcc"))
-    if compiler is None:
-        pytest.skip("no C compiler to build bench/overlap.c")
-    flags = set(cpuinfo_field("flags").split())
-    build = ["-mavx512f"] if "avx512f" in flags else ["-mavx2", "-mfma"]
-    bf16_pairs = "avx512f" in flags and "avx512_bf16" in flags
-    build += ["-mavx512bf16"] if bf16_pairs else []
-    program = tmp_path / "overlap"
-    source = ROOT / "bench" / "overlap.c"
-    subprocess.run([compiler, "-O2", "-fopenmp", *build, str(source), "-o", str(program)], check=True)
-    for dtype, mb in (("fp32", 144), ("bf16", 72)):
-        out = subprocess.run(
-            [str(program), dtype, "1"],
-            check=True,
-            capture_output=True,
-            text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "2"},
-        ).stdout
-        assert out.startswith(f"| {dtype} K/V ({mb} MB), 2 thread(s) |"), out
-        rates, shares = r"( \| [\d.]+){4}", r"( \| \d+%){3}"
-        rows = re.findall(rf"^\| (\d+) a line \| (\d+){rates}{shares} \|$", out, re.M)
-        lines_per_key = 16 if dtype == "fp32" else 8
-        assert [(int(f), int(per_key)) for f, per_key, *_ in rows] == [(f, f * lines_per_key) for f in (0, 2, 4, 8, 16)]
-        pairs = re.findall(rf"^\| (\d+) vdpbf16ps a line \| (\d+){rates}{shares} \|$", out, re.M)
-        expected = [(f, f * lines_per_key) for f in (2, 4, 8)] if dtype == "bf16" and bf16_pairs else []
-        assert [(int(f), int(per_key)) for f, per_key, *_ in pairs] == expected, out
-        assert re.search(r"^\| 0 a line \| 0 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| 100% \|", out, re.M), out
 
 
 def test_bench_full_run_needs_matplotlib_first(monkeypatch, capsys):

@@ -1,6 +1,5 @@
 // The 16 sums of a 4 x 4 block of 16-lane vectors in one transposing reduction (halves, quarters, then within 128-bit
-// blocks across rows): 45 shuffles and adds instead of 16 x 7. Plain intrinsics, for C and C++: the few-rows scores
-// (attend_inplace.cpp) and bench/decode_floor.c.
+// blocks across rows): 45 shuffles and adds instead of 16 x 7, for the few-rows scores (attend_inplace.cpp).
 #pragma once
 
 #ifdef __AVX512F__
