@@ -13,27 +13,22 @@ namespace {
 
 // A unit of every kv head reads a whole tile as STREAMS runs of BLOCK_N / STREAMS consecutive positions side by side
 // (attend_tile): where a cache page holds a run, each run is one stream of rising addresses, which the hardware
-// prefetcher follows ahead of the arithmetic. Keys read 4 KiB at a time instead (a position of 8 fp32 heads; the
-// prefetcher stops at a 4 KiB page of memory), fp32 decode from memory took 1.3x as long on a Zen 4, software prefetch
-// or not; and reading runs of positions without software prefetch, as long as that.
+// prefetcher follows ahead of the arithmetic; it stops at a 4 KiB page of memory, which one position of 8 fp32 heads
+// fills.
 constexpr int64_t STREAMS = 8;
 
 // The rows a loop prefetches into L2 a line at a time as it reads the same line of its own rows: V's beside K's, the
 // next tile's K beside V's (attend_tile), no shorter than the rows read. In P V, key j's counterpart is rows[j - shift]
-// + offset, for j - shift < n. In the scores, a loop that prefetches (PREFETCH) does so for every key with no branch:
-// V's row lies a constant distance from K's (delta). Found as P V's are, with a branch on each and on ahead, bf16
-// decode took 1.05-1.06x as long from memory on a Zen 4 on one thread (fp32 1.00-1.02x), and 1.05-1.07x in L2 and L3;
-// P V's prefetches made branchless too saved nothing from memory (fp32: 1.01-1.03x as long). A line per line read keeps
-// a steady number of reads from memory in flight under the arithmetic: the same prefetches issued a slice at a time
-// ahead of it took 1.2x as long on one core from memory (bench/overlap.c). fp8 rows prefetch a slice at a time
-// (prefetch_rows): line by line, their decode took 1.03-1.07x as long, fp32's 0.85-0.90x and bf16's 0.91-1.01x, on an
-// Intel Xeon (AVX-512, one and two threads).
+// + offset, for j - shift < n. In the scores, a loop that prefetches (PREFETCH) does so for every key with no branch,
+// V's row lying a constant distance from K's (delta): a branch at each prefetch costs the scores' loop more than it
+// saves. A line per line read keeps a steady number of reads from memory in flight under the arithmetic, where
+// prefetches issued a slice at a time ahead leave the core waiting; fp8 rows prefetch a slice at a time
+// (prefetch_rows), as their decode runs faster so.
 //
 // Each line read of a run's position also prefetches the same line of the run's next position (ahead), which the next
-// pass reads: a line prefetched a tile ahead is not always in L2 when read (Zen 4 drops some PREFETCHT1), and the read
-// then waits on memory. With that second prefetch, fp32 and bf16 decode took 0.94-0.97x as long from memory
-// on a Zen 4 (one and two threads), and 1.03-1.11x in L2 and L3, where those lines are already: a model's step reads
-// each layer's cache from memory, every other layer's weights and cache read between two steps.
+// pass reads: a line prefetched a tile ahead is not always in L2 when read (some cores drop PREFETCHT1), and the read
+// then waits on memory, where a model's step finds each layer's cache (every other layer's weights and cache read
+// between two steps).
 template <typename R>
 constexpr bool line_by_line = !is_fp8<R>;
 template <typename R>
@@ -42,15 +37,14 @@ struct Beside {
   int64_t shift = 0, n = 0, offset = 0;
   int64_t ahead = 0;    // elements from a row read to the next position's in its run (0: none)
   uintptr_t delta = 0;  // the scores': bytes from a K row to its V row (0: none, the K row's own lines again)
-  // Key j's counterpart in P V (null: none). Loops find it once per key, not at each prefetch: looked up at each, fp32
-  // decode took 1.06-1.07x as long from memory on a Zen 4 on one thread, 1.04x on two.
+  // Key j's counterpart in P V (null: none). Loops find it once per key, not at each prefetch, where the look-up would
+  // cost time from memory.
   [[gnu::always_inline]] const R* row(int64_t j) const {
     return line_by_line<R> && j - shift < n ? rows[j - shift] + offset : nullptr;
   }
   // The lines of a counterpart's elements [d, d + COUNT), where d is a multiple of COUNT, as the same elements of a row
   // are read: a line once where COUNT elements are less than one. Counterparts no shorter than the rows read keep every
-  // address in the row with no bound checked: checked at each prefetch, bf16 decode took 1.06-1.08x as long in L2 and
-  // L3 on a Zen 4.
+  // address in the row, so that no prefetch checks a bound.
   template <int64_t COUNT>
   [[gnu::always_inline]] void prefetch(const R* row, int64_t d) const {
     constexpr int64_t LINE = 64 / sizeof(R);  // elements a line
@@ -71,9 +65,9 @@ struct Beside {
   }
 };
 
-// Blocked scores come from a whole tile of STREAMS runs, whose passes take keys BLOCKED_KS apart: a constant, where a
-// division by the passes' stride as a variable (two each 4 keys in the scores, one each pair in P V) took bf16 decode
-// 1.03-1.04x as long from memory on a Zen 4 on one thread, 1.02-1.03x in L2 and L3.
+// Blocked scores come from a whole tile of STREAMS runs, whose passes take keys BLOCKED_KS apart: a constant, so that a
+// key's block is a shift and a mask, not a division by the passes' stride (two each 4 keys in the scores, one each pair
+// in P V).
 constexpr int64_t BLOCKED_KS = BLOCK_N / STREAMS;
 
 // The passes that a unit of `heads` kv heads takes over a tile of n keys (attend_tile): one key of each of the STREAMS
@@ -103,8 +97,7 @@ template <int RB, int KB>
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (RB == 4 && KB == 4) {
     // The 16 sums in one reduction (sums4x4.h), then one vector store (blocked) or 16 scalar stores: the scatter of one
-    // vector stalled the loads after it. bf16 decode took 0.93-0.95x as long from memory on a Zen 4 with its scores
-    // blocked (softmax_pairs_blocked), and 0.94x with the one store alone.
+    // vector stalls the loads after it.
     __m512 a[4][4];
     for (int r = 0; r < 4; ++r)
       for (int c = 0; c < 4; ++c) a[r][c] = acc[r][c];
@@ -125,10 +118,9 @@ template <int RB, int KB>
 
 // scores[r, j] = q[r] . k_j for RB rows (few rows: decode, verify), KB keys j + c * ks at a time: one load of each K
 // chunk serves the RB rows, and RB x KB independent accumulators keep the FMA units busy. Key j's row is at k[j] +
-// offset (offset: a kv head's place in the rows of every head). Always inlined, as accumulate_pv: decode ran 4% slower
-// where the compiler did not inline them. fp8 rows are widened a vector at a time here even where a load widens 4
-// (row_vecs): a key's 4 vectors in turn take 4 times the query loads, 2 keys at a time halve the key block, and either
-// ran fp8 decode 8-15% slower on a Zen 5.
+// offset (offset: a kv head's place in the rows of every head). Always inlined, as accumulate_pv: decode is slower
+// where the compiler does not inline them. fp8 rows are widened a vector at a time here even where a load widens 4
+// (row_vecs): a key's 4 vectors in turn would take 4 times the query loads, and 2 keys at a time halve the key block.
 template <int RB, int KB, bool PREFETCH, typename R>
 [[gnu::always_inline]] inline void scores_dot_keys(const float* q, int64_t dim, const R* const* k, int64_t j,
                                                    int64_t ks, int64_t offset, const Beside<R>& beside, bool blocked,
@@ -548,9 +540,7 @@ void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, 
   // P V by head (pv_pairs_by_head) where its rows allow. The scores then prefetch V's rows in its order: those of pass
   // a at head h, the slice-th of the tile's per_run x heads slices (slice = a heads + h), prefetch the slice-th that P
   // V reads, pass slice % per_run of head slice / per_run: each row a constant distance from the K row read (runs
-  // within pages). Against P V pass after pass, bf16 decode took 0.92x as long from memory on a Zen 4 on one thread,
-  // 0.94-0.98x on two, and 0.85x in L2. From memory, with V prefetched in the scores' order it took 1.04x as long as
-  // with it in P V's; without P V's insurance (pv_pairs_by_head), 1.06x as long as P V pass after pass.
+  // within pages), so that V's lines come in the order P V reads them.
   const bool by_head = blocked && ahead && v_lines && pb.head_dim % 128 == 0 && pb.v_padded_dim == pb.head_dim;
   passes(0, n, [&](int64_t a, int64_t b, int64_t ks) {
     for (int64_t h = 0; h < heads; ++h) {
@@ -586,8 +576,7 @@ void attend_tile(const Problem<T, C>& pb, const Unit& u, int64_t j0, int64_t n, 
       for (int64_t r = 0; r < heads * rows; ++r)
         pair_probs(s.scores.data() + r * BLOCK_N, a_min, b_max, per_run, s.p_pairs.data() + r * BLOCK_N);
     }
-    // A call a tile and row block: a call a pass, head and row block (as below) took 1.04-1.07x as long in L2 and
-    // 1.03-1.04x from memory on a Zen 4, its setup around every 8 keys.
+    // A call a tile and row block, not a pass, head and row block (as below): its setup would come around every 8 keys.
     for_row_blocks(rows, [&](auto rb, int64_t r) {
       constexpr int RB = decltype(rb)::value;
       if (by_head) {

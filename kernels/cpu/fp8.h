@@ -94,7 +94,7 @@ inline Vec load_raw(const C* p) {
 // low bits and its byte 3 of its high bits (sign, exponent), which a 16-bit shift brings down: the bits it brings in
 // from the next byte lie above the ones the table reads (its entries repeat). A load, a shift and two look-ups per
 // 64 values, then one two-table permutation per 16 that places bytes 2 and 3: fewer than load_raw's 3 per 16, but
-// more shuffles (about as fast on a Zen 5: docs/benchmarks.md).
+// more shuffles.
 constexpr int WIDE_VECS = 4;  // vectors load_raw_wide fills
 
 template <typename C>

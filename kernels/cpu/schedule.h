@@ -17,8 +17,8 @@ constexpr int64_t KV_SPLIT = 512;            // keys per slice of a request with
 constexpr int64_t KV_SPLIT_ALL_HEADS = 256;  // the same for a unit of every kv head
 constexpr int64_t BLOCK_ROWS = 512;          // query rows (tokens x group) per unit of a longer prefill
 // From this many query rows per kv head a unit's products go through brgemm (attend_brgemm.cpp), else dot products
-// over rows read in place: 16 where 16-bit rows multiply on AMX; 128 otherwise, as on a 2-core AVX2 machine the dot
-// products took 0.4-0.9x brgemm's time at 16-128 rows (D 128 and MLA's 576) and brgemm won from 256.
+// over rows read in place: 16 where 16-bit rows multiply on AMX; 128 otherwise, below which the dot products beat
+// brgemm without AMX (D 128 and MLA's 576 alike).
 constexpr int64_t GEMM_ROWS_AMX = 16;
 constexpr int64_t GEMM_ROWS = 128;
 constexpr int64_t GEMM_BLOCK_N = 256;  // keys per tile of the brgemm path
