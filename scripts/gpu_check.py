@@ -127,7 +127,7 @@ def check_correctness(device, smoke, report):
     for backend in available_backends(device):
         trees = "tree_mask" in hybrid_ops.get_backend(backend).features
         for dtype, cache_dtype in kinds:
-            for mode in ForwardMode:
+            for mode in hybrid_ops.ROUTING:
                 for spec in ("prefill", "decode"):
                     decode_path = hybrid_ops.select_path(mode, spec) == "decode"
                     q_lens = (

@@ -9,7 +9,7 @@ import torch
 from helpers.reference import BACKENDS, assert_close, expected_cache, make_case, reference
 
 import hybrid_ops
-from hybrid_ops import ForwardMode
+from hybrid_ops import ROUTING, ForwardMode
 
 FILLS = [-1, 2**31 - 1]  # 0 is the padding test_unused_entries_never_read compares with
 
@@ -58,7 +58,7 @@ def run(case, table, mode, spec, backend, validate):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("spec", ["prefill", "decode"])
-@pytest.mark.parametrize("mode", list(ForwardMode))
+@pytest.mark.parametrize("mode", list(ROUTING))
 def test_unused_entries_never_read(backend, spec, mode):
     """Every mode: a table padded with -1 (validation on) gives the 0-padded table's output bit for bit, and the
     reference's; the caches end the same."""

@@ -7,15 +7,11 @@ from helpers.reference import BACKENDS, assert_close, expected_cache, make_case,
 
 import hybrid_ops
 from hybrid_ops import (
-    AttentionLayer,
     ForwardBatch,
     ForwardMode,
     GenerationStats,
-    HybridAttnBackend,
     HybridGenerator,
     HybridInputError,
-    PagedKVCache,
-    PhaseBackend,
 )
 from hybrid_ops.buckets import UNIFORM_MODES, batch_buckets, bucket_for, pad_batch, padding_q_lens, token_buckets
 
@@ -28,7 +24,8 @@ Q_LENS = {
     ForwardMode.DECODE: [1, 1, 1],
     ForwardMode.IDLE: [],
     ForwardMode.TARGET_VERIFY: [3, 3, 3],
-    ForwardMode.DRAFT_EXTEND: [2, 2, 2],
+    ForwardMode.DRAFT_EXTEND_V2: [2, 2, 2],
+    ForwardMode.SPLIT_PREFILL: [4, 0, 2, 1],
 }
 PREFIXES = [6, 0, 9, 3]
 # (mode, speculative_attention_mode): each path every mode can take.
@@ -39,8 +36,8 @@ ROUTES = [
     (ForwardMode.IDLE, "decode"),
     (ForwardMode.TARGET_VERIFY, "prefill"),
     (ForwardMode.TARGET_VERIFY, "decode"),
-    (ForwardMode.DRAFT_EXTEND, "prefill"),
-    (ForwardMode.DRAFT_EXTEND, "decode"),
+    (ForwardMode.DRAFT_EXTEND_V2, "prefill"),
+    (ForwardMode.SPLIT_PREFILL, "prefill"),
 ]
 
 
@@ -127,42 +124,6 @@ def test_padding_changes_no_real_output_or_page(backend, mode, spec):
         assert torch.equal(real_cache, want)
         assert torch.equal(padded_cache[:scratch], want[:scratch])
         assert torch.equal(padded_cache[scratch], before[scratch]) == (extra == 0)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("mode, q_len, bs", [(ForwardMode.DECODE, 1, 5), (ForwardMode.TARGET_VERIFY, 3, 4)])
-def test_replay_pads_a_smaller_batch(backend, mode, q_len, bs):
-    """Replay of a graph captured for bs requests with a real batch of 2: the static buffers hold the real
-    metadata followed by padding requests of the captured query length over the scratch page."""
-    case = make_case([q_len] * 2, [5, 10], page_size=PAGE, seed=bs)
-    num_pages, width = case.k_cache.shape[0], case.block_table.shape[1]
-    cache = PagedKVCache(num_pages, PAGE, 2, 16, max_pages_per_request=width, reserve_scratch=True)
-    assert cache.scratch_page == num_pages and cache.num_free_pages == num_pages
-    cache.k_caches[0][:num_pages].copy_(case.k_cache)
-    cache.v_caches[0][:num_pages].copy_(case.v_cache)
-    hybrid = HybridAttnBackend(PhaseBackend(cache, backend), PhaseBackend(cache, backend), "decode", speculative=True)
-    hybrid.init_cuda_graph_state(max_bs=8, max_num_tokens=24)
-    hybrid.init_forward_metadata_capture_cuda_graph(bs, bs * q_len, mode)
-    real = ForwardBatch(mode, case.cu_seqlens_q, case.seq_lens, case.block_table)
-    hybrid.init_forward_metadata_replay_cuda_graph(bs, real)
-    batch = hybrid.decode_backend.forward_batch
-    assert batch.cu_seqlens_q.tolist() == [q_len * i for i in range(bs + 1)]
-    assert batch.seq_lens.tolist() == case.seq_lens.tolist() + [q_len] * (bs - 2)  # fill value 1 <= q_len
-    assert torch.equal(batch.block_table[:2], case.block_table)
-    assert (batch.block_table[2:] == num_pages).all()
-    q, k, v = (torch.cat([t, torch.randn(q_len * (bs - 2), *t.shape[1:])]) for t in (case.q, case.k, case.v))
-    out = hybrid.forward_extend(q, k, v, AttentionLayer(0), real)
-    assert_close(out[: 2 * q_len], reference(case), torch.float32)
-    for cache_tensor, want in zip((cache.k_caches[0], cache.v_caches[0]), expected_cache(case)):
-        assert torch.equal(cache_tensor[:num_pages], want)
-
-    with pytest.raises(HybridInputError, match="forward_batch has 2 requests, more than the graph's bs = 1"):
-        hybrid.init_forward_metadata_replay_cuda_graph(1, real)
-    plain = PhaseBackend(PagedKVCache(num_pages, PAGE, 2, 16, max_pages_per_request=width), backend)
-    plain.init_cuda_graph_state(max_bs=8, max_num_tokens=24)
-    plain.init_forward_metadata_capture_cuda_graph(bs, bs * q_len, mode)
-    with pytest.raises(HybridInputError, match="padding it needs PagedKVCache\\(reserve_scratch=True\\)"):
-        plain.init_forward_metadata_replay_cuda_graph(bs, real)
 
 
 def count_shapes(generator):

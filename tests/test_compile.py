@@ -9,7 +9,7 @@ from torch._dynamo.testing import CompileCounter
 from torch._inductor.utils import run_and_get_code
 
 import hybrid_ops
-from hybrid_ops import ForwardMode
+from hybrid_ops import ROUTING, ForwardMode
 
 # Dynamo keeps what it learnt about a code object (which sizes are dynamic) across compiles.
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -35,6 +35,28 @@ def random_step(rng, mode, batch_size, **case_kwargs):
     return make_case(q_lens, [rng.randint(0, 12) for _ in range(batch_size)], seed=rng.random(), **case_kwargs)
 
 
+def size_class(case):
+    """Which of Dynamo's size specialisations (0, 1, or more) each dimension of the case's tensors falls in: the
+    steps of one class share a graph, whatever their mode."""
+    return tuple(min(size, 2) for t in case.args for size in t.shape)
+
+
+def warm_then_check(compiled, steps, check, warm_up=len(ROUTING) * 3):
+    """The first `warm_up` steps (every mode at a few batch sizes: Dynamo learns which sizes vary) and one step of
+    each further size class, then every step with recompiles made errors; `check(out, case)` each output."""
+    classes = set()
+    for i, (mode, case) in enumerate(steps):
+        if i < warm_up or size_class(case) not in classes:
+            classes.add(size_class(case))
+            compiled(*case.args, int(mode))
+    warm = compiled.counter.frame_count
+    assert warm <= 8  # a graph per size class, a few at most: the modes add none
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for mode, case in steps:
+            check(compiled(*case.args, int(mode)), case)
+    assert compiled.counter.frame_count == warm
+
+
 class FeatureAttention(torch.nn.Module):
     """A layer with attention sinks (a parameter, as gpt-oss), chunks of 5 positions and a value head dim of 8."""
 
@@ -49,44 +71,38 @@ class FeatureAttention(torch.nn.Module):
         )
 
 
+def compiled_with_counter(module):
+    counter = CompileCounter()
+    compiled = torch.compile(module, backend=counter, fullgraph=True, dynamic=True)
+    compiled.counter = counter
+    return compiled
+
+
+def random_steps(rng, count, **case_kwargs):
+    """(mode, case): every mode at batch sizes 1 to 3, then `count` random ones."""
+    steps = [(mode, random_step(rng, mode, b, **case_kwargs)) for mode in ROUTING for b in (1, 2, 3)]
+    for _ in range(count):
+        mode = rng.choice(list(ROUTING))
+        steps.append((mode, random_step(rng, mode, rng.randint(1, 6), **case_kwargs)))
+    return steps
+
+
 def test_features_all_modes_no_recompiles():
     rng = random.Random(1)
-    counter = CompileCounter()
     layer = FeatureAttention()
-    compiled = torch.compile(layer, backend=counter, fullgraph=True, dynamic=True)
+    check = lambda out, case: assert_close(
+        out, reference(case, sinks=layer.sinks.detach(), attention_chunk=5), torch.float32
+    )
     with torch.no_grad():
-        for mode in ForwardMode:
-            for batch_size in (1, 2, 3):
-                compiled(*random_step(rng, mode, batch_size, v_head_dim=8).args, int(mode))
-        warm = counter.frame_count
-        assert warm <= 6
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            for _ in range(30):
-                mode = rng.choice(list(ForwardMode))
-                case = random_step(rng, mode, rng.randint(1, 6), v_head_dim=8)
-                out = compiled(*case.args, int(mode))
-                assert_close(out, reference(case, sinks=layer.sinks.detach(), attention_chunk=5), torch.float32)
-    assert counter.frame_count == warm
+        warm_then_check(compiled_with_counter(layer), random_steps(rng, 30, v_head_dim=8), check)
 
 
 def test_all_modes_one_graph_no_recompiles():
+    """Dynamo specialises sizes 0 and 1 (T = 0, B = 1, a single token), so those get their own graphs; the modes add
+    none."""
     rng = random.Random(0)
-    counter = CompileCounter()
-    compiled = torch.compile(Attention(), backend=counter, fullgraph=True, dynamic=True)
-    # Warm-up: Dynamo specialises sizes 0 and 1 (T = 0, B = 1, a single token), so those get their own graphs.
-    for mode in ForwardMode:
-        for batch_size in (1, 2, 3):
-            case = random_step(rng, mode, batch_size)
-            compiled(*case.args, int(mode))
-    warm = counter.frame_count
-    assert warm <= 6
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        for _ in range(60):
-            mode = rng.choice(list(ForwardMode))
-            case = random_step(rng, mode, rng.randint(1, 6))
-            out = compiled(*case.args, int(mode))
-            assert_close(out, reference(case, sliding_window=8), torch.float32)
-    assert counter.frame_count == warm
+    check = lambda out, case: assert_close(out, reference(case, sliding_window=8), torch.float32)
+    warm_then_check(compiled_with_counter(Attention()), random_steps(rng, 60), check)
 
 
 def test_dynamic_none_recompiles_once():
@@ -159,5 +175,5 @@ def test_bad_input_errors_under_compile():
         compiled(*bad, 1)
     assert torch.equal(case.k_cache, before)
     with pytest.raises(hybrid_ops.HybridInputError, match="forward_mode must be one of"):
-        compiled(*case.args, 9)
+        compiled(*case.args, 10)
     assert torch.equal(case.k_cache, before)

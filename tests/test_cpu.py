@@ -18,7 +18,7 @@ import torch
 from helpers.reference import expected_cache, fp8_case, fp8_store_case, make_case, reference, tree_mask_for
 
 import hybrid_ops
-from hybrid_ops import ForwardMode, select_path
+from hybrid_ops import ROUTING, ForwardMode, select_path
 from hybrid_ops.backends.cpu import _files, capability_flags, kernel_capability
 from hybrid_ops.backends.torch_ref import TorchBackend
 from hybrid_ops.fp8 import per_head
@@ -511,7 +511,7 @@ def test_without_a_compiler(monkeypatch):
 
 # The C++ entry points (kernels/cpu/dispatch.cpp): calls the native kernel serves never enter Python; all others reach
 # the ops' Python implementation, which runs the other backends and raises the errors.
-ROUTES = [(mode, spec) for mode in ForwardMode for spec in ("prefill", "decode")]
+ROUTES = [(mode, spec) for mode in ROUTING for spec in ("prefill", "decode")]
 
 
 @pytest.fixture
@@ -579,7 +579,7 @@ def test_rejected_calls_reach_python(python_calls):
         ),
         "window": (case.args, 1, {"sliding_window": 0}, "sliding_window must be -1"),
         "scale": (case.args, 1, {"scale": math.inf}, "scale must be a finite positive"),
-        "mode": (case.args, 9, {}, "forward_mode must be one of"),
+        "mode": (case.args, 10, {}, "forward_mode must be one of"),
         "spec mode": (case.args, 5, {"speculative_attention_mode": "x"}, "speculative_attention_mode must be"),
         "other backend": (case.args, 1, {"decode_backend": "nope"}, "decode_backend must be 'auto' or one of"),
         "decode shape": ((*(t[:-1] for t in case.args[:3]), *case.args[3:]), 2, {}, "same number of query tokens"),

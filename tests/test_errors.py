@@ -8,7 +8,7 @@ from helpers.bad_inputs import BAD_INPUTS, VALUE_INPUTS, call, valid_case
 from helpers.reference import assert_close, reference
 
 import hybrid_ops
-from hybrid_ops import HybridInputError, OutOfPagesError, PagedKVCache
+from hybrid_ops import ForwardMode, HybridInputError, OutOfPagesError, PagedKVCache
 
 
 def check_rejected(op, mutation, words, fn=call):
@@ -51,9 +51,19 @@ def test_bad_input_compiled(name):
 
 def test_unknown_mode():
     case = valid_case("prefill")
-    for mode in (0, 7, -1):
+    for mode in (0, 10, -1):
         with pytest.raises(HybridInputError, match="forward_mode must be one of"):
             torch.ops.hybrid.attn(*case.args, mode)
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.PREBUILT, ForwardMode.DLLM_EXTEND])
+def test_refused_mode_is_named(mode):
+    """sglang's modes that the ops cannot serve are refused by name, the cache untouched."""
+    case = valid_case("prefill")
+    before = case.k_cache.clone()
+    with pytest.raises(HybridInputError, match=f"forward_mode {mode.name} \\({int(mode)}\\) is not served: "):
+        torch.ops.hybrid.attn(*case.args, int(mode))
+    assert torch.equal(case.k_cache, before)
 
 
 def test_backend_missing_dependency_is_named():

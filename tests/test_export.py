@@ -17,7 +17,7 @@ STEPS = {
     ForwardMode.MIXED: ([5, 1, 1], [0, 6, 11]),
     ForwardMode.IDLE: ([], []),
     ForwardMode.TARGET_VERIFY: ([3, 3], [5, 8]),
-    ForwardMode.DRAFT_EXTEND: ([2, 2], [1, 6]),
+    ForwardMode.DRAFT_EXTEND_V2: ([2, 2], [1, 6]),
 }
 
 
@@ -106,5 +106,5 @@ def forward(self, q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table
     case = make_case([2], [3])
     before = case.k_cache.clone()
     with pytest.raises(Exception, match="forward_mode must be one of"):
-        package(*case.args, torch.tensor(9))
+        package(*case.args, torch.tensor(10))
     assert torch.equal(case.k_cache, before)

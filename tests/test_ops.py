@@ -8,7 +8,7 @@ from helpers.cases import mode_batch
 from helpers.reference import BACKENDS, assert_close, expected_cache, make_case, reference
 
 import hybrid_ops
-from hybrid_ops import ForwardMode
+from hybrid_ops import ROUTING, ForwardMode
 from hybrid_ops.backends.torch_ref import TorchBackend
 
 # Each axis covered once or twice; the product of all axes is the property-based tests' job.
@@ -81,7 +81,7 @@ def test_decode_lengths_off_page_boundaries(backend, prefixes, q_len):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("spec", ["prefill", "decode"])
-@pytest.mark.parametrize("mode", list(ForwardMode))
+@pytest.mark.parametrize("mode", list(ROUTING))
 def test_attn_every_mode(backend, spec, mode):
     q_lens, prefixes = mode_batch(mode, spec)
     case = make_case(q_lens, prefixes, num_q_heads=4, num_kv_heads=1)
@@ -221,7 +221,8 @@ def test_routing_reaches_the_named_backend():
         3: (prefill, prefill),
         4: (decode, decode),
         5: (prefill, decode),
-        6: (prefill, decode),
+        6: (prefill, prefill),
+        8: (prefill, prefill),
     }
     with hybrid_ops.register_backend(Recorder("rec_p")), hybrid_ops.register_backend(Recorder("rec_d")):
         for mode, methods in expected.items():
@@ -266,13 +267,12 @@ def test_opcheck_features(op):
         (ForwardMode.MIXED, [4, 1]),
         (ForwardMode.IDLE, []),
         (ForwardMode.TARGET_VERIFY, [2, 2]),
-        (ForwardMode.DRAFT_EXTEND, [2, 3]),
+        (ForwardMode.DRAFT_EXTEND_V2, [2, 3]),
+        (ForwardMode.SPLIT_PREFILL, [4, 1]),
     ],
 )
 @pytest.mark.parametrize("spec", ["prefill", "decode"])
 def test_opcheck_attn(mode, q_lens, spec):
-    if spec == "decode" and mode == ForwardMode.DRAFT_EXTEND:
-        q_lens = [2, 2]
     case = make_case(q_lens, [4] * len(q_lens), seed=1)
     torch.library.opcheck(torch.ops.hybrid.attn.default, (*case.args, int(mode)), {"speculative_attention_mode": spec})
 

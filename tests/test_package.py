@@ -69,7 +69,7 @@ MODE_STEPS = {
     ForwardMode.DECODE: ([7, 4], [1, 1]),
     ForwardMode.MIXED: ([0, 9], [5, 1]),
     ForwardMode.TARGET_VERIFY: ([6, 3], [3, 3]),
-    ForwardMode.DRAFT_EXTEND: ([2, 8], [2, 2]),
+    ForwardMode.DRAFT_EXTEND_V2: ([2, 8], [2, 2]),
 }
 
 

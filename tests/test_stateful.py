@@ -80,7 +80,7 @@ def test_op_contract(lightning):
 
 BAD_CALLS = [  # (change to the arguments, the message)
     (dict(forward_mode=int(ForwardMode.TARGET_VERIFY)), "forward_mode TARGET_VERIFY is a speculative mode, but "),
-    (dict(forward_mode=int(ForwardMode.DRAFT_EXTEND)), "forward_mode DRAFT_EXTEND is a speculative mode, but "),
+    (dict(forward_mode=int(ForwardMode.DRAFT_EXTEND_V2)), "forward_mode DRAFT_EXTEND_V2 is a speculative mode, but "),
     (dict(slots=[1, 1]), "state_slots must be distinct slots in [0, 4), got [1, 1]"),
     (dict(slots=[0, 4]), "state_slots must be distinct slots in [0, 4), got [0, 4]"),
     (dict(slots=[0]), "state_slots must have one slot per request (2), got 1"),

@@ -86,7 +86,7 @@ def test_verify_trees(backend, option, depth, width, seed):
     assert_close(out, reference(case, tree_mask=tree_mask, **options), torch.float32)
 
 
-MODES = [ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND]
+MODES = [ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2]
 
 
 @pytest.mark.parametrize(

@@ -222,7 +222,7 @@ class ModelRunner(StepRunner):
     there after the warm-up. cuda_graphs=True: "auto" backends mean "triton" on CUDA (FlashInfer plans on the host,
     outside the graphs).
     `states`: a hybrid model's state slots (`StatePool`), whose slots each step's `state_slots` name.
-    speculative_attention_mode: the ops' routing of TARGET_VERIFY and DRAFT_EXTEND steps ("prefill" or "decode").
+    speculative_attention_mode: the ops' routing of TARGET_VERIFY steps ("prefill" or "decode").
     compile_backend: torch.compile's backend ("eager" traces and guards as "inductor" does, without code generation).
     compile_options: Inductor's config while the forward runs and compiles; None: `default_compile_options`, or none
     with a compile_cache (Inductor caches no graph holding prepacked weights), for a tensor-parallel model (Inductor

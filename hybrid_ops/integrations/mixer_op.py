@@ -13,7 +13,7 @@ returns a list).
 
 Request i continues its state when it has a prefix (seq_lens[i] > its q_len) and starts from no state otherwise, so
 a slot is never read before the request's first forward writes it. The speculative modes (TARGET_VERIFY,
-DRAFT_EXTEND) are refused: a recurrent state cannot be rolled back to drop rejected draft tokens.
+DRAFT_EXTEND_V2) are refused: a recurrent state cannot be rolled back to drop rejected draft tokens.
 
 Like the attention ops, the op routes each call to a backend: the first of `MIXER_BACKENDS` that supports it. The
 torch backend runs the layer's own transformers code once per request (the requests that decode one token together,
@@ -29,7 +29,7 @@ import torch
 from ..errors import HybridInputError, check_input
 from ..modes import ForwardMode
 
-_REFUSED_MODES = (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
+_REFUSED_MODES = (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2)
 
 lib = torch.library.Library("hybrid", "FRAGMENT")
 lib.define(
