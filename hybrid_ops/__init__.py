@@ -12,13 +12,11 @@ from .backends import Backend, backend_names, get_backend, register_backend, unr
 from .cache import PagedKVCache
 from .errors import HybridInputError, HybridOpsError, OutOfPagesError
 from .generation import GenerationStats, HybridGenerator, SamplingParams, generate, package
-from .integrations.sglang import AttentionLayer, HybridAttnBackend, PhaseBackend
 from .metadata import ForwardBatch, build_metadata
 from .modes import ROUTING, ForwardMode, select_path
 from .settings import deterministic_enabled, set_deterministic, set_validation, validation_enabled
 
 __all__ = [
-    "AttentionLayer",
     "Backend",
     "backend_names",
     "build_metadata",
@@ -28,14 +26,12 @@ __all__ = [
     "generate",
     "GenerationStats",
     "get_backend",
-    "HybridAttnBackend",
     "HybridGenerator",
     "HybridInputError",
     "HybridOpsError",
     "OutOfPagesError",
     "package",
     "PagedKVCache",
-    "PhaseBackend",
     "SamplingParams",
     "register_backend",
     "ROUTING",

@@ -110,12 +110,11 @@ def pad_batch(batch: ForwardBatch, q_lens, scratch_page: int, page_size: int, se
     return padded
 
 
-def plan_for_graph(backend: str, path: str, cache, batch: ForwardBatch, q_dtype) -> None:
+def plan_for_graph(backend: str, path: str, k_cache, v_cache, batch: ForwardBatch, q_dtype) -> None:
     """Outside a CUDA graph, before its capture and before every replay: the backend named `backend`, as the layers'
-    ops choose it for q of `q_dtype` over `cache` (a `PagedKVCache`), plans `batch`'s static metadata for `path`
-    ("prefill" or "decode", the op the graph's layers run) into the buffers that the graph reads
+    ops choose it for q of `q_dtype` over a layer's caches (`k_cache`, `v_cache`), plans `batch`'s static metadata
+    for `path` ("prefill" or "decode", the op the graph's layers run) into the buffers that the graph reads
     (`Backend.plan_cuda_graph`: FlashInfer plans, the others need nothing)."""
-    k_cache, v_cache = cache.layer(0)
     features = Options(tree_mask=batch.tree_mask).resolve(k_cache.shape[-1], k_cache).features()
     spec = Spec(k_cache.device, q_dtype, k_cache.dtype, k_cache.shape[-1], v_cache.shape[-1], features)
     get_backend(backend, spec).plan_cuda_graph(path, k_cache, *batch.metadata, tree_mask=batch.tree_mask)

@@ -38,14 +38,22 @@ from hybrid_ops.backends.cpu import kernel_capability
 ROOT = Path(__file__).resolve().parent.parent
 
 TABLE = ROOT / "scripts" / "mutants.toml"
-Mutant = namedtuple("Mutant", "name file original mutated tests needs caught_on", defaults=(None, None))
+Mutant = namedtuple("Mutant", "name file original mutated tests needs caught_on python", defaults=(None, None, None))
+# The python of the engines' environment (sglang, vLLM), which .ci/run builds: the rows with `python = "engines"` run
+# their tests there.
+ENGINES_PYTHON = os.environ.get("HYBRID_OPS_ENGINES_PYTHON", str(ROOT / ".venv-engines" / "bin" / "python"))
+
+
+def python_of(mutant) -> str:
+    return ENGINES_PYTHON if mutant.python == "engines" else sys.executable
 
 
 def load_mutants(path: Path = TABLE) -> list:
     """The table's rows, in order; a row's `needs` is a CPU feature its code runs only with (amx, avx512_vbmi,
     avx512_bf16), its `caught_on` a regex of one more failure that counts as caught for it: an error raised on purpose
     by code not ours (FlashInfer's own checks, the recompile errors a test asks Dynamo for), or the error a check of
-    ours exists to replace (the model's IndexError for a token id past its vocabulary)."""
+    ours exists to replace (the model's IndexError for a token id past its vocabulary); its `python` "engines" for tests
+    of the engine integrations (`ENGINES_PYTHON`)."""
     rows = [Mutant(**row) for row in tomllib.loads(path.read_text())["mutant"]]
     names = [m.name for m in rows]
     if len(set(names)) != len(names):
@@ -100,11 +108,11 @@ def module_name(file: str, dirs: dict) -> str | None:
     return stem.replace("/", ".")
 
 
-def check_imports_from(copy: Path, env, files) -> None:
+def check_imports_from(copy: Path, env, files, python=sys.executable) -> None:
     """Every mutated module must import from the copy (an editable install of ROOT would otherwise win)."""
     modules = sorted({m for m in (module_name(f, package_dirs(copy)) for f in files) if m})
     code = "import importlib\n" + "".join(f"print(importlib.import_module({m!r}).__file__)\n" for m in modules)
-    result = subprocess.run([sys.executable, "-c", code], cwd=copy, env=env, capture_output=True, text=True)
+    result = subprocess.run([python, "-c", code], cwd=copy, env=env, capture_output=True, text=True)
     if result.returncode != 0:
         sys.exit(f"importing the copy's modules failed:\n{result.stderr}")
     for module, path in zip(modules, result.stdout.split()):
@@ -112,10 +120,10 @@ def check_imports_from(copy: Path, env, files) -> None:
             sys.exit(f"{module} imports from {path}, not from the copy {copy}")
 
 
-def run_tests(copy: Path, env, tests: str, extra) -> tuple[int, str, float, str]:
+def run_tests(copy: Path, env, tests: str, extra, python=sys.executable) -> tuple[int, str, float, str]:
     """(pytest's exit status, its summary counts, seconds, its output) for one selection, stopping at the first
     failure."""
-    command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *shlex.split(tests), *extra]
+    command = [python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *shlex.split(tests), *extra]
     start = time.perf_counter()
     try:
         result = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True, timeout=900)
@@ -161,7 +169,7 @@ def apply_and_test(copy: Path, env, mutant, extra) -> tuple:
         )
     path.write_text(original.replace(mutant.original, mutant.mutated))
     try:
-        returncode, summary, seconds, output = run_tests(copy, env, mutant.tests, extra)
+        returncode, summary, seconds, output = run_tests(copy, env, mutant.tests, extra, python_of(mutant))
     finally:
         path.write_text(original)
     return mutant.name, mutant.tests, summary, verdict(returncode, output, mutant.caught_on), seconds
@@ -205,7 +213,10 @@ def main() -> int:
         for i in range(max(1, args.jobs)):
             copy = Path(tmp, str(i)).resolve()
             copy_repository(copy)
-            check_imports_from(copy, env_of(copy), [m.file for m in mutants])
+            check_imports_from(copy, env_of(copy), [m.file for m in mutants if m.python is None])
+            if any(m.python == "engines" for m in mutants):
+                # The engine integrations import their engine, which imports only where the engine's tests set it up.
+                check_imports_from(copy, env_of(copy), ["hybrid_ops/__init__.py"], ENGINES_PYTHON)
             copies.put(copy)
 
         def in_a_copy(work, *work_args):
@@ -217,9 +228,9 @@ def main() -> int:
 
         with ThreadPoolExecutor(max(1, args.jobs)) as pool:
             # The unmutated copy must pass every selection, or a "caught" would mean nothing.
-            selections = [] if args.no_baseline else list(dict.fromkeys(m.tests for m in mutants))
-            baselines = pool.map(lambda tests: in_a_copy(run_tests, tests, args.pytest_args), selections)
-            for tests, (returncode, summary, seconds, _) in zip(selections, baselines):
+            selections = [] if args.no_baseline else list(dict.fromkeys((m.tests, python_of(m)) for m in mutants))
+            baselines = pool.map(lambda s: in_a_copy(run_tests, s[0], args.pytest_args, s[1]), selections)
+            for (tests, _), (returncode, summary, seconds, _) in zip(selections, baselines):
                 print(f"baseline  {tests:64} {summary:24} {seconds:5.1f} s", flush=True)
                 if returncode not in (0, 5):  # 5: --deselect may empty a selection
                     sys.exit(f"the unmutated copy fails `pytest {tests}`: fix the tests or the code first")

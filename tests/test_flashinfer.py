@@ -26,8 +26,9 @@ from helpers.reference import (
 )
 
 import hybrid_ops
-from hybrid_ops import AttentionLayer, ForwardMode, HybridAttnBackend, PagedKVCache, PhaseBackend
+from hybrid_ops import ROUTING, ForwardMode
 from hybrid_ops.backends.flashinfer import FlashInferBackend, to_flashinfer_metadata
+from hybrid_ops.buckets import plan_for_graph
 from hybrid_ops.options import Options
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -105,7 +106,7 @@ def step_case(mode, spec, dtype=torch.float16, seed=0, prefixes=(9, 0, 6, 13)):
 
 
 @pytest.mark.parametrize("spec", ["prefill", "decode"])
-@pytest.mark.parametrize("mode", list(ForwardMode))
+@pytest.mark.parametrize("mode", list(ROUTING))
 def test_every_mode(flashinfer_on_cpu, mode, spec):
     backend, kernels = flashinfer_on_cpu
     dtype = HALF[int(mode) % 2]
@@ -249,43 +250,6 @@ def test_cuda_graph_replays(flashinfer_on_cpu, monkeypatch, mode, spec, q_lens):
             assert all(run[name].data_ptr() == call[name].data_ptr() for name in BUFFERS)
 
 
-def test_phase_backend_capture_and_replay(flashinfer_on_cpu, monkeypatch):
-    """sglang's graph runner through HybridAttnBackend: the capture hook names the batch shape, the eager warm-up
-    plans each layer variant into its CUDA-graph wrapper, the captured layers only run, and the replay hook
-    re-plans every variant before the captured calls run again."""
-    backend, kernels = flashinfer_on_cpu
-    layers = [AttentionLayer(0), AttentionLayer(1, sliding_window=5, logit_cap=2.0)]
-    cache = PagedKVCache(40, 4, 2, D, num_layers=2, max_pages_per_request=8, dtype=torch.float16)
-    hybrid = HybridAttnBackend(PhaseBackend(cache, "flashinfer"), PhaseBackend(cache, "flashinfer"))
-    hybrid.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
-    hybrid.init_forward_metadata_capture_cuda_graph(3, 3, ForwardMode.DECODE)
-    static = hybrid.decode_backend.forward_batch
-    q, k, v = (torch.randn(3, h, D, dtype=torch.float16) for h in (4, 2, 2))
-    for layer in layers:  # the warm-up
-        hybrid.forward_decode(q, k, v, layer, static)
-    captured = len(kernels.runs)
-    with cuda_graph_capture(monkeypatch, kernels):
-        outs = [hybrid.forward_decode(q, k, v, layer, static) for layer in layers]
-    graph = kernels.runs[captured:]
-    assert backend.plans_made == 2 and len(graph) == 2
-    for seed in (1, 2):
-        case = make_case([1, 1, 1], [4 + seed, 9, 2 * seed], head_dim=D, dtype=torch.float16, seed=seed)
-        k_new, v_new = expected_cache(case)
-        for k_layer, v_layer in zip(cache.k_caches, cache.v_caches):
-            k_layer[: k_new.shape[0]], v_layer[: v_new.shape[0]] = k_new, v_new
-        real = hybrid_ops.build_metadata(
-            [1, 1, 1], case.seq_lens.tolist(), case.pages, max_pages=8, forward_mode=ForwardMode.DECODE
-        )
-        hybrid.init_forward_metadata_replay_cuda_graph(3, real)
-        assert backend.plans_made == 2 + 2 * seed
-        q.copy_(case.q)
-        replay(graph)
-        for out, layer in zip(outs, layers):
-            assert_close(
-                out, reference(case, sliding_window=layer.sliding_window, logit_cap=layer.logit_cap), torch.float16
-            )
-
-
 @pytest.mark.slow
 def test_compiled_plan_then_attn(flashinfer_on_cpu):
     """Inductor keeps hybrid::plan (no outputs) ahead of the attention, and its own partition predicate puts it
@@ -375,7 +339,7 @@ def test_fp8_cache(flashinfer_on_cpu, name, cache_dtype):
 
 
 @pytest.mark.parametrize("spec", ["prefill", "decode"])
-@pytest.mark.parametrize("mode", list(ForwardMode))
+@pytest.mark.parametrize("mode", list(ROUTING))
 def test_fp8_every_mode(flashinfer_on_cpu, mode, spec):
     backend, kernels = flashinfer_on_cpu
     dtype, cache_dtype = HALF[int(mode) % 2], (E4M3, E5M2)[int(mode) // 2 % 2]
@@ -458,44 +422,6 @@ def test_fp8_cuda_graph(flashinfer_on_cpu, monkeypatch, mode, spec, q_lens):
         assert torch.equal(v_cache[:pages].view(torch.uint8), v_want)
         assert backend.plans_made == seed + 1 and kernels.runs[-1]["plan_info"][5]  # planned for CUDA graphs
     assert planned_fp8(kernels, torch.bfloat16, E5M2)
-
-
-def test_fp8_phase_backend_capture_and_replay(flashinfer_on_cpu, monkeypatch):
-    """sglang's graph runner over an fp8 cache: the capture hook names the batch shape, the eager warm-up plans the
-    fp8 variant into its CUDA-graph wrapper, the captured layer only runs, and after each replay hook (which re-plans
-    it) the layer, run as the graph runs it, stores and attends over that step with the cache's current scales."""
-    backend, kernels = flashinfer_on_cpu
-    layer = AttentionLayer(0, sliding_window=5, logit_cap=2.0)
-    cache = PagedKVCache(40, 4, 2, D, max_pages_per_request=8, dtype=E4M3, kv_scale=0.5)
-    hybrid = HybridAttnBackend(PhaseBackend(cache, "flashinfer"), PhaseBackend(cache, "flashinfer"))
-    hybrid.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
-    hybrid.init_forward_metadata_capture_cuda_graph(3, 3, ForwardMode.DECODE)
-    static = hybrid.decode_backend.forward_batch
-    q, k, v = (torch.zeros(3, h, D, dtype=torch.bfloat16) for h in (4, 2, 2))
-    hybrid.forward_decode(q, k, v, layer, static)  # the warm-up
-    with cuda_graph_capture(monkeypatch, kernels):
-        hybrid.forward_decode(q, k, v, layer, static)
-    k_scale, v_scale = cache.k_scales[0], cache.v_scales[0]
-    for seed in (1, 2):
-        k_scale.fill_(0.5 * seed)
-        v_scale.fill_(2.0 / seed)
-        case = make_case([1, 1, 1], [4 + seed, 9, 2 * seed], head_dim=D, dtype=torch.bfloat16, seed=seed)
-        fp8, read, (k_want, v_want) = fp8_case(case, E4M3, k_scale, v_scale)
-        pages = fp8.k_cache.shape[0]
-        cache.k_caches[0][:pages], cache.v_caches[0][:pages] = fp8.k_cache, fp8.v_cache
-        real = hybrid_ops.build_metadata(
-            [1, 1, 1], case.seq_lens.tolist(), case.pages, max_pages=8, forward_mode=ForwardMode.DECODE
-        )
-        hybrid.init_forward_metadata_replay_cuda_graph(3, real)
-        for static_input, value in zip((q, k, v), (case.q, case.k, case.v)):
-            static_input.copy_(value)
-        with cuda_graph_capture(monkeypatch, kernels):
-            out = hybrid.forward_decode(q, k, v, layer, static)
-        assert_close(out, reference(read, sliding_window=5, logit_cap=2.0), torch.bfloat16)
-        assert torch.equal(cache.k_caches[0][:pages].view(torch.uint8), k_want)
-        assert torch.equal(cache.v_caches[0][:pages].view(torch.uint8), v_want)
-        assert backend.plans_made == 1 + seed
-    assert planned_fp8(kernels, torch.bfloat16, E4M3)
 
 
 def test_fp8_fp32_q_goes_to_another_backend(flashinfer_on_cpu):
@@ -627,7 +553,7 @@ def test_trees(flashinfer_on_cpu, name, option):
 @pytest.mark.parametrize("spec", ["prefill", "decode"])
 @pytest.mark.parametrize(
     "mode",
-    [ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND],
+    [ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2],
 )
 def test_tree_every_mode(flashinfer_on_cpu, mode, spec):
     backend, kernels = flashinfer_on_cpu
@@ -693,7 +619,7 @@ def test_tree_plan_op(flashinfer_on_cpu):
 TREE_GRAPH_STEPS = {  # (mode, speculative_attention_mode, tree shapes): the same B and T at every step
     "verify-decode": (ForwardMode.TARGET_VERIFY, "decode", [(2, 2)] * 3),
     "verify-prefill": (ForwardMode.TARGET_VERIFY, "prefill", [(2, 2)] * 3),
-    "draft-extend": (ForwardMode.DRAFT_EXTEND, "prefill", [(3, 2), None, (1, 1)]),  # ragged
+    "draft-extend": (ForwardMode.DRAFT_EXTEND_V2, "prefill", [(3, 2), None, (1, 1)]),  # ragged
 }
 TREE_GRAPH_STEP_CASES = slow_except(TREE_GRAPH_STEPS["verify-decode"], TREE_GRAPH_STEPS.values())
 
@@ -763,51 +689,55 @@ def test_tree_cuda_graph_replays(flashinfer_on_cpu, monkeypatch, mode, spec, sha
     assert graph[0]["custom_mask"].data_ptr() != graph[1]["custom_mask"].data_ptr()  # each tree variant its own
 
 
-@pytest.mark.parametrize("cache_dtype", slow_except(E4M3, [torch.bfloat16, E4M3]))
-def test_tree_phase_backend_capture_and_replay(flashinfer_on_cpu, monkeypatch, cache_dtype):
-    """sglang's graph runner for verify steps of trees through HybridAttnBackend: the capture hook (tree=True) names
-    the batch shape and points the tree mask at its static buffer, the eager warm-up plans each layer variant into
-    its CUDA-graph wrapper, the captured layers only run; after each replay hook, with another tree (the last with
-    fewer requests, padded), the layers, run as the graph runs them, attend over that step's tree."""
+def test_graph_planning_takes_each_steps_tree(flashinfer_on_cpu, monkeypatch):
+    """An engine's CUDA graph of verify steps with trees over static buffers (`buckets.plan_for_graph` before the
+    capture and before every replay, as the sglang backend's hooks call it): the eager warm-up plans each layer
+    variant into its CUDA-graph wrapper, the captured layers only run, and after each re-plan with another tree in the
+    static buffer the replayed layers attend over that tree."""
     backend, kernels = flashinfer_on_cpu
-    fp8 = cache_dtype == E4M3
-    layers = [AttentionLayer(0, logit_cap=2.0), AttentionLayer(1, sliding_window=3)]
-    cache = PagedKVCache(
-        60, 4, 2, D, num_layers=2, max_pages_per_request=8, dtype=cache_dtype, reserve_scratch=True, kv_scale=0.5
+    options = [dict(logit_cap=2.0), dict(sliding_window=3)]
+    static_case, static_tree = tree_case([(2, 2)] * 3, [4, 9, 2], 6, 0, torch.bfloat16, full=True)
+    # Caches and tables with room for every step's case.
+    k_cache, v_cache = (
+        torch.zeros(32, *c.shape[1:], dtype=c.dtype) for c in (static_case.k_cache, static_case.v_cache)
     )
-    phases = [PhaseBackend(cache, "flashinfer") for _ in range(2)]
-    hybrid = HybridAttnBackend(*phases, speculative_attention_mode="decode", speculative=True)
-    hybrid.init_cuda_graph_state(max_bs=3, max_num_tokens=15)
-    hybrid.init_forward_metadata_capture_cuda_graph(3, 15, ForwardMode.TARGET_VERIFY, tree=True)
-    static = hybrid.decode_backend.forward_batch
-    q, k, v = (torch.zeros(15, h, D, dtype=torch.bfloat16) for h in (8, 2, 2))
-    for layer in layers:  # the warm-up
-        hybrid.forward_extend(q, k, v, layer, static)
+    width = 8
+    static = hybrid_ops.build_metadata(
+        [5] * 3,
+        static_case.seq_lens.tolist(),
+        static_case.pages,
+        max_pages=width,
+        forward_mode=ForwardMode.TARGET_VERIFY,
+    )
+    static.tree_mask = static_tree.clone()
+    q, k, v = static_case.q.clone(), static_case.k.clone(), static_case.v.clone()
+
+    def layers():
+        return [
+            torch.ops.hybrid.prefill(
+                q, k, v, k_cache, v_cache, *static.metadata, tree_mask=static.tree_mask, backend="flashinfer", **o
+            )
+            for o in options
+        ]
+
+    plan_for_graph("flashinfer", "prefill", k_cache, v_cache, static, torch.bfloat16)
+    layers()  # the warm-up
     with cuda_graph_capture(monkeypatch, kernels):
-        for layer in layers:
-            hybrid.forward_extend(q, k, v, layer, static)
-    for seed, num_requests in ((1, 3), (2, 3), (3, 2)):
-        shapes = [(2, 2)] * num_requests
-        case, tree_mask = tree_case(shapes, [4 + seed, 9, 2 * seed][:num_requests], 6, seed, torch.bfloat16, full=True)
-        read = case
-        if fp8:
-            case, read, _ = fp8_case(case, E4M3, cache.k_scales[0], cache.v_scales[0])
+        outs = layers()
+    for seed in (1, 2):
+        case, tree_mask = tree_case([(2, 2)] * 3, [4 + seed, 9, 2 * seed], 6, seed, torch.bfloat16, full=True)
         pages = case.k_cache.shape[0]
-        for k_layer, v_layer in zip(cache.k_caches, cache.v_caches):
-            k_layer[:pages], v_layer[:pages] = case.k_cache, case.v_cache
-        real = hybrid_ops.build_metadata(
-            case.q_lens, case.seq_lens.tolist(), case.pages, max_pages=8, forward_mode=ForwardMode.TARGET_VERIFY
-        )
-        real.tree_mask = tree_mask
-        hybrid.init_forward_metadata_replay_cuda_graph(3, real)
-        tokens = case.q.shape[0]
-        for static_input, value in zip((q, k, v), (case.q, case.k, case.v)):
-            static_input[:tokens].copy_(value)
-        for layer in layers:
-            with cuda_graph_capture(monkeypatch, kernels):
-                out = hybrid.forward_extend(q, k, v, layer, static)
-            options = dict(sliding_window=layer.sliding_window, logit_cap=layer.logit_cap)
-            assert_close(out[:tokens], reference(read, tree_mask=tree_mask, **options), torch.bfloat16)
+        k_cache[:pages], v_cache[:pages] = case.k_cache, case.v_cache
+        real = hybrid_ops.build_metadata(case.q_lens, case.seq_lens.tolist(), case.pages, max_pages=width)
+        for buffer, value in zip((*static.metadata, static.tree_mask), (*real.metadata, tree_mask)):
+            buffer.copy_(value)
+        for buffer, value in zip((q, k, v), (case.q, case.k, case.v)):
+            buffer.copy_(value)
+        plan_for_graph("flashinfer", "prefill", k_cache, v_cache, static, torch.bfloat16)
+        with cuda_graph_capture(monkeypatch, kernels):
+            outs = layers()
+        for out, o in zip(outs, options):
+            assert_close(out, reference(case, tree_mask=tree_mask, **o), torch.bfloat16)
         assert backend.plans_made == 2 + 2 * seed
     assert ran_trees(kernels)
 

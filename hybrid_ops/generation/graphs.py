@@ -47,7 +47,7 @@ class CudaGraphStep:
     def _plan(self, forward_mode, static):
         batch = ForwardBatch(ForwardMode(forward_mode), *static[3:6])
         path = select_path(batch.forward_mode)  # as hybrid::attn routes it (a package's speculative mode: "prefill")
-        plan_for_graph(self.backends[path == "decode"], path, self.cache, batch, self.q_dtype)
+        plan_for_graph(self.backends[path == "decode"], path, *self.cache.layer(0), batch, self.q_dtype)
 
     def _capture(self, forward_mode, inputs):
         """One eager run of the step on a side stream (first launches and lazy initialisation stay out of the

@@ -1,0 +1,3 @@
+from _unavailable import stand_in
+
+__getattr__ = stand_in(__name__)

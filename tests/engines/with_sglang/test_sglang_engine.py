@@ -1,0 +1,179 @@
+"""sglang's own Engine and server with hybrid_ops as its attention backend, on tiny local models (nothing downloaded):
+greedy ids equal to transformers' and to sglang's own torch_native backend's, with ours as prefill, as decode and as
+both, batched, on radix-cache hits, with pages of 16 tokens, and compiled by sglang's CPU graph runner."""
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import sglang
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+)
+
+VOCAB = 96
+# Token ids from 3 on (0 pads, 1 and 2 are bos and eos); the second prompt crosses a page of 16 and the window.
+PROMPTS = [[(7 * i + 3 * j) % 90 + 3 for j in range(n)] for i, n in enumerate([5, 23, 9])]
+# The second prompt again, longer: its first 23 tokens are a radix-cache hit (16 of them with pages of 16).
+HIT = PROMPTS[1] + [5, 6, 7]
+NEW_TOKENS = 8
+SIZES = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**SIZES),
+    # Every layer windowed (a window of 6 tokens, shorter than the second prompt): sglang's plain pool, the layers'
+    # sliding_window_size 5.
+    "mistral_window": lambda: MistralConfig(**SIZES, sliding_window=6),
+}
+
+
+def save_model(name, directory):
+    """A random `name` model of tiny sizes in fp32, with a word-level tokenizer: token id i is the word "t{i}"."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[name]()).eval()
+    model.save_pretrained(directory)
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="t0", pad_token="t0", bos_token="t1", eos_token="t2"
+    )
+    fast.save_pretrained(directory)
+    greedy = GenerationConfig(do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=0, eos_token_id=None)
+    ids = []
+    with torch.no_grad():
+        for prompt in [*PROMPTS, HIT]:
+            out = model.generate(torch.tensor([prompt]), generation_config=greedy)
+            ids.append(out[0, len(prompt) :].tolist())
+    return ids
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def model(request, tmp_path_factory):
+    """(name, directory, transformers' greedy ids of PROMPTS then HIT)."""
+    directory = tmp_path_factory.mktemp(request.param)
+    return request.param, str(directory), save_model(request.param, directory)
+
+
+def engine_ids(directory, **server_args):
+    """sglang's Engine on the model: the greedy ids of PROMPTS as one batch, then of HIT (a radix-cache hit), and
+    the tokens that hit reused."""
+    engine = sglang.Engine(
+        model_path=directory, device="cpu", dtype="float32", mem_fraction_static=0.02, disable_cuda_graph=True,
+        **server_args,
+    )  # fmt: skip
+    try:
+        greedy = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+        batch = engine.generate(input_ids=PROMPTS, sampling_params=greedy)
+        hit = engine.generate(input_ids=[HIT], sampling_params=greedy)[0]
+    finally:
+        engine.shutdown()
+    return [o["output_ids"] for o in batch] + [hit["output_ids"]], hit["meta_info"]["cached_tokens"]
+
+
+@pytest.fixture(scope="module")
+def native(model):
+    """sglang's own torch_native backend's ids."""
+    return engine_ids(model[1], attention_backend="torch_native")[0]
+
+
+ROLES = {
+    "both": dict(attention_backend="hybrid_ops"),
+    "prefill": dict(prefill_attention_backend="hybrid_ops", decode_attention_backend="torch_native"),
+    "decode": dict(prefill_attention_backend="torch_native", decode_attention_backend="hybrid_ops"),
+    "pages_of_16": dict(attention_backend="hybrid_ops", page_size=16),
+}
+
+
+@pytest.mark.parametrize("role", list(ROLES))
+def test_greedy_ids(model, native, role):
+    """Ours as both backends, as sglang's HybridAttnBackend's prefill or decode half, and over pages of 16 tokens:
+    transformers' ids and torch_native's, batched and on the radix-cache hit."""
+    name, directory, want = model
+    ids, cached = engine_ids(directory, **ROLES[role])
+    assert ids == want
+    assert ids == native
+    assert cached == (16 if role == "pages_of_16" else len(PROMPTS[1]))
+
+
+def test_compiled_by_the_cpu_graph_runner(model, capfd):
+    """`--enable-torch-compile`: sglang's CPU graph runner compiles the model per decode batch size (1 and 2) with our
+    ops inside and replays those graphs (its log says "cpu graph: True"), with transformers' ids."""
+    name, directory, want = model
+    engine = sglang.Engine(
+        model_path=directory, device="cpu", dtype="float32", mem_fraction_static=0.02, attention_backend="hybrid_ops",
+        enable_torch_compile=True, cuda_graph_bs_decode=[1, 2], torch_compile_max_bs=2, log_level="info",
+        decode_log_interval=1,
+    )  # fmt: skip
+    try:
+        greedy = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+        pair = engine.generate(input_ids=PROMPTS[:2], sampling_params=greedy)
+        alone = engine.generate(input_ids=[PROMPTS[2]], sampling_params=greedy)
+    finally:
+        engine.shutdown()
+    assert [o["output_ids"] for o in pair + alone] == want[:3]
+    log = capfd.readouterr().err
+    assert "Capture cpu graph bs [1, 2]" in log
+    assert "cpu graph: True" in log
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_launch_server_answers_completions(model, tmp_path):
+    """`python -m sglang.launch_server --attention-backend hybrid_ops --device cpu` (the plugin's command-line
+    choice) answers a completions request, with pages of 16 tokens, with transformers' greedy tokens."""
+    name, directory, want = model
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+    command = [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", directory, "--attention-backend", "hybrid_ops",
+        "--device", "cpu", "--dtype", "float32", "--page-size", "16", "--mem-fraction-static", "0.02", "--host",
+        "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the server did not start in 300 s"
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except OSError:
+                time.sleep(2)
+        prompt = " ".join(f"t{i}" for i in PROMPTS[1])
+        body = {"model": directory, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        answer = json.loads(urllib.request.urlopen(request, timeout=120).read())
+    finally:
+        server.terminate()
+        server.wait(60)
+    words = answer["choices"][0]["text"].split()
+    assert [int(w[1:]) for w in words] == want[1]
