@@ -15,9 +15,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
     GenerationConfig,
     LlamaConfig,
-    MistralConfig,
     PreTrainedTokenizerFast,
 )
 
@@ -42,16 +42,28 @@ SIZES = dict(
 )
 CONFIGS = {
     "llama": lambda: LlamaConfig(**SIZES),
-    # Every layer windowed (a window of 6 tokens, shorter than the second prompt): sglang's plain pool, the layers'
-    # sliding_window_size 5.
-    "mistral_window": lambda: MistralConfig(**SIZES, sliding_window=6),
+    # Gemma 2: windows of 6 tokens (shorter than the second prompt; sglang's layers pass 5) on every other layer, the
+    # others global, and soft-capped logits, over sglang's plain pool. (sglang's Llama, Mistral and Qwen2 ignore a
+    # config's sliding_window, so they cannot carry windows here.) sglang's Gemma 2 reads `hidden_act`, which
+    # transformers' config calls `hidden_activation` (both are given), and always ties the output to the embeddings.
+    "gemma2": lambda: Gemma2Config(
+        **{**SIZES, "tie_word_embeddings": True},
+        head_dim=16,
+        sliding_window=6,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=None,
+        query_pre_attn_scalar=16,
+        hidden_act="gelu_pytorch_tanh",
+    ),  # fmt: skip
 }
 
 
 def save_model(name, directory):
-    """A random `name` model of tiny sizes in fp32, with a word-level tokenizer: token id i is the word "t{i}"."""
+    """A random `name` model of tiny sizes in fp32, with a word-level tokenizer that reads token id i as the word
+    "t{i}"."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(CONFIGS[name]()).eval()
+    # Eager attention: transformers' SDPA path leaves out soft-capping.
+    model = AutoModelForCausalLM.from_config(CONFIGS[name](), attn_implementation="eager").eval()
     model.save_pretrained(directory)
     tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -69,11 +81,23 @@ def save_model(name, directory):
     return ids
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """name -> (name, directory, transformers' greedy ids of PROMPTS then HIT), each model saved once."""
+    models = {}
+
+    def get(name):
+        if name not in models:
+            directory = tmp_path_factory.mktemp(name)
+            models[name] = name, str(directory), save_model(name, directory)
+        return models[name]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=list(CONFIGS))
-def model(request, tmp_path_factory):
-    """(name, directory, transformers' greedy ids of PROMPTS then HIT)."""
-    directory = tmp_path_factory.mktemp(request.param)
-    return request.param, str(directory), save_model(request.param, directory)
+def model(request, saved):
+    return saved(request.param)
 
 
 def engine_ids(directory, **server_args):
@@ -144,10 +168,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_launch_server_answers_completions(model, tmp_path):
+def test_launch_server_answers_completions(saved, tmp_path):
     """`python -m sglang.launch_server --attention-backend hybrid_ops --device cpu` (the plugin's command-line
     choice) answers a completions request, with pages of 16 tokens, with transformers' greedy tokens."""
-    name, directory, want = model
+    name, directory, want = saved("llama")
     port = free_port()
     log = open(tmp_path / "server.log", "w")
     command = [
@@ -166,8 +190,14 @@ def test_launch_server_answers_completions(model, tmp_path):
                 break
             except OSError:
                 time.sleep(2)
-        prompt = " ".join(f"t{i}" for i in PROMPTS[1])
-        body = {"model": directory, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+        # The prompt as token ids (the completions API takes them): the ids, not a tokenizer's reading of text.
+        body = {
+            "model": directory,
+            "prompt": PROMPTS[1],
+            "max_tokens": NEW_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         request = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
         )
