@@ -11,88 +11,7 @@ import urllib.request
 
 import pytest
 import sglang
-import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (
-    AutoModelForCausalLM,
-    Gemma2Config,
-    GenerationConfig,
-    LlamaConfig,
-    PreTrainedTokenizerFast,
-)
-
-VOCAB = 96
-# Token ids from 3 on (0 pads, 1 and 2 are bos and eos); the second prompt crosses a page of 16 and the window.
-PROMPTS = [[(7 * i + 3 * j) % 90 + 3 for j in range(n)] for i, n in enumerate([5, 23, 9])]
-# The second prompt again, longer: its first 23 tokens are a radix-cache hit (16 of them with pages of 16).
-HIT = PROMPTS[1] + [5, 6, 7]
-NEW_TOKENS = 8
-SIZES = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-    tie_word_embeddings=False,
-)
-CONFIGS = {
-    "llama": lambda: LlamaConfig(**SIZES),
-    # Gemma 2: windows of 6 tokens (shorter than the second prompt; sglang's layers pass 5) on every other layer, the
-    # others global, and soft-capped logits, over sglang's plain pool. (sglang's Llama, Mistral and Qwen2 ignore a
-    # config's sliding_window, so they cannot carry windows here.) sglang's Gemma 2 reads `hidden_act`, which
-    # transformers' config calls `hidden_activation` (both are given), and always ties the output to the embeddings.
-    "gemma2": lambda: Gemma2Config(
-        **{**SIZES, "tie_word_embeddings": True},
-        head_dim=16,
-        sliding_window=6,
-        attn_logit_softcapping=2.0,
-        final_logit_softcapping=None,
-        query_pre_attn_scalar=16,
-        hidden_act="gelu_pytorch_tanh",
-    ),  # fmt: skip
-}
-
-
-def save_model(name, directory):
-    """A random `name` model of tiny sizes in fp32, with a word-level tokenizer that reads token id i as the word
-    "t{i}"."""
-    torch.manual_seed(0)
-    # Eager attention: transformers' SDPA path leaves out soft-capping.
-    model = AutoModelForCausalLM.from_config(CONFIGS[name](), attn_implementation="eager").eval()
-    model.save_pretrained(directory)
-    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.decoder = decoders.WordPiece()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="t0", pad_token="t0", bos_token="t1", eos_token="t2"
-    )
-    fast.save_pretrained(directory)
-    greedy = GenerationConfig(do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=0, eos_token_id=None)
-    ids = []
-    with torch.no_grad():
-        for prompt in [*PROMPTS, HIT]:
-            out = model.generate(torch.tensor([prompt]), generation_config=greedy)
-            ids.append(out[0, len(prompt) :].tolist())
-    return ids
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """name -> (name, directory, transformers' greedy ids of PROMPTS then HIT), each model saved once."""
-    models = {}
-
-    def get(name):
-        if name not in models:
-            directory = tmp_path_factory.mktemp(name)
-            models[name] = name, str(directory), save_model(name, directory)
-        return models[name]
-
-    return get
+from tiny_models import CONFIGS, HIT, NEW_TOKENS, PROMPTS
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -136,7 +55,7 @@ def test_greedy_ids(model, native, role):
     transformers' ids and torch_native's, batched and on the radix-cache hit."""
     name, directory, want = model
     ids, cached = engine_ids(directory, **ROLES[role])
-    assert ids == want
+    assert ids == want[:4]
     assert ids == native
     assert cached == (16 if role == "pages_of_16" else len(PROMPTS[1]))
 

@@ -1,0 +1,16 @@
+"""vLLM's tests run in the engines' environment (.ci/run) on vLLM's CPU platform, in its recommended settings for a
+machine of two cores: compute on both (`VLLM_CPU_OMP_THREADS_BIND`, where `auto` keeps one for its scheduler), and
+vLLM's caches and sockets in a folder of the session's own rather than shared places."""
+
+import os
+import tempfile
+
+PRIVATE = tempfile.mkdtemp(prefix="vllm_tests_")
+for name, value in {
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_CACHE_ROOT": os.path.join(PRIVATE, "cache"),
+    "VLLM_RPC_BASE_PATH": os.path.join(PRIVATE, "rpc"),
+    "TORCHINDUCTOR_CACHE_DIR": os.path.join(PRIVATE, "inductor"),
+}.items():
+    os.makedirs(value, exist_ok=True)
+    os.environ.setdefault(name, value)
