@@ -168,7 +168,7 @@ class HybridOpsImpl(AttentionImpl[HybridOpsMetadata]):
     ):
         refused = {
             "ALiBi slopes": alibi_slopes is not None,
-            f"{attn_type} attention": attn_type != AttentionType.DECODER,
+            f"{AttentionType(attn_type).value} attention": attn_type != AttentionType.DECODER,
             "KV sharing": kv_sharing_target_layer_name is not None,
             f"the options {sorted(kwargs)}": bool(kwargs),
         }
