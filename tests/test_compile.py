@@ -41,7 +41,10 @@ def size_class(case):
     return tuple(min(size, 2) for t in case.args for size in t.shape)
 
 
-def warm_then_check(compiled, steps, check, warm_up=len(ROUTING) * 3):
+WARM_UP = len(ROUTING) * 3  # the steps of every mode at batch sizes 1 to 3 that `random_steps` begins with
+
+
+def warm_then_check(compiled, steps, check, warm_up=WARM_UP):
     """The first `warm_up` steps (every mode at a few batch sizes: Dynamo learns which sizes vary) and one step of
     each further size class, then every step with recompiles made errors; `check(out, case)` each output."""
     classes = set()
