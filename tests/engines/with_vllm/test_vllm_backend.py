@@ -94,12 +94,13 @@ class Requests:
         self.k = [torch.zeros(0, HKV, D) for _ in range(num_requests)]
         self.v = [torch.zeros(0, HKV, D) for _ in range(num_requests)]
 
-    def step(self, q_lens):
-        """CommonAttentionMetadata of the step (vLLM's), and its q, k, v: [T, H, D] (k, v appended to the kept)."""
+    def step(self, q_lens, dtype=torch.float32):
+        """CommonAttentionMetadata of the step (vLLM's), and its q, k, v: [T, H, D] in `dtype` (k, v appended to the
+        kept)."""
         starts = [0]
         for n in q_lens:
             starts.append(starts[-1] + n)
-        k_new, v_new = torch.randn(starts[-1], HKV, D), torch.randn(starts[-1], HKV, D)
+        k_new, v_new = (torch.randn(starts[-1], HKV, D).to(dtype) for _ in range(2))
         slots = []
         for i, n in enumerate(q_lens):
             first = self.k[i].shape[0]
@@ -116,7 +117,7 @@ class Requests:
             num_actual_tokens=starts[-1], max_query_len=max(q_lens), max_seq_len=int(seq_lens.max()),
             block_table_tensor=table, slot_mapping=torch.tensor(slots, dtype=torch.int64),
         )  # fmt: skip
-        return metadata, torch.randn(starts[-1], HQ, D), k_new, v_new
+        return metadata, torch.randn(starts[-1], HQ, D).to(dtype), k_new, v_new
 
     def reference(self, q, q_lens, scale, window=-1, cap=0.0, sinks=None):
         """float64: token j of request i, at position L - q_len + j, sees the kept keys up to its own (the last
@@ -142,8 +143,8 @@ class Requests:
 
 def attend(impl, builder, metadata, q, k, v, kv_cache, layer=None):
     """The layer's call as vLLM makes it: a padded output buffer, the builder's metadata, impl.forward."""
-    output = torch.full((q.shape[0] + 3, HQ, D), float("nan"))
-    padded = [torch.cat([t, torch.randn(3, *t.shape[1:])]) for t in (q, k, v)]
+    output = torch.full((q.shape[0] + 3, HQ, D), float("nan"), dtype=q.dtype)
+    padded = [torch.cat([t, torch.randn(3, *t.shape[1:]).to(t.dtype)]) for t in (q, k, v)]
     attn_metadata = builder.build(0, metadata)
     # A step of decodes alone takes the ops' decode path; any other step their prefill path.
     decode = metadata.num_actual_tokens == metadata.num_reqs
@@ -180,6 +181,18 @@ def test_steps_against_float64(layout, options):
             None if sinks is None else sinks.float(),
         )  # fmt: skip
         assert_close(out, want, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_16_bit_models(dtype):
+    """bf16 and fp16 models over caches of their dtype."""
+    rng = random.Random(str(dtype))
+    kv_cache = layer_caches(KVCacheLayout.LBHNC, dtype)[0]
+    impl, builder, requests = integration.HybridOpsImpl(HQ, D, D**-0.5, HKV), builder_for(dtype), Requests(rng, 2)
+    for q_lens in ([19, 6], [1, 1]):
+        metadata, q, k, v = requests.step(q_lens, dtype)
+        out = attend(impl, builder, metadata, q, k, v, kv_cache)
+        assert_close(out, requests.reference(q, q_lens, D**-0.5), dtype)
 
 
 def test_blocks_zeroed_and_copied_whole():
