@@ -90,10 +90,25 @@ def long_case(name, option, dtype, seed, cases=CASES, options=OPTIONS):
     return op, case, options
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("option", OPTIONS)
-@pytest.mark.parametrize("name", CASES)
-def test_long_contexts_against_float64(name, option, dtype):
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def diagonal(*axes):
+    """Every combination of the axes' keys as a pytest.param, those off a diagonal marked slow: the fast tier (which
+    .ci/run also runs at ATEN_CPU_CAPABILITY=default) takes each key of the first axis once with each key of the
+    second, and the third's keys in turn, so that each path and option still runs there at least once."""
+    params = []
+    for i, a in enumerate(axes[0]):
+        for j, b in enumerate(axes[1]):
+            for k, c in enumerate(axes[2]):
+                fast = k == (i + 2 * j) % len(axes[2])
+                params.append(pytest.param(a, b, c, id=f"{a}-{b}-{c}", marks=() if fast else pytest.mark.slow))
+    return params
+
+
+@pytest.mark.parametrize("name, dtype, option", diagonal(CASES, DTYPES, OPTIONS))
+def test_long_contexts_against_float64(name, dtype, option):
+    dtype = DTYPES[dtype]
     check_long_case(name, option, dtype)
 
 
@@ -137,13 +152,16 @@ def check_fp8(op, case, cache_dtype, k_scale, v_scale, **options):
 # Each case with one q dtype; per-head scales without options and with a value head dim, sinks and a window; one
 # scale with a window and a soft-cap.
 FP8_DTYPES = dict(zip(CASES, [torch.bfloat16, torch.float32, torch.float16] * 3))
-FP8_OPTIONS = [("per_head", "default"), ("per_head", "v_head_dim_sinks_window"), ("one", "window_softcap")]
+FP8_OPTIONS = {
+    "per_head": ("per_head", "default"),
+    "per_head_v_head_dim_sinks_window": ("per_head", "v_head_dim_sinks_window"),
+    "one_window_softcap": ("one", "window_softcap"),
+}
 
 
-@pytest.mark.parametrize("scales, option", FP8_OPTIONS)
-@pytest.mark.parametrize("cache_dtype", FP8)
-@pytest.mark.parametrize("name", CASES)
-def test_fp8_long_contexts_against_float64(name, cache_dtype, scales, option):
+@pytest.mark.parametrize("name, cache_dtype, options", diagonal(CASES, FP8, FP8_OPTIONS))
+def test_fp8_long_contexts_against_float64(name, cache_dtype, options):
+    scales, option = FP8_OPTIONS[options]
     op, case, options = long_case(name, option, FP8_DTYPES[name], seed=11)
     check_fp8(op, case, FP8[cache_dtype], *fp8_scales(scales, case.k.shape[1]), **options)
 
@@ -285,6 +303,7 @@ def test_bf16_cpus_load_the_pairs_build():
     assert "bf16" in kernels.__name__.split("_") and kernels.BF16_PAIRS
 
 
+@pytest.mark.slow
 def test_bf16_pairs_compile_to_dot_products(tmp_path):
     """attend_inplace.cpp, compiled alone with the flags of the AVX512 build with BF16, multiplies bf16 pairs
     (vdpbf16ps) and rounds the probabilities to bf16 (vcvtneps2bf16): on any machine."""

@@ -1,6 +1,7 @@
-"""vLLM's tests run in the engines' environment (.ci/run) on vLLM's CPU platform, in its recommended settings for a
-machine of two cores: compute on both (`VLLM_CPU_OMP_THREADS_BIND`, where `auto` keeps one for its scheduler), and
-vLLM's caches and sockets in a folder of the session's own rather than shared places."""
+"""vLLM's tests run in the engines' environment (.ci/run) on vLLM's CPU platform: its compute threads left unbound
+(`VLLM_CPU_OMP_THREADS_BIND=nobind`; `auto` keeps a core for its scheduler, and under pytest-xdist two engines run at
+once, each with the threads tests/conftest.py gives a worker), and vLLM's caches and sockets in a folder of the
+session's own rather than shared places."""
 
 import os
 import tempfile
