@@ -5,6 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${1:-.venv-engines}
+# Modules compiled to bytecode when first imported, not all of them at install: .ci/run builds this beside its suite.
+export PIP_NO_COMPILE=1
 python3 -m venv "$venv"
 pip="$venv/bin/pip"
 # torch named in every install: pip then keeps the CPU wheel (an unpinned torch is a multi-GB CUDA build).

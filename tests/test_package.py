@@ -151,7 +151,6 @@ def test_fp8_cache_through_the_package(tmp_path):
 ARCHITECTURES = {
     "mistral_window": lambda: small_model("mistral_window"),
     "gemma2": lambda: small_model("gemma2"),
-    "qwen3": lambda: make_model(tiny_config("qwen3")),
     "gemma3_text": lambda: make_model(tiny_config("gemma3_text")),
     "gpt_oss": lambda: make_model(tiny_config("gpt_oss")),
     "deepseek_v3": lambda: make_model(tiny_config("deepseek_v3")),

@@ -47,8 +47,10 @@ def test_eager_generate_matches_transformers(name):
     assert hybrid_tokens(small_model(name)) == reference_tokens(small_model(name))
 
 
+# Compiled: the window and the soft-capped, alternating layers (Llama compiled: tests/test_examples.py's demo, against
+# transformers' compiled static-cache generate; Qwen2's attention is Llama's).
 @pytest.mark.slow
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", ["mistral_window", "gemma2"])
 def test_compiled_generate_matches_and_never_recompiles(name, fresh_dynamo):
     generator = HybridGenerator(small_model(name), **SIZES)
     want = reference_tokens(small_model(name))
