@@ -21,7 +21,6 @@ parallel region (Intel OpenMP 200 ms), which would take a core from whatever the
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -215,17 +214,7 @@ def serve(requests, reply):
         engine.stop()
 
 
-def main():
-    protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w")
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # an engine's prints (C or Python) must not enter the protocol
-    sys.stdout = sys.stderr
-
-    def reply(text):
-        protocol.write(text + "\n")
-        protocol.flush()
-
-    serve(sys.stdin, reply)
-
-
 if __name__ == "__main__":
-    main()
+    from peer_worker import run  # this script's folder is first on the path
+
+    run(serve)

@@ -195,6 +195,12 @@ def tokens_as(tokens, reference):
     return sum(next((i for i, (a, b) in enumerate(zip(t, r)) if a != b), len(r)) for t, r in zip(tokens, reference))
 
 
+def failed(notes, name, error):
+    """The first line of a row's failure, kept as its note and printed."""
+    notes[name] = str(error).splitlines()[0][:300]
+    print(f"    {name}: {notes[name]}", flush=True)
+
+
 def spread(values):
     return [min(values), max(values)]
 
@@ -209,8 +215,7 @@ def alternate(methods, prompts, new_tokens, reps, notes):
             method.generate(prompts, new_tokens)
             live[name] = method
         except PeerError as e:
-            notes[name] = str(e).splitlines()[0][:300]
-            print(f"    {name} failed: {notes[name]}", flush=True)
+            failed(notes, name, e)
     runs = {name: [] for name in live}
     for round_ in range(reps):
         names = list(live)
@@ -221,8 +226,7 @@ def alternate(methods, prompts, new_tokens, reps, notes):
             try:
                 runs[name].append(live[name].generate(prompts, new_tokens))
             except PeerError as e:
-                notes[name] = str(e).splitlines()[0][:300]
-                print(f"    {name} failed: {notes[name]}", flush=True)
+                failed(notes, name, e)
                 del live[name], runs[name]
     return runs
 
@@ -365,8 +369,7 @@ def sglang_section(quick, reps, python):
                     options = SGLANG_OPTIONS | dict(attention_backend=backend)
                     methods[name] = section.engine_row(name, model_dir, dtype, options, env)
                 except PeerError as e:
-                    notes[name] = str(e).splitlines()[0][:300]
-                    print(f"    {name}: {notes[name]}", flush=True)
+                    failed(notes, name, e)
             try:
                 section.run_model(model_name, model, methods, notes, must_agree=dtype == "float32")
             finally:
@@ -417,8 +420,7 @@ def vllm_section(quick, reps, python):
                         raise PeerError(f"its layers hold {engine.attention}, not {VLLM_IMPLS[name]}")
                 except PeerError as e:
                     methods.pop(name, None)
-                    notes[name] = str(e).splitlines()[0][:300]
-                    print(f"    {name}: {notes[name]}", flush=True)
+                    failed(notes, name, e)
             longest = max(
                 max(map(len, workload_prompts(lengths, model.config.vocab_size))) + new_tokens
                 for lengths, new_tokens in section.workloads.values()

@@ -323,9 +323,11 @@ def serve(requests, reply):
         reply(json.dumps(answer))
 
 
-def main():
+def run(serve):
+    """`serve(requests, reply)` over this process's stdin and stdout, everything else it prints sent to stderr: a
+    library's prints (C or Python) must not enter the protocol. bench/engine_worker.py serves the same way."""
     protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w")
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a library's prints (C or Python) must not enter the protocol
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     sys.stdout = sys.stderr
 
     def reply(text):
@@ -336,4 +338,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run(serve)
