@@ -19,8 +19,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 collect_ignore = [] if importlib.util.find_spec("sglang") or importlib.util.find_spec("vllm") else ["engines"]
 
 # Each pytest-xdist worker takes its share of the cores, and the processes it starts inherit it: with torch's default
-# (a thread per core in every worker) the workers' OpenMP threads spin against each other and the suite takes more
-# than twice as long on 2 cores. (tests/test_cpu.py's thread-count tests set their own counts.)
+# (a thread per core in every worker) the workers' OpenMP threads spin against each other: test_transformers.py and the
+# fast tier of test_cpu.py took 2.5 times as long on 2 cores. (test_cpu.py's thread-count tests set their own counts.)
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // WORKERS)))
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
