@@ -1,7 +1,8 @@
 """Compile every Triton kernel the backend launches on a GPU, for sm_80 (A100) and sm_90 (H200), without a GPU.
 
-    python scripts/triton_resources.py                                   # check; print the table
+    python scripts/triton_resources.py                                   # compile all, check; print the table
     python scripts/triton_resources.py --write bench/results/triton_resources.md
+    python scripts/triton_resources.py --check bench/results/triton_resources.md
 
 Runs the Triton backend's own launch path (`TritonBackend.prefill` / `decode` and the state ops'
 `causal_conv1d` / `gated_delta_rule` / `selective_scan`, with a GPU `Target`: the SM count, tiles and stages a GPU
@@ -12,12 +13,20 @@ compiled once. Checks, per target: a cubin; shared memory within the per-block l
 for attention at fp16/bf16 up to head dim 128 and over MLA's latent cache (D 576, Dv 512) in q's dtype, and for the
 state ops at every size (their state lives in registers across the tokens). Exits 1 listing what failed.
 
+Compiling all takes minutes, so the table keeps what it measured under a key per row (a hash of the kernel's
+source, with the functions it calls, and of its whole specialisation). `--check` compiles nothing where the table is
+this code's: it records the launches, fails listing each row that differs from the table's (a kernel edited, a
+launch added or changed: rewrite the table), compiles again a sample (per kernel and target, the rows of the most
+shared memory and the most registers) to show that the table's numbers are what this Triton gives, and applies
+the checks above to the table's numbers.
+
 Uses triton's private APIs (`create_function_from_signature`, `JITFunction._pack_args`): pinned to triton 3.9.0 in
 the test extra. Must run without TRITON_INTERPRET (an interpreted kernel cannot be compiled).
 """
 
 import argparse
 import contextlib
+import hashlib
 import io
 import os
 import re
@@ -43,6 +52,7 @@ from hybrid_ops.kernels.config import Target  # noqa: E402
 from hybrid_ops.options import Options  # noqa: E402
 from hybrid_ops.state_ops import StateMetadata  # noqa: E402
 
+DEFAULT_TABLE = Path("bench/results/triton_resources.md")
 SHARED_LIMIT = {80: 166_912, 90: 232_448}  # per-block opt-in shared memory, bytes
 SM_COUNT = {80: 108, 90: 132}  # A100, H200
 NO_SPILL_CAPABILITY = 90
@@ -402,6 +412,8 @@ class Row:
     capability: int
     constexprs: str
     cases: list
+    key: str = ""  # a hash of the kernel's source (Triton's cache key) and its whole specialisation
+    job: tuple = None  # (index into _LAUNCHES, capability): what compiles it
     shared: int = None
     registers: int = None
     spill_stores: int = None
@@ -419,35 +431,45 @@ class Row:
             found.append(f"spills {self.spill_stores}/{self.spill_loads} B (stores/loads)")
         return found
 
+    def identity(self):
+        """What the table's row says of the launch, less what compiling it measured."""
+        return (self.kernel, f"sm_{self.capability}", self.key, self.constexprs, "; ".join(map(str, self.cases)))
 
-def compile_all(case_list, workers=2):
-    """Compile every distinct specialisation the cases launch, for sm_80 and sm_90: a `Row` each."""
-    rows, jobs = {}, []
+
+def plan(case_list):
+    """Every distinct specialisation the cases launch, for sm_80 and sm_90: a `Row` each, not compiled."""
+    rows = {}
     for capability in SHARED_LIMIT:
         for launch in record_launches(case_list, SM_COUNT[capability]):
             key, source, _, options = specialise(launch, capability)
             if key not in rows:
                 names = [p.name for p in launch.kernel.params]
                 meta = ", ".join(f"{names[path[0]]}={value}" for path, value in source.constants.items())
+                digest = hashlib.sha256(f"{launch.kernel.cache_key} {key}".encode()).hexdigest()[:12]
+                _LAUNCHES.append(launch)
                 rows[key] = Row(
                     launch.kernel.fn.__name__,
                     capability,
                     f"{meta}, warps={options.num_warps}, stages={options.num_stages}",
                     [],
+                    digest,
+                    (len(_LAUNCHES) - 1, capability),
                 )
-                _LAUNCHES.append(launch)
-                jobs.append((len(_LAUNCHES) - 1, capability))
             if launch.case not in rows[key].cases:
                 rows[key].cases.append(launch.case)
-    ordered = list(rows.values())
+    return sorted(rows.values(), key=lambda r: (r.kernel, r.capability, str(r.cases[0])))
+
+
+def compile_rows(rows, workers=2):
+    """Compiles each row's launch in a fresh Triton cache (ptxas reports only what it compiles) and fills in what it
+    measured."""
     with tempfile.TemporaryDirectory() as cache:
-        knobs.cache.dir = cache  # fresh: ptxas reports only what it compiles
+        knobs.cache.dir = cache
         knobs.nvidia.dump_ptxas_log = True
         with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as pool:
-            results = list(pool.map(_compile, jobs))
-        for row, result in zip(ordered, results):
-            row.shared, row.registers, row.spill_stores, row.spill_loads, row.error = result
-    return ordered
+            results = list(pool.map(_compile, [row.job for row in rows]))
+    for row, result in zip(rows, results):
+        row.shared, row.registers, row.spill_stores, row.spill_loads, row.error = result
 
 
 def table(rows, path):
@@ -459,37 +481,91 @@ def table(rows, path):
         "`tests/test_triton_compile.py`.",
         "Every launch the backend makes for the cases listed, specialised as Triton does on a GPU, compiled for "
         f"sm_80 ({SM_COUNT[80]} SMs, shared limit {SHARED_LIMIT[80]:,} B) and sm_90 ({SM_COUNT[90]} SMs, "
-        f"{SHARED_LIMIT[90]:,} B). Spills: bytes of spill stores / loads.",
+        f"{SHARED_LIMIT[90]:,} B). Key: a hash of the kernel's source and its whole specialisation. Spills: bytes of "
+        "spill stores / loads.",
         "",
-        "| kernel | target | shared B | registers | spills | specialisation | cases |",
-        "|---|---|---:|---:|---:|---|---|",
+        "| kernel | target | key | shared B | registers | spills | specialisation | cases |",
+        "|---|---|---|---:|---:|---:|---|---|",
     ]
-    for row in sorted(rows, key=lambda r: (r.kernel, r.capability, str(r.cases[0]))):
+    for row in rows:
+        measured = (row.shared, row.registers)
         spills = "" if row.spill_stores is None else f"{row.spill_stores}/{row.spill_loads}"
         lines.append(
-            f"| {row.kernel} | sm_{row.capability} | {row.shared if row.shared is not None else ''} | "
-            f"{row.registers if row.registers is not None else ''} | {spills} | {row.constexprs} | "
-            f"{'; '.join(str(c) for c in row.cases)} |"
+            f"| {row.kernel} | sm_{row.capability} | {row.key} | "
+            + " | ".join("" if value is None else str(value) for value in measured)
+            + f" | {spills} | {row.constexprs} | {'; '.join(str(c) for c in row.cases)} |"
         )
     return "\n".join(lines) + "\n"
 
 
+def read_table(path):
+    """A written table's rows: identity (`Row.identity`) -> (shared, registers, spill stores, spill loads)."""
+    out = {}
+    for line in Path(path).read_text().splitlines():
+        if line.startswith("| _"):
+            kernel, target, key, shared, registers, spills, constexprs, cases = line[2:-2].split(" | ")
+            stores, loads = spills.split("/")
+            out[(kernel, target, key, constexprs, cases)] = (int(shared), int(registers), int(stores), int(loads))
+    return out
+
+
+def check_table(rows, path, workers=2):
+    """The differences between the table at `path` and this code's launches (kernel sources and specialisations
+    included), else what the table says compiling them gives, reproduced on a sample: per kernel and target, the row
+    of the most shared memory and the row of the most registers. Fills `rows` in from the table."""
+    written = read_table(path)
+    mine = {row.identity(): row for row in rows}
+    found = [f"not in the table: {' | '.join(i)}" for i in mine if i not in written]
+    found += [f"in the table, not launched: {' | '.join(i)}" for i in written if i not in mine]
+    if found:
+        return found + [f"rewrite it: python scripts/triton_resources.py --write {path}"]
+    for identity, row in mine.items():
+        row.shared, row.registers, row.spill_stores, row.spill_loads = written[identity]
+    sample = {}
+    for row in rows:
+        for measure in ("shared", "registers"):
+            best = sample.get((row.kernel, row.capability, measure))
+            if best is None or getattr(row, measure) > getattr(best, measure):
+                sample[(row.kernel, row.capability, measure)] = row
+    sample = list({id(row): row for row in sample.values()}.values())
+    compile_rows(sample, workers)
+    for row in sample:
+        shared, _, stores, loads = written[row.identity()]
+        if row.error or (row.shared, row.spill_stores, row.spill_loads) != (shared, stores, loads):
+            found.append(
+                f"{' | '.join(row.identity()[:4])}: compiled to shared {row.shared} B, spills {row.spill_stores}/"
+                f"{row.spill_loads} ({row.error or 'no error'}); the table says {shared} B, {stores}/{loads}"
+            )
+    print(f"{len(sample)} of the table's {len(rows)} specialisations compiled again")
+    return found
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--write", type=Path, help="write the resource table (markdown) here")
+    parser.add_argument("--write", type=Path, help="compile every launch and write the resource table here")
+    parser.add_argument("--check", type=Path, help="check that the table written here is this code's (a sample "
+                        "compiled again) and within the limits")  # fmt: skip
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
-    rows = compile_all(cases() + state_cases(), args.workers)
-    text = table(rows, args.write or Path("bench/results/triton_resources.md"))
-    print(text)
-    if args.write:
-        args.write.write_text(text)
+    rows = plan(cases() + state_cases())
+    if args.check:
+        stale = check_table(rows, args.check, args.workers)
+        for difference in stale:
+            print("STALE", difference)
+        if stale:
+            sys.exit(1)
+    else:
+        compile_rows(rows, args.workers)
+        text = table(rows, args.write or DEFAULT_TABLE)
+        print(text)
+        if args.write:
+            args.write.write_text(text)
     failures = [
         f"{row.kernel} sm_{row.capability} [{'; '.join(map(str, row.cases))}]: {problem}"
         for row in rows
         for problem in row.problems()
     ]
-    print(f"{len(rows)} specialisations compiled, {len(failures)} failing")
+    print(f"{len(rows)} specialisations, {len(failures)} failing")
     for failure in failures:
         print("FAIL", failure)
     sys.exit(1 if failures else 0)

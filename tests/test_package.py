@@ -149,7 +149,6 @@ def test_fp8_cache_through_the_package(tmp_path):
 
 
 ARCHITECTURES = {
-    "mistral_window": lambda: small_model("mistral_window"),
     "gemma2": lambda: small_model("gemma2"),
     "gemma3_text": lambda: make_model(tiny_config("gemma3_text")),
     "gpt_oss": lambda: make_model(tiny_config("gpt_oss")),
