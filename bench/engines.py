@@ -306,11 +306,11 @@ def print_rows(rows):
 class Section:
     """What both sections share: the models saved once, the engines' private folder, the rows."""
 
-    def __init__(self, engine, quick, reps, python):
+    def __init__(self, engine, quick, reps, python, models=None):
         self.engine, self.quick, self.python = engine, quick, python
         self.reps = reps or (1 if quick else 5)
         self.workloads = QUICK_WORKLOADS if quick else WORKLOADS
-        self.models = MODELS[:1] if quick else MODELS
+        self.models = models or (MODELS[:1] if quick else MODELS)
         self.folder = tempfile.TemporaryDirectory(prefix=f"bench_{engine}_")
         self.rows, self.setup = [], dict(python=python, reps=self.reps)
 
@@ -351,9 +351,10 @@ class Section:
         self.folder.cleanup()
 
 
-def sglang_section(quick, reps, python):
-    """sglang's Engine with our backend against its torch_native (and intel_amx where it runs), per model."""
-    section = Section("sglang", quick, reps, python)
+def sglang_section(quick, reps, python, models=None):
+    """sglang's Engine with our backend against its torch_native (and intel_amx where it runs), per model of
+    `models` (names of MODELS; None: all, or the first with `quick`)."""
+    section = Section("sglang", quick, reps, python, models)
     try:
         for model_name in section.models:
             model = make_model(model_name)
@@ -380,10 +381,10 @@ def sglang_section(quick, reps, python):
         section.close()
 
 
-def vllm_section(quick, reps, python):
-    """vLLM's CPU engine with its own CPU_ATTN and with ours, and hybrid_ops' generator, per model; then the share of
-    attention in each vLLM row's generation."""
-    section = Section("vllm", quick, reps, python)
+def vllm_section(quick, reps, python, models=None):
+    """vLLM's CPU engine with its own CPU_ATTN and with ours, and hybrid_ops' generator, per model of `models` (as
+    `sglang_section`'s); then the share of attention in each vLLM row's generation."""
+    section = Section("vllm", quick, reps, python, models)
     section.setup["bind"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
     section.setup["preload"] = preload(python) if Path(python).exists() else ""
 

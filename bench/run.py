@@ -9,6 +9,7 @@
     python -m bench mla             # MLA decode over a latent cache against expanded K and V (bench/mla.py)
     python -m bench sglang          # sglang's Engine with hybrid_ops against its own backends (bench/engines.py)
     python -m bench vllm            # vLLM's CPU engine, its backend and ours, and our generator (bench/engines.py)
+    python -m bench vllm --engine-models "8 layers, 1024 wide, bf16"   # the engines' sections on some models
     python -m bench --quick         # smaller sizes, fewer repetitions (prints only)
     python -m bench op e2e --save   # some sections, their tables written as the kept results
 
@@ -40,6 +41,7 @@ from hybrid_ops import PagedKVCache
 from hybrid_ops.fp8 import quantize
 from hybrid_ops.options import Options, cpp_header
 
+from .engines import MODELS as ENGINE_MODELS
 from .engines import default_engines_python
 from .peer_worker import case_spec, make_case, paged
 from .peers import (
@@ -847,6 +849,12 @@ def main(argv=None):
         help=f"the engines' python, for sglang and vllm (default: ${ENGINES_PYTHON}, else <repo>/.venv-engines)",
     )
     parser.add_argument(
+        "--engine-models",
+        nargs="+",
+        choices=ENGINE_MODELS,
+        help="the sglang and vllm sections' models (default: all of them; --quick: the first)",
+    )
+    parser.add_argument(
         "--reps", type=int, help="rounds per op case (default: 15, quick 3), per engine workload (5, quick 1)"
     )
     parser.add_argument(
@@ -911,11 +919,11 @@ def main(argv=None):
     if "sglang" in args.sections:
         from .engines import sglang_section
 
-        results["sglang"] = sglang_section(args.quick, args.reps, args.engines_python)
+        results["sglang"] = sglang_section(args.quick, args.reps, args.engines_python, args.engine_models)
     if "vllm" in args.sections:
         from .engines import vllm_section
 
-        results["vllm"] = vllm_section(args.quick, args.reps, args.engines_python)
+        results["vllm"] = vllm_section(args.quick, args.reps, args.engines_python, args.engine_models)
     if "plot" in args.sections:
         results["sweep"] = context_sweep(args.quick)
     load.append(os.getloadavg()[0])

@@ -173,3 +173,34 @@ def test_mla_logits_equal_transformers(model_type):
     tokens, rows = serve(model)
     assert any(getattr(m, "hybrid_latent", None) for m in model.modules()), "no layer served over a latent cache"
     assert_logits_equal_transformers(model_type, make_model(tiny_config(model_type)), rows, tokens)
+
+
+def test_absorbed_attention_with_value_heads_apart_from_keys():
+    """`LatentAttention.attend` (weight absorption) on GLM-4.7-Flash's structure, qk_nope_head_dim 24 and v_head_dim
+    32 (192 and 256 in its checkpoint): the output of the expanded attention, per-head keys [nope + rope] and values
+    [v] from kv_b_proj, causal, written plainly in float64."""
+    from hybrid_ops.integrations.mla import LatentAttention
+
+    text = tiny_config("glm4_moe_lite").get_text_config()
+    nope, rope, rank, v_dim, heads = (text.qk_nope_head_dim, text.qk_rope_head_dim, text.kv_lora_rank,
+                                      text.v_head_dim, text.num_attention_heads)  # fmt: skip
+    assert nope != v_dim
+    module = torch.nn.Module()
+    module.kv_b_proj = torch.nn.Linear(rank, heads * (nope + v_dim), bias=False).double()
+    latent = LatentAttention(module, heads, nope, rope, rank, v_dim)
+    T, scale = 7, (nope + rope) ** -0.5
+    query = torch.randn(1, heads, T, nope + rope, dtype=torch.float64)
+    key = torch.randn(1, 1, T, rank + rope, dtype=torch.float64)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+
+    def attn(q, k, v, v_dims):  # the op over the latent cache: one kv head, [T, H, rank + rope] queries
+        scores = torch.einsum("thd,sd->hts", q, k[:, 0]) * scale
+        return torch.einsum("hts,sv->thv", scores.masked_fill(~causal, float("-inf")).softmax(-1), v[:, 0])
+
+    weight = module.kv_b_proj.weight.view(heads, nope + v_dim, rank)
+    k_nope = torch.einsum("hnr,tr->htn", weight[:, :nope], key[0, 0, :, :rank])
+    k = torch.cat([k_nope, key[0, 0, :, rank:].expand(heads, T, rope)], -1)  # [H, T, nope + rope]
+    v = torch.einsum("hvr,tr->htv", weight[:, nope:], key[0, 0, :, :rank])  # [H, T, v]
+    scores = (query[0] @ k.transpose(1, 2) * scale).masked_fill(~causal, float("-inf"))
+    expected = (scores.softmax(-1) @ v).transpose(0, 1)[None]  # [1, T, H, v]
+    torch.testing.assert_close(latent.attend(query, key, attn), expected, rtol=1e-9, atol=1e-9)

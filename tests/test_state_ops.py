@@ -4,6 +4,7 @@ prefix (past chunk and tile boundaries), decode, TARGET_VERIFY of chains and tre
 padding requests, every slot the batch does not hold full of poison; then their contract (opcheck), their errors and
 the compiled graph."""
 
+import itertools
 import random
 import re
 import zlib
@@ -81,6 +82,13 @@ def test_causal_conv1d_widths(backend, width):
     check_conv1d(backend, "mixed", width, "silu", torch.float32, channels=20)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("activation", ["silu", "none"])
+def test_causal_conv1d_every_combination_of_options(backend, bias, activation):
+    check_conv1d(backend, "mixed", 4, activation, torch.float32, channels=24, bias=bias)
+
+
 def check_conv1d(backend, name, width, activation, dtype, channels, bias=True, spec_mode="prefill"):
     call = Call(
         name,
@@ -116,6 +124,13 @@ def test_gated_delta_rule_shapes(backend, name, heads, dtype):
     check_gated_delta_rule(backend, name, DELTA_HEADS[heads], dtype, per_channel=False)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_gated_delta_rule_every_combination_of_options(backend, per_channel, scale):
+    check_gated_delta_rule(backend, "verify", DELTA_HEADS["grouped"], torch.float32, per_channel, scale=scale)
+
+
 def check_gated_delta_rule(backend, name, heads, dtype, per_channel, scale=None, spec_mode="prefill"):
     k_heads, v_heads, k_dim, v_dim = heads
     call = Call(name, (v_heads, k_dim, v_dim), torch.float32, seed=zlib.crc32(f'{name}{heads}'.encode()),
@@ -147,19 +162,24 @@ def test_selective_scan_dtypes(backend, name, dtype):
     check_selective_scan(backend, name, "mamba2", dtype)
 
 
+# Every combination of the scan's options (D, z, dt_bias, dt_softplus, dt limits): 32, each once, on a mixed batch or a
+# verify, in turn.
+SCAN_OPTIONS = list(itertools.product([False, True], repeat=5))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", ["mixed", "verify"])
 @pytest.mark.parametrize(
-    "options",
-    [
-        dict(D=False, z=False, dt_bias=False, dt_softplus=False),
-        dict(D=True, z=False, dt_bias=True, dt_softplus=True, dt_min=0.05, dt_max=0.7),
-        dict(D=True, z=True, dt_bias=True, dt_softplus=True, dt_min=0.001),
+    "D, z, dt_bias, dt_softplus, limits",
+    SCAN_OPTIONS,
+    ids=[
+        "-".join(n for n, on in zip(["D", "z", "bias", "softplus", "limits"], o) if on) or "bare" for o in SCAN_OPTIONS
     ],
-    ids=["bare", "limits", "gated"],
 )
-def test_selective_scan_options(backend, name, options):
-    check_selective_scan(backend, name, "mamba2", torch.float32, **options)
+def test_selective_scan_every_combination_of_options(backend, D, z, dt_bias, dt_softplus, limits):
+    name = ["mixed", "verify"][SCAN_OPTIONS.index((D, z, dt_bias, dt_softplus, limits)) % 2]
+    bounds = dict(dt_min=0.05, dt_max=0.7) if limits else {}
+    check_selective_scan(backend, name, "mamba2", torch.float32, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                         **bounds)  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -131,7 +131,16 @@ OVERRIDES = {
         "ssm_in_multiplier": 0.8,
         "ssm_out_multiplier": 1.3,
     },
-    "nemotron_h": {"mamba_num_heads": 8, "mamba_head_dim": 8, "ssm_state_size": 16, "n_groups": 1, "chunk_size": 8},
+    # Mamba2 heads in groups that share B and C: 2 groups of 4 heads (its default: 8 groups of 16). Weights of 5x
+    # the default's scale: at its own, the scan's part of the logits is under 1e-6, and a wrong B or C would not show.
+    "nemotron_h": {
+        "mamba_num_heads": 8,
+        "mamba_head_dim": 8,
+        "ssm_state_size": 16,
+        "n_groups": 2,
+        "chunk_size": 8,
+        "initializer_range": 0.1,
+    },
     "kimi_linear": {"linear_head_dim": 16, "linear_num_heads": 4},
     **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lara_mini"), GATED_DELTA),
     **dict.fromkeys(("qwen3_5", "qwen3_5_moe"), {"text_config": GATED_DELTA}),
@@ -240,6 +249,7 @@ def _tiny_sizes(config, tokens):
     }
     if "partial_rotary_factor" in sizes and "rotary_dim" in sizes:
         del sizes["partial_rotary_factor"]
+    sizes.update(_structure(config, sizes))
     if "qk_rope_head_dim" in sizes:  # MLA: head_dim is the rope part, K/V expand from a latent to every head
         sizes.update(head_dim=sizes["qk_rope_head_dim"], num_key_value_heads=sizes["num_attention_heads"])
     sizes.update(tokens)
@@ -259,6 +269,27 @@ def _tiny_sizes(config, tokens):
                     del base["layer_types"]
             sizes[name] = {**base, **_tiny_sizes(sub, tokens)}
     return sizes
+
+
+def _structure(config, sizes) -> dict:
+    """TINY's head sizes replaced by ones that keep the ratios of `config`'s (transformers' default for the type)
+    that select code paths: query heads per KV head (1 to 8: 4 of 4, 4 of 2, 8 of 2, 5 of 1, 8 of 1, ...), and the
+    head dims of a config whose values' head dim is apart from the keys' (MLA's nope / rope / v, or head_dim and
+    v_head_dim), each an eighth of the default's (DeepSeek-V3's 128 / 64 / 128 as 16 / 8 / 16, GLM-4.7-Flash's
+    192 / 64 / 256 as 24 / 8 / 32)."""
+    default, out = config.to_dict(), {}
+    heads, kv_heads = default.get("num_attention_heads"), default.get("num_key_value_heads")
+    if "num_key_value_heads" in sizes and isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads > 0:
+        group = heads // kv_heads if heads % kv_heads == 0 else 2
+        kv = 4 if group == 1 else 2 if group <= 4 else 1
+        tiny_heads = kv * min(group, 8)
+        if "head_dim" in sizes or TINY["hidden_size"] % tiny_heads == 0:  # else head_dim = hidden / heads
+            out.update(num_attention_heads=tiny_heads, num_key_value_heads=kv)
+    dims = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "head_dim")
+    dims = [name for name in dims if isinstance(default.get(name), int) and default[name] > 0]
+    if "v_head_dim" in dims:
+        out.update({name: max(8, default[name] // 8) for name in dims})
+    return out
 
 
 def _merge(*layers):
