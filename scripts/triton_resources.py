@@ -17,8 +17,9 @@ Compiling all takes minutes, so the table keeps what it measured under a key per
 source, with the functions it calls, and of its whole specialisation). `--check` compiles nothing where the table is
 this code's: it records the launches, fails listing each row that differs from the table's (a kernel edited, a
 launch added or changed: rewrite the table), compiles again a sample (per kernel and target, the rows of the most
-shared memory and the most registers) to show that the table's numbers are what this Triton gives, and applies
-the checks above to the table's numbers.
+shared memory and the most registers) to show that its shared memory is what this Triton gives and that it is
+within the limits (spills, which move between runs of ptxas, included), and applies the checks above to the table's
+numbers.
 
 Uses triton's private APIs (`create_function_from_signature`, `JITFunction._pack_args`): pinned to triton 3.9.0 in
 the test extra. Must run without TRITON_INTERPRET (an interpreted kernel cannot be compiled).
@@ -532,11 +533,14 @@ def check_table(rows, path, workers=2):
     sample = list({id(row): row for row in sample.values()}.values())
     compile_rows(sample, workers)
     for row in sample:
+        # Shared memory is the same at every compile; ptxas's register allocation is not (a row spilling a few bytes
+        # in one run may not in the next), so a compiled row's spills are held to the limits, not to the table.
         shared, _, stores, loads = written[row.identity()]
-        if row.error or (row.shared, row.spill_stores, row.spill_loads) != (shared, stores, loads):
+        if row.error or row.shared != shared or row.problems():
             found.append(
                 f"{' | '.join(row.identity()[:4])}: compiled to shared {row.shared} B, spills {row.spill_stores}/"
-                f"{row.spill_loads} ({row.error or 'no error'}); the table says {shared} B, {stores}/{loads}"
+                f"{row.spill_loads} ({'; '.join(row.problems()) or 'within the limits'}); the table says {shared} B, "
+                f"{stores}/{loads}"
             )
     print(f"{len(sample)} of the table's {len(rows)} specialisations compiled again")
     return found

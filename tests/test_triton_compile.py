@@ -4,8 +4,8 @@
 recorder and specialises every recorded launch as Triton does on a GPU (443 specialisations, 106 of them the state
 ops'). Compiled, all of them take 5-7 minutes on 2 cores, so bench/results/triton_resources.md keeps what
 compiling each gave, under a hash of the kernel's source and its specialisation; `--check` fails on any launch that
-differs from the table's, compiles again a sample of it in a fresh process (no interpreter) to show that its
-numbers are this Triton's, and checks the table against each target's limits.
+differs from the table's, compiles again a sample of it in a fresh process (no interpreter) to show that its shared
+memory is this Triton's and within the limits, and checks the table against each target's limits.
 """
 
 import os
@@ -36,8 +36,8 @@ def test_kernels_compile_and_fit():
 
 
 def test_a_stale_table_fails(tmp_path):
-    """A row whose kernel or specialisation changed (its key), or whose numbers are not what compiling gives, fails
-    the check."""
+    """A row whose kernel or specialisation changed (its key), or whose shared memory is not what compiling gives,
+    fails the check."""
     lines = TABLE.read_text().splitlines()
     rows = [i for i, line in enumerate(lines) if line.startswith("| _")]
     changed_key = list(lines)
